@@ -1,0 +1,150 @@
+"""`enn-submit`: the command line. Parses flags, calls launch/collect/status functions.
+
+Bad input ends with one line on stderr and exit code 2. torch is imported only by the
+commands that run workers, so `--help`, `render` and `status` stay fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .errors import UserError
+
+
+def _add_shape_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", choices=("local", "slurm"), default="local",
+                   help="where workers run: local processes (default) or Slurm via submitit")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (simulated when local)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (0: CPU)")
+    p.add_argument("--procs-per-node", type=int, default=None,
+                   help="processes per node on CPU (default: GPUs per node, or the config)")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="retries after a worker failure (default: parallel.max_restarts)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="enn-submit", description="Distributed PyTorch training and prediction on "
+        "Slurm + Pyxis/Enroot, or locally (the embedded default).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="make a run directory, stage data, train")
+    p.add_argument("--config", required=False, default=None, help="run YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set training.lr=1e-4 (repeatable)")
+    p.add_argument("--run-name", default=None, help="shortcut for --set run_name=NAME")
+    p.add_argument("--runs-root", default=None, help="shortcut for --set runs_root=DIR")
+    _add_shape_flags(p)
+
+    p = sub.add_parser("resume", help="continue a run from its newest complete checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_shape_flags(p)
+
+    p = sub.add_parser("verify", help="check every committed checkpoint against its record")
+    p.add_argument("run_dir")
+
+    p = sub.add_parser("status", help="last step, checkpoints, jobs of a run")
+    p.add_argument("run_dir")
+    return parser
+
+
+def _load_train_config(args):
+    from .config import load_config
+
+    overrides = list(args.overrides)
+    if args.run_name:
+        overrides.append(f"run_name={args.run_name}")
+    if args.runs_root:
+        overrides.append(f"runs_root={args.runs_root}")
+    return load_config(args.config, overrides)
+
+
+def _max_restarts(args, cfg) -> int:
+    value = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
+    if value < 0:
+        raise UserError(f"--max-restarts: {value} must be >= 0")
+    return value
+
+
+def cmd_train(args) -> int:
+    from .launch import prepare_run, run_local, shape_from_flags
+
+    cfg = _load_train_config(args)
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    restarts = _max_restarts(args, cfg)
+    run = prepare_run(cfg, shape)
+    print(f"run directory: {run.path}", file=sys.stderr)
+    return _launch(args, run, "train", shape, restarts)
+
+
+def cmd_resume(args) -> int:
+    from .launch import prepare_resume, shape_from_flags
+    from .rundir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    cfg = run.load_config()
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    cfg = prepare_resume(run, shape, args.overrides)
+    return _launch(args, run, "train", shape, _max_restarts(args, cfg))
+
+
+def _launch(args, run, task, shape, restarts, name=None, step=None) -> int:
+    if args.cluster == "slurm":
+        raise UserError("--cluster slurm: Slurm submission is not available in this build; "
+                        "use --cluster local")
+    from .launch import run_local
+
+    code = run_local(run, task, shape, restarts, name=name, step=step)
+    if code == 0:
+        print(f"done: checkpoints in {run.checkpoints}, metrics in {run.metrics}", file=sys.stderr)
+    return code
+
+
+def cmd_verify(args) -> int:
+    from . import checkpoint_store as store
+    from .rundir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    bad = 0
+    steps = store.list_steps(run.checkpoints)
+    if not steps:
+        print(f"{run.checkpoints}: no checkpoints")
+    for step in steps:
+        path = store.step_dir(run.checkpoints, step)
+        if store.read_commit(path) is None:
+            print(f"step-{step}: incomplete (no commit record), never used for resume")
+            continue
+        problems = store.verify_checkpoint(path)
+        bad += bool(problems)
+        print(f"step-{step}: " + ("OK" if not problems else "CORRUPT: " + "; ".join(problems)))
+    return 1 if bad else 0
+
+
+def cmd_status(args) -> int:
+    from .status import run_status, format_status
+
+    print(format_status(run_status(Path(args.run_dir).resolve())))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "resume": cmd_resume, "verify": cmd_verify,
+            "status": cmd_status}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"enn-submit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The two communication lanes of a worker.
+
+- accelerator lane: the default process group (NCCL on GPU, gloo on CPU) that carries
+  gradients; the DeviceMesh is built on it.
+- control lane: a separate gloo group for barriers, decisions (stop now? which checkpoint?)
+  and checkpoint planning, so that slow filesystem work never sits inside an NCCL
+  watchdog and decisions never queue behind gradient traffic.
+Every collective has the configured timeout: a dead peer ends the job, it never hangs it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .environment import WorkerEnv
+
+
+@dataclass
+class Lanes:
+    control: Any  # gloo ProcessGroup
+    device: torch.device
+    rank: int
+    world_size: int
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.control)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list:
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def all_max(self, values: list[float]) -> list[float]:
+        """One small all-reduce for several per-step decisions (flags as 0/1)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return t.tolist()
+
+    def all_min(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return t.tolist()
+
+
+def rendezvous_store(env: WorkerEnv, timeout: timedelta):
+    """The TCPStore the process groups meet in, with a prefix per restart attempt.
+
+    Under torch's elastic agent the store outlives a failed attempt, and a restarted
+    group would otherwise read the dead group's addresses ("Connection refused").
+    """
+    use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=env.rank == 0 and not use_agent_store, timeout=timeout)
+    return dist.PrefixStore(f"enn/attempt-{env.restart_count}", store)
+
+
+def open_lanes(env: WorkerEnv, timeout_s: float) -> Lanes:
+    use_cuda = torch.cuda.is_available()
+    timeout = timedelta(seconds=timeout_s)
+    store = rendezvous_store(env, timeout)
+    common = dict(store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    if use_cuda:
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=device, **common)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend="gloo", **common)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return Lanes(control=control, device=device, rank=env.rank, world_size=env.world_size)
+
+
+def close_lanes() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

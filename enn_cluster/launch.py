@@ -1,0 +1,108 @@
+"""From a user's request to running workers: make the run, stage data, launch.
+
+The CLI and the Python API both call these functions, so both drive the same code.
+Nothing here imports torch at module import time (the CLI must start fast).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from .config import RunConfig, plan_mesh
+from .errors import UserError
+from .rundir import (RunDir, acquire_lock, create_run_dir, lock_owner, release_lock,
+                     update_config)
+from .staging import check_data_sources, read_manifest, stage_run_data
+from .schedule import total_steps
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """How many processes, where: nodes x procs per node (one per GPU on GPU nodes)."""
+
+    nodes: int
+    procs_per_node: int
+    gpus_per_node: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+def shape_from_flags(cfg: RunConfig, nodes: Optional[int], gpus_per_node: Optional[int],
+                     procs_per_node: Optional[int]) -> LaunchShape:
+    nodes = nodes if nodes is not None else cfg.parallel.nodes
+    gpus = gpus_per_node or 0
+    procs = procs_per_node if procs_per_node is not None else (gpus or cfg.parallel.procs_per_node)
+    if nodes < 1:
+        raise UserError(f"--nodes: {nodes} must be >= 1")
+    if procs < 1:
+        raise UserError(f"--procs-per-node: {procs} must be >= 1")
+    if gpus < 0:
+        raise UserError(f"--gpus-per-node: {gpus} must be >= 0")
+    if gpus and procs != gpus:
+        raise UserError(f"--procs-per-node: {procs} differs from --gpus-per-node {gpus}; "
+                        "GPU runs use one process per GPU")
+    return LaunchShape(nodes, procs, gpus)
+
+
+def check_shape(cfg: RunConfig, shape: LaunchShape, n_rows: Optional[int] = None) -> None:
+    """Everything that would make workers fail at start, checked before launch."""
+    plan = plan_mesh(cfg.parallel, shape.world, shape.procs_per_node)
+    if n_rows is not None:
+        total_steps(cfg.training, n_rows, plan.world)
+
+
+def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:
+    return replace(cfg, parallel=replace(cfg.parallel, nodes=shape.nodes,
+                                         procs_per_node=shape.procs_per_node))
+
+
+def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = None,
+                populate_extra=None) -> RunDir:
+    """Validate, then create the run directory with staged data (all or nothing)."""
+    cfg = with_shape(replace(cfg, runs_root=str(Path(cfg.runs_root).expanduser().resolve())),
+                     shape)
+    check_shape(cfg, shape)
+    if not arrays:
+        check_data_sources(cfg.data)
+
+    def populate(run: RunDir) -> None:
+        manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays)
+        check_shape(cfg, shape, manifest["train_rows"][1] - manifest["train_rows"][0])
+        if populate_extra is not None:
+            populate_extra(run)
+
+    return create_run_dir(cfg, populate)
+
+
+def prepare_resume(run: RunDir, shape: LaunchShape, overrides: list[str]) -> RunConfig:
+    """Re-freeze the config with a new shape and any overrides; data stays as staged."""
+    from .config import apply_overrides, config_from_dict, config_to_dict
+
+    cfg = run.load_config()
+    data = apply_overrides(config_to_dict(cfg), overrides) if overrides else config_to_dict(cfg)
+    new = with_shape(config_from_dict(data), shape)
+    manifest = read_manifest(run.data_dir)
+    check_shape(new, shape, manifest["train_rows"][1] - manifest["train_rows"][0])
+    if new != cfg:
+        update_config(run, new)
+    return new
+
+
+def run_local(run: RunDir, task: str, shape: LaunchShape, max_restarts: int,
+              name: Optional[str] = None, step: Optional[int] = None) -> int:
+    """Hold the run lock while local workers run; record the launch in jobs.jsonl."""
+    from .launch_local import launch_local
+
+    owner = acquire_lock(run, lock_owner())
+    try:
+        run.record_job(kind="local", task=task, pid=os.getpid(), nodes=shape.nodes,
+                       procs_per_node=shape.procs_per_node, name=name)
+        return launch_local(str(run.path), task, nodes=shape.nodes,
+                            procs_per_node=shape.procs_per_node, max_restarts=max_restarts,
+                            name=name, step=step)
+    finally:
+        release_lock(run, owner)

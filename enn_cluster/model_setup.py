@@ -1,0 +1,76 @@
+"""Build the run's model from config + staged data shape and shard it on the mesh.
+
+Training and prediction both come through here, so a checkpoint always meets the same
+module structure, whatever the world size.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import MeshPlan, RunConfig, plan_mesh
+from .environment import WorkerEnv
+from .lanes import Lanes
+from .models import build_model
+from .parallel import build_mesh, wrap_model
+
+
+@dataclass
+class ShardedModel:
+    model: nn.Module
+    plan: MeshPlan
+    mesh: object
+    use_bf16: bool
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.world  # every rank reads its own data under FSDP, HSDP and DDP
+
+
+def output_size(cfg: RunConfig, manifest: dict) -> int:
+    if cfg.model.task == "classification":
+        return int(manifest.get("n_classes", 2))
+    shape = manifest["entries"]["train_y"]["shape"]
+    return int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1
+
+
+def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
+    return cfg.training.bf16 == "true" or (cfg.training.bf16 == "auto" and device.type == "cuda")
+
+
+def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: Lanes,
+                        input_shape: tuple) -> ShardedModel:
+    """Same seed on every rank -> identical full weights before sharding."""
+    torch.manual_seed(cfg.training.seed)
+    model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
+    model.to(lanes.device)
+    plan = plan_mesh(cfg.parallel, env.world_size, env.local_world_size)
+    mesh = build_mesh(plan, lanes.device)
+    bf16 = use_bf16(cfg, lanes.device)
+    return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16), plan, mesh, bf16)
+
+
+def gradient_sync(sm: ShardedModel, sync: bool):
+    """Skip gradient communication on all but the last micro-batch of an accumulation."""
+    if sm.plan.strategy == "ddp":
+        return nullcontext() if sync else sm.model.no_sync()
+    return _fsdp_sync(sm.model, sync)
+
+
+@contextmanager
+def _fsdp_sync(model, sync: bool):
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def autocast(sm: ShardedModel, device: torch.device):
+    """FSDP's policy casts parameters itself; DDP needs autocast for bf16."""
+    if sm.use_bf16 and sm.plan.strategy == "ddp":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()

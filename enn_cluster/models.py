@@ -1,0 +1,110 @@
+"""Built-in models (MLP, a small transformer) and user models from `module:factory`.
+
+A model exposes `blocks()`, the submodules FSDP shards one by one, and may define
+`loss(outputs, targets)`; otherwise the task's default loss is used.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .errors import UserError
+
+
+class MLP(nn.Module):
+    def __init__(self, n_features: int, n_outputs: int, hidden_sizes=(64, 64), dropout=0.0):
+        super().__init__()
+        sizes = [n_features, *hidden_sizes]
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Dropout(dropout))
+            for a, b in zip(sizes[:-1], sizes[1:]))
+        self.head = nn.Linear(sizes[-1], n_outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(x.shape[0], -1)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+
+class FeatureTransformer(nn.Module):
+    """Each input feature (or time step of a 3-D input) is a token; mean-pooled head."""
+
+    def __init__(self, n_features: int, n_outputs: int, d_model=64, n_layers=2, n_heads=4,
+                 dropout=0.0, n_tokens: int = 0, token_dim: int = 1):
+        super().__init__()
+        self.token_dim = token_dim
+        self.embed = nn.Linear(token_dim, d_model)
+        self.pos = nn.Parameter(torch.randn(n_tokens or n_features, d_model) * 0.02)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout,
+                                       batch_first=True, norm_first=True)
+            for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, n_outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.unsqueeze(-1) if x.dim() == 2 else x
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h).mean(dim=1))
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+
+def import_factory(path: str) -> Callable:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"model.name: cannot import {module_name!r} ({exc}); make it importable "
+                        "on every node (PYTHONPATH or pip install)")
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise UserError(f"model.name: {module_name} has no attribute {attr!r}")
+    return obj
+
+
+def build_model(cfg: ModelConfig, input_shape: tuple, n_outputs: int) -> nn.Module:
+    """Build on the current default device (meta on GPU, CPU otherwise)."""
+    n_features = int(torch.tensor(input_shape).prod()) if input_shape else 1
+    if cfg.name == "mlp":
+        return MLP(n_features, n_outputs, tuple(cfg.hidden_sizes), cfg.dropout)
+    if cfg.name == "transformer":
+        if len(input_shape) == 2:
+            return FeatureTransformer(n_features, n_outputs, cfg.d_model, cfg.n_layers,
+                                      cfg.n_heads, cfg.dropout, input_shape[0], input_shape[1])
+        return FeatureTransformer(n_features, n_outputs, cfg.d_model, cfg.n_layers,
+                                  cfg.n_heads, cfg.dropout)
+    factory = import_factory(cfg.name)
+    model = factory(n_features=n_features, n_outputs=n_outputs, **cfg.kwargs)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model.name: {cfg.name} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    if hasattr(model, "blocks"):
+        return list(model.blocks())
+    return [m for m in model.children() if any(p.requires_grad for p in m.parameters())]
+
+
+def compute_loss(model: nn.Module, task: str, outputs: torch.Tensor, targets: torch.Tensor):
+    inner = getattr(model, "module", model)  # DDP wraps the user's module
+    if hasattr(inner, "loss"):
+        return inner.loss(outputs, targets)
+    if task == "classification":
+        return F.cross_entropy(outputs.float(), targets.long().reshape(-1))
+    return F.mse_loss(outputs.float(), targets.float().reshape(outputs.shape))

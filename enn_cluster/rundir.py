@@ -1,0 +1,220 @@
+"""The run directory on the shared filesystem: layout, frozen config, atomic writes, lock.
+
+Layout of `<runs_root>/<run_name>/`:
+  config.yaml            resolved config every task reads (history in config-history/)
+  data/                  staged memmaps + manifest.json
+  checkpoints/step-N/    DCP checkpoints, complete only with commit.json
+  metrics.jsonl          rank-0 metrics
+  logs/                  per-attempt, per-rank logs
+  jobs.jsonl             every launch (local or Slurm job id)
+  requeue/<job id>       marker: the host batch script should requeue this job
+  predictions/<name>/    prediction chunks + manifest
+  run.lock               who is writing this run now
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .config import RunConfig, config_from_dict, dump_config
+from .errors import UserError
+
+import yaml
+
+DIR_MODE = 0o2750  # group-readable, never world-writable
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary name, fsync, rename, fsync the directory: never half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.path / "data"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def predictions(self) -> Path:
+        return self.path / "predictions"
+
+    @property
+    def requeue(self) -> Path:
+        return self.path / "requeue"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / "run.lock"
+
+    def load_config(self) -> RunConfig:
+        if not self.config_path.exists():
+            raise UserError(f"RUN_DIR: {self.path} has no config.yaml; "
+                            "is it a run directory made by enn-submit train?")
+        with open(self.config_path, encoding="utf-8") as fh:
+            return config_from_dict(yaml.safe_load(fh))
+
+    def record_job(self, **fields) -> None:
+        """Append one launch record (job id, kind, shape); appends of one line are atomic."""
+        fields.setdefault("time", time.time())
+        line = json.dumps(fields, sort_keys=True) + "\n"
+        with open(self.path / "jobs.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(line)
+
+    def jobs(self) -> list[dict]:
+        try:
+            with open(self.path / "jobs.jsonl", encoding="utf-8") as fh:
+                return [json.loads(line) for line in fh if line.strip()]
+        except FileNotFoundError:
+            return []
+
+
+def run_dir_for(cfg: RunConfig) -> RunDir:
+    return RunDir(Path(cfg.runs_root).expanduser().resolve() / cfg.run_name)
+
+
+def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
+    """Make a new run directory with the frozen config, all or nothing.
+
+    Everything (config, staged data) is written under a hidden temporary name and renamed
+    into place at the end, so a failure never leaves a half-made run behind.
+    """
+    run = run_dir_for(cfg)
+    if run.path.exists():
+        raise UserError(f"run_name: {run.path} already exists; use "
+                        f"'enn-submit resume {run.path}' or pick another --set run_name=...")
+    tmp = RunDir(run.path.with_name(f".{run.path.name}.creating-{os.getpid()}"))
+    old_umask = os.umask(0o027)
+    try:
+        run.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.path.mkdir(mode=DIR_MODE)
+        for sub in (tmp.data_dir, tmp.checkpoints, tmp.logs, tmp.requeue, tmp.predictions):
+            sub.mkdir(mode=DIR_MODE)
+        atomic_write_text(tmp.config_path, dump_config(cfg))
+        if populate is not None:
+            populate(tmp)
+        os.rename(tmp.path, run.path)
+    except BaseException:
+        shutil.rmtree(tmp.path, ignore_errors=True)
+        raise
+    finally:
+        os.umask(old_umask)
+    fsync_dir(run.path.parent)
+    return run
+
+
+def update_config(run: RunDir, cfg: RunConfig) -> None:
+    """Re-freeze the config on resume (new schedule or shape); keep the old one."""
+    history = run.path / "config-history"
+    history.mkdir(mode=DIR_MODE, exist_ok=True)
+    old = run.config_path.read_text(encoding="utf-8")
+    atomic_write_text(history / f"config-{time.time_ns()}.yaml", old)
+    atomic_write_text(run.config_path, dump_config(cfg))
+
+
+# ---------------------------------------------------------------------------------------
+# Lock: a file made with O_EXCL that names its owner. A stale local owner (dead pid on this
+# host) is taken over; a live one, or a Slurm job still known to Slurm, is refused.
+
+
+def lock_owner() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "time": time.time()}
+
+
+def read_lock(run: RunDir) -> Optional[dict]:
+    try:
+        return json.loads(run.lock_path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _owner_alive(owner: dict, slurm_job_alive=None) -> bool:
+    if owner.get("slurm_job_id") and slurm_job_alive is not None:
+        return slurm_job_alive(owner["slurm_job_id"])
+    if owner.get("host") != socket.gethostname():
+        return True  # cannot see it from here: assume alive
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None) -> dict:
+    owner = owner or lock_owner()
+    for _ in range(3):
+        try:
+            fd = os.open(run.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+        except FileExistsError:
+            current = read_lock(run)
+            if current is None:
+                time.sleep(0.05)  # being written right now
+                current = read_lock(run)
+            if current and (current.get("slurm_job_id") and
+                            current.get("slurm_job_id") == owner.get("slurm_job_id")):
+                return current  # the same Slurm job, requeued or another task
+            if current and _owner_alive(current, slurm_job_alive):
+                who = (f"Slurm job {current['slurm_job_id']}" if current.get("slurm_job_id")
+                       else f"pid {current.get('pid')} on {current.get('host')}")
+                raise UserError(f"run directory {run.path} is in use by {who}; wait for it, "
+                                f"cancel it, or remove {run.lock_path} if it is dead")
+            run.lock_path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as fh:
+            json.dump(owner, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return owner
+    raise UserError(f"run directory {run.path}: could not take {run.lock_path}; try again")
+
+
+def release_lock(run: RunDir, owner: dict) -> None:
+    current = read_lock(run)
+    if current and current.get("pid") == owner.get("pid") and current.get("host") == owner.get("host"):
+        run.lock_path.unlink(missing_ok=True)

@@ -1,0 +1,231 @@
+"""Stage input arrays once into numpy memmaps in the run directory, with a manifest.
+
+Workers then open the same files read-only with `np.load(mmap_mode="r")`: no task holds
+the data set in memory, and every task of every restart reads identical bytes. Sources
+are numpy arrays, `.npy`/`.npz` paths or any fsspec URL; `.npy` sources are streamed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .checksum import RunningChecksum
+from .config import DataConfig, ModelConfig, SyntheticConfig
+from .errors import UserError
+from .rundir import atomic_write_text, fsync_dir
+
+_BLOCK = 16 << 20
+MANIFEST = "manifest.json"
+
+
+def synthetic_arrays(cfg: SyntheticConfig, task: str) -> tuple[np.ndarray, np.ndarray]:
+    """A smooth nonlinear target of Gaussian features: learnable, deterministic from seed."""
+    rng = np.random.default_rng(cfg.seed)
+    x = rng.standard_normal((cfg.n_samples, cfg.n_features), dtype=np.float32)
+    w1 = rng.standard_normal((cfg.n_features, 32)).astype(np.float32) / np.sqrt(cfg.n_features)
+    w2 = rng.standard_normal((32, cfg.n_outputs)).astype(np.float32) / np.sqrt(32)
+    y = np.tanh(x @ w1) @ w2
+    y += cfg.noise * rng.standard_normal(y.shape).astype(np.float32)
+    if task == "classification":
+        n_classes = max(cfg.n_outputs, 2)
+        w3 = rng.standard_normal((cfg.n_outputs, n_classes)).astype(np.float32)
+        return x, np.argmax(y @ w3, axis=1).astype(np.int64)
+    return x, y.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Source description (pure) and existence checks before anything is written
+
+
+def _split_npz(path: str) -> Optional[str]:
+    return path if path.endswith(".npz") else None
+
+
+def check_source(field: str, path: Optional[str]) -> None:
+    """Fail before the run directory exists when an input file is missing or unusable."""
+    if path is None or path == "synthetic":
+        return
+    if not (path.endswith(".npy") or path.endswith(".npz")):
+        raise UserError(f"{field}: {path!r} must be a .npy or .npz file (local path or fsspec URL)")
+    import fsspec
+
+    try:
+        fs, _, paths = fsspec.get_fs_token_paths(path)
+        exists = fs.exists(paths[0])
+    except (ValueError, ImportError, OSError) as exc:
+        raise UserError(f"{field}: cannot open {path!r} ({exc}); check the URL and its fsspec extra")
+    if not exists:
+        raise UserError(f"{field}: {path} does not exist; fix the path or use 'synthetic'")
+
+
+def check_data_sources(data: DataConfig) -> None:
+    check_source("data.train_path", data.train_path)
+    check_source("data.train_targets_path", data.train_targets_path)
+    check_source("data.eval_path", data.eval_path)
+    check_source("data.eval_targets_path", data.eval_targets_path)
+    if data.train_path.endswith(".npy") and not data.train_targets_path:
+        raise UserError("data.train_targets_path: required when data.train_path is a .npy "
+                        "(or give an .npz holding data.x_key and data.y_key)")
+
+
+# ---------------------------------------------------------------------------------------
+# Streaming copy into a memmap
+
+
+def _read_header(fh) -> tuple[tuple, bool, np.dtype]:
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(fh)
+    return np.lib.format.read_array_header_2_0(fh)
+
+
+def _open_npy_stream(source: str, key: Optional[str]):
+    import fsspec
+
+    handle = fsspec.open(source, "rb").open()
+    if key is None:
+        return handle, [handle]
+    zf = zipfile.ZipFile(handle)
+    name = key if key.endswith(".npy") else key + ".npy"
+    if name not in zf.namelist():
+        zf.close()
+        handle.close()
+        raise UserError(f"data.x_key/y_key: {source} has no array {key!r}; "
+                        f"it holds {', '.join(n[:-4] for n in zf.namelist())}")
+    member = zf.open(name)
+    return member, [member, zf, handle]
+
+
+def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
+                  fill: Callable[[np.ndarray, RunningChecksum], None]) -> dict:
+    if dtype.hasobject:
+        raise UserError(f"{dest.name}: object arrays cannot be staged; convert to a numeric dtype")
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+    running = RunningChecksum()
+    if out.size:
+        fill(out.reshape(-1).view(np.uint8), running)
+    out.flush()
+    del out
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, dest)
+    return {"file": dest.name, "shape": list(shape), "dtype": dtype.str,
+            "checksum": running.hexdigest(), "nbytes": running.size}
+
+
+def stage_array(source: Any, dest: Path, key: Optional[str] = None) -> dict:
+    """Copy one array (ndarray, tensor, .npy/.npz path or URL) to `dest` as a memmap."""
+    if hasattr(source, "detach"):  # torch tensor, without importing torch here
+        source = source.detach().cpu().numpy()
+    if isinstance(source, np.ndarray):
+        arr = np.ascontiguousarray(source)
+
+        def fill(flat: np.ndarray, running: RunningChecksum) -> None:
+            src = arr.reshape(-1).view(np.uint8)
+            for start in range(0, src.size, _BLOCK):
+                block = src[start:start + _BLOCK]
+                flat[start:start + block.size] = block
+                running.update(block)
+
+        entry = _write_memmap(dest, arr.shape, arr.dtype, fill)
+        entry["source"] = "<array>"
+        return entry
+    source = str(source)
+    stream, closers = _open_npy_stream(source, key if source.endswith(".npz") else None)
+    try:
+        shape, fortran, dtype = _read_header(stream)
+        if fortran:
+            raise UserError(f"{source}: Fortran-ordered arrays are not supported; "
+                            "save with np.ascontiguousarray")
+
+        def fill(flat: np.ndarray, running: RunningChecksum) -> None:
+            pos = 0
+            while pos < flat.size:
+                block = stream.read(min(_BLOCK, flat.size - pos))
+                if not block:
+                    raise UserError(f"{source}: file is truncated ({pos} of {flat.size} bytes)")
+                flat[pos:pos + len(block)] = np.frombuffer(block, np.uint8)
+                running.update(block)
+                pos += len(block)
+
+        entry = _write_memmap(dest, tuple(shape), np.dtype(dtype), fill)
+    finally:
+        for c in closers:
+            c.close()
+    entry["source"] = source + (f"#{key}" if source.endswith(".npz") else "")
+    return entry
+
+
+# ---------------------------------------------------------------------------------------
+# Staging a run's data set
+
+
+def _target_scaler(y: np.ndarray) -> dict:
+    """Per-output mean/std in float64, computed in blocks over the memmap."""
+    flat = y.reshape(len(y), -1)
+    total = np.zeros(flat.shape[1]); sq = np.zeros(flat.shape[1])
+    for start in range(0, len(flat), 65536):
+        block = flat[start:start + 65536].astype(np.float64)
+        total += block.sum(0); sq += (block ** 2).sum(0)
+    mean = total / max(len(flat), 1)
+    std = np.sqrt(np.maximum(sq / max(len(flat), 1) - mean ** 2, 0.0))
+    return {"mean": mean.tolist(), "std": np.where(std > 0, std, 1.0).tolist()}
+
+
+def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
+                   arrays: Optional[dict] = None) -> dict:
+    """Stage train (and eval) arrays; `arrays` (x, y, eval_x, eval_y) override the config."""
+    arrays = dict(arrays or {})
+    entries: dict = {}
+    if "x" not in arrays and data.train_path == "synthetic":
+        arrays["x"], arrays["y"] = synthetic_arrays(data.synthetic, model.task)
+    sources = {
+        "train_x": arrays.get("x", _src(data.train_path, data.x_key)),
+        "train_y": arrays.get("y", _src(data.train_targets_path or data.train_path, data.y_key)),
+        "eval_x": arrays.get("eval_x", _src(data.eval_path, data.x_key)),
+        "eval_y": arrays.get("eval_y", _src(data.eval_targets_path or data.eval_path, data.y_key)),
+    }
+    for name, src in sources.items():
+        if src is None or (isinstance(src, tuple) and src[0] is None):
+            continue
+        if isinstance(src, tuple):
+            entries[name] = stage_array(src[0], data_dir / f"{name}.npy", key=src[1])
+        else:
+            entries[name] = stage_array(src, data_dir / f"{name}.npy")
+    n = entries["train_x"]["shape"][0]
+    if entries["train_y"]["shape"][0] != n:
+        raise UserError(f"data: train inputs have {n} rows but targets have "
+                        f"{entries['train_y']['shape'][0]}; they must match")
+    n_eval_held = int(n * data.eval_fraction) if "eval_x" not in entries else 0
+    manifest = {"entries": entries, "train_rows": [0, n - n_eval_held],
+                "eval_rows": [n - n_eval_held, n] if n_eval_held else None}
+    if model.task == "classification":
+        y = np.load(data_dir / "train_y.npy", mmap_mode="r")
+        manifest["n_classes"] = int(max(int(y[i:i + 65536].max()) for i in range(0, len(y), 65536))) + 1
+    if data.normalize_targets and model.task == "regression":
+        y = np.load(data_dir / "train_y.npy", mmap_mode="r")
+        manifest["target_scaler"] = _target_scaler(y[: n - n_eval_held])
+    atomic_write_text(data_dir / MANIFEST, json.dumps(manifest, indent=1))
+    fsync_dir(data_dir)
+    return manifest
+
+
+def _src(path: Optional[str], key: str):
+    if path is None or path == "synthetic":
+        return None
+    return (path, key) if path.endswith(".npz") else path
+
+
+def read_manifest(data_dir: Path) -> dict:
+    with open(Path(data_dir) / MANIFEST, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def open_array(data_dir: Path, name: str) -> np.ndarray:
+    return np.load(Path(data_dir) / f"{name}.npy", mmap_mode="r")

@@ -1,0 +1,57 @@
+"""What a run is doing, read from its directory (and Slurm, for Slurm jobs). No torch."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import checkpoint_store as store
+from .metrics import read_metrics
+from .rundir import RunDir, read_lock
+
+
+def run_status(path: Path) -> dict:
+    run = RunDir(Path(path))
+    last_train, last_eval, resumes = None, None, 0
+    for rec in read_metrics(run.metrics):
+        kind = rec.get("kind")
+        if kind == "train":
+            last_train = rec
+        elif kind == "eval":
+            last_eval = rec
+        elif kind == "resume":
+            resumes += 1
+    jobs = run.jobs()
+    status = {
+        "run_dir": str(run.path),
+        "last_step": last_train["step"] if last_train else None,
+        "last_loss": last_train["loss"] if last_train else None,
+        "last_eval_loss": last_eval["eval_loss"] if last_eval else None,
+        "resumes": resumes,
+        "checkpoints": store.committed_steps(run.checkpoints),
+        "last_checkpoint": store.latest_committed(run.checkpoints),
+        "jobs": jobs,
+        "lock": read_lock(run),
+    }
+    slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
+    if slurm_jobs:
+        from .slurm_state import job_state
+
+        status["slurm"] = job_state(str(slurm_jobs[-1]["job_id"]))
+    return status
+
+
+def format_status(st: dict) -> str:
+    lines = [f"run:             {st['run_dir']}",
+             f"last step:       {st['last_step']} (loss {st['last_loss']})",
+             f"last eval loss:  {st['last_eval_loss']}",
+             f"checkpoints:     {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}",
+             f"last complete:   {('step-%s' % st['last_checkpoint']) if st['last_checkpoint'] is not None else 'none'}",
+             f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
+    if st.get("slurm"):
+        s = st["slurm"]
+        lines.append(f"slurm job:       {s.get('job_id')} {s.get('state')} "
+                     f"(restarts {s.get('restarts', 0)})")
+    if st["lock"]:
+        owner = st["lock"]
+        lines.append(f"in use by:       pid {owner.get('pid')} on {owner.get('host')}"
+                     + (f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else ""))
+    return "\n".join(lines)

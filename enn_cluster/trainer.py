@@ -1,0 +1,269 @@
+"""The training loop: epochs or max_steps, accumulation, clipping, warmup + cosine,
+validation, a non-finite guard, metrics, checkpoints and agreed stops.
+
+Every decision that must be the same on all ranks (stop now, commit an async save, skip
+a non-finite step) is taken from a collective, never from local state alone.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from . import checkpoint_store as store
+from .config import RunConfig
+from .environment import WorkerEnv
+from .lanes import Lanes
+from .metrics import MetricsLog, peak_memory_mb
+from .model_setup import autocast, build_sharded_model, gradient_sync
+from .models import compute_loss
+from .rundir import RunDir
+from .sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows, shard_rows)
+from .schedule import global_batch, lr_at, total_steps
+from .staging import open_array, read_manifest
+
+log = logging.getLogger("enn_cluster.trainer")
+
+
+class TrainingAborted(RuntimeError):
+    """Training cannot go on (non-finite losses); the message says what to check."""
+
+
+def _full_norm(norm) -> float:
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run: RunDir, env: WorkerEnv, lanes: Lanes):
+        self.cfg, self.run, self.env, self.lanes = cfg, run, env, lanes
+        self.manifest = read_manifest(run.data_dir)
+        self.x = open_array(run.data_dir, "train_x")
+        self.y = open_array(run.data_dir, "train_y")
+        self.rows = self.manifest["train_rows"]
+        self.eval_x, self.eval_y, self.eval_rows = self._eval_arrays()
+        scaler = self.manifest.get("target_scaler")
+        self.scaler = ({k: np.asarray(v, np.float32) for k, v in scaler.items()}
+                       if scaler else None)
+        self.sm = build_sharded_model(cfg, self.manifest, env, lanes, self.x.shape[1:])
+        t = cfg.training
+        self.optimizer = torch.optim.AdamW(self.sm.model.parameters(), lr=t.lr,
+                                           weight_decay=t.weight_decay)
+        self.n_rows = self.rows[1] - self.rows[0]
+        self.global_batch = global_batch(t, self.sm.dp_size)
+        self.total_steps = total_steps(t, self.n_rows, self.sm.dp_size)
+        self.step, self.pos, self.nonfinite_in_row, self.skipped = 0, DataPosition(), 0, 0
+        self.stop_requested = 0
+        self.pending = None
+        self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0)
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "epoch": self.pos.epoch, "consumed": self.pos.consumed,
+                "nonfinite_in_row": self.nonfinite_in_row, "skipped": self.skipped,
+                "world_size": self.env.world_size, "seed": self.cfg.training.seed,
+                "target_scaler": self.manifest.get("target_scaler"),
+                "mesh": asdict(self.sm.plan)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state.get("step", 0))
+        self.pos = DataPosition(int(state.get("epoch", 0)), int(state.get("consumed", 0)))
+        if self.pos.consumed and (self.n_rows - self.pos.consumed) // self.global_batch == 0:
+            self.pos = DataPosition(self.pos.epoch + 1, 0)  # world grew: tail too short
+        self.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
+        self.skipped = int(state.get("skipped", 0))
+
+    # -- data ----------------------------------------------------------------------------
+    def _eval_arrays(self):
+        if "eval_x" in self.manifest["entries"]:
+            ex, ey = open_array(self.run.data_dir, "eval_x"), open_array(self.run.data_dir, "eval_y")
+            return ex, ey, [0, len(ex)]
+        if self.manifest.get("eval_rows"):
+            return self.x, self.y, self.manifest["eval_rows"]
+        return None, None, None
+
+    def _batch(self, x, y, rows: np.ndarray):
+        rows = np.asarray(rows)
+        xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32))
+        yb = np.asarray(y[rows])
+        if self.scaler is not None:  # train on normalised targets; prediction undoes it
+            yb = (yb.astype(np.float32) - self.scaler["mean"]) / self.scaler["std"]
+        dev = self.lanes.device
+        return xb.to(dev, non_blocking=True), torch.from_numpy(np.ascontiguousarray(yb)).to(dev)
+
+    # -- signals -------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        """USR2 (Slurm's warning before the time limit) asks for an agreed
+        checkpoint-and-exit at the next step boundary; the handler only sets a flag.
+        Under Slurm, TERM (preemption, scancel) does the same, with a hard exit if the
+        boundary is not reached within the grace time. Under the elastic launchers TERM
+        is the teardown of a failed group and keeps its default meaning: die now."""
+        def request_stop(signum, frame):
+            self.stop_requested = 1
+            log.warning("signal %d received: checkpoint at the next step boundary", signum)
+
+        def term(signum, frame):
+            request_stop(signum, frame)
+            signal.signal(signal.SIGALRM, lambda *_: os._exit(143))
+            signal.alarm(max(int(self.cfg.parallel.stop_grace_s), 1))
+
+        signal.signal(signal.SIGUSR2, request_stop)
+        if self.env.launcher == "slurm":
+            signal.signal(signal.SIGTERM, term)
+
+    # -- loop ----------------------------------------------------------------------------
+    def _maybe_inject_fault(self) -> None:
+        t = self.cfg.training
+        if not t.fail_at_step or self.step != t.fail_at_step or self.lanes.rank != t.fail_rank:
+            return
+        marker = self.run.path / "faults" / f"fired-step-{self.step}"
+        if marker.exists():
+            return
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(str(os.getpid()))
+        log.error("fault injection: rank %d exits hard at step %d", self.lanes.rank, self.step)
+        os._exit(13)
+
+    def train_step(self, perm: np.ndarray) -> dict:
+        t, sm, dev = self.cfg.training, self.sm, self.lanes.device
+        started = time.perf_counter()
+        lr = lr_at(self.step, self.total_steps, t.lr, t.warmup_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
+        accum = t.gradient_accumulation_steps
+        for k in range(accum):
+            rows = micro_batch_rows(perm, self.pos.consumed, self.lanes.rank, sm.dp_size,
+                                    t.per_device_train_batch_size, k) + self.rows[0]
+            xb, yb = self._batch(self.x, self.y, rows)
+            with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
+                loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
+                (loss / accum).backward()
+            loss_sum += loss.detach().double()
+        dist.all_reduce(loss_sum)  # accelerator lane: every rank sees the same mean loss
+        mean_loss = float(loss_sum) / (accum * sm.dp_size)
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm = _full_norm(torch.nn.utils.clip_grad_norm_(sm.model.parameters(), max_norm))
+        if math.isfinite(mean_loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.nonfinite_in_row = 0
+        else:
+            self.nonfinite_in_row += 1
+            self.skipped += 1
+            log.warning("non-finite loss/grad at step %d: step skipped (%d in a row)",
+                        self.step, self.nonfinite_in_row)
+            if self.nonfinite_in_row >= t.max_nonfinite_steps:
+                raise TrainingAborted(
+                    f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}: "
+                    "check the data for NaN/Inf, lower training.lr, or enable grad clipping")
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - started
+        return {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": elapsed,
+                "samples_per_s": self.global_batch / elapsed}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean eval loss; every rank runs the same number of forwards (FSDP collectives)."""
+        if self.eval_x is None:
+            return float("nan")
+        sm, micro = self.sm, self.cfg.training.per_device_train_batch_size
+        n = self.eval_rows[1] - self.eval_rows[0]
+        start, stop = shard_rows(n, self.lanes.rank, self.lanes.world_size)
+        longest = max(shard_rows(n, r, self.lanes.world_size)[1] -
+                      shard_rows(n, r, self.lanes.world_size)[0] for r in range(self.lanes.world_size))
+        totals = torch.zeros(2, dtype=torch.float64, device=self.lanes.device)
+        sm.model.eval()
+        for off in range(0, longest, micro):
+            rows = np.arange(start + off, min(start + off + micro, stop)) + self.eval_rows[0]
+            count = len(rows)
+            if count == 0:
+                rows = np.array([self.eval_rows[0]])  # keep step with the others, weight 0
+            xb, yb = self._batch(self.eval_x, self.eval_y, rows)
+            with autocast(sm, self.lanes.device):
+                loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
+            totals += torch.tensor([float(loss) * count, count], dtype=torch.float64,
+                                   device=self.lanes.device)
+        sm.model.train()
+        dist.all_reduce(totals)
+        return float(totals[0] / totals[1]) if totals[1] else float("nan")
+
+    def save(self, async_save: bool) -> None:
+        self.finish_pending()
+        self.pending = ckpt.save(self.run.checkpoints, self.step, self.sm.model, self.optimizer,
+                                 self.state_dict(), self.lanes, async_save=async_save)
+        if self.pending is None:
+            self._after_commit(self.step)
+        self.metrics.write("checkpoint", step=self.step, async_save=async_save)
+
+    def finish_pending(self) -> None:
+        if self.pending is not None:
+            step = self.pending.step
+            ckpt.commit(self.pending, self.lanes)
+            self.pending = None
+            self._after_commit(step)
+
+    def _after_commit(self, step: int) -> None:
+        if self.lanes.rank == 0:
+            store.prune(self.run.checkpoints, self.cfg.checkpoint.keep_last, protect=[step])
+        self.lanes.barrier()
+
+    def resume(self) -> None:
+        step = ckpt.choose_resume(self.run.checkpoints, self.lanes)
+        if step is None:
+            return
+        state = ckpt.load(self.run.checkpoints, step, self.sm.model, self.optimizer, self.lanes)
+        self.load_state_dict(state)
+        self.metrics.write("resume", step=self.step, epoch=self.pos.epoch,
+                           world_size=self.env.world_size, from_world=state.get("world_size"))
+        log.info("resumed from step-%d (saved at world %s, now %d)", step,
+                 state.get("world_size"), self.env.world_size)
+
+    def fit(self) -> str:
+        """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
+        cfg = self.cfg
+        self.resume()
+        every = cfg.checkpoint.every_steps
+        perm_epoch, perm = -1, None
+        last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
+        while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
+            self._maybe_inject_fault()
+            if perm_epoch != self.pos.epoch:
+                perm_epoch = self.pos.epoch
+                perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
+            stats = self.train_step(perm)
+            epoch_before = self.pos.epoch
+            self.step += 1
+            self.pos = advance(self.pos, self.n_rows, self.global_batch)
+            if self.step % cfg.logging.every_steps == 0:
+                self.metrics.write("train", step=self.step, epoch=epoch_before,
+                                   peak_mem_mb=round(peak_memory_mb(), 1), **stats)
+            if self.pos.epoch != epoch_before and self.eval_x is not None:
+                self.metrics.write("eval", step=self.step, epoch=epoch_before,
+                                   eval_loss=self.evaluate())
+            pending_open = 0.0 if self.pending is None or self.pending.future.done() else 1.0
+            stop, still_open = self.lanes.all_max([float(self.stop_requested), pending_open])
+            if self.pending is not None and not still_open:
+                self.finish_pending()
+            if stop:
+                self.save(async_save=False)
+                return "stopped"
+            if every and self.step % every == 0 and self.step < self.total_steps:
+                self.save(async_save=cfg.checkpoint.async_save)
+                last_saved = self.step
+        self.finish_pending()
+        if last_saved != self.step:
+            self.save(async_save=False)
+        return "done"
+
+    def close(self) -> None:
+        self.metrics.close()

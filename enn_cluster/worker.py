@@ -1,0 +1,135 @@
+"""The one worker entry point, identical on every task of every launcher.
+
+    python -m enn_cluster.worker RUN_DIR --task train
+    python -m enn_cluster.worker RUN_DIR --task predict --name NAME
+
+Flow: clean env -> discover rank/world/master -> NCCL profile (GPU) -> lanes -> task.
+Exit codes: 0 done, 2 bad input, 75 stopped with a checkpoint ("requeue me"), 1 failure.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .environment import clean_environment, discover
+from .errors import UserError
+from .rundir import RunDir
+
+EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
+log = logging.getLogger("enn_cluster.worker")
+
+
+def _attempt_tag(env) -> str:
+    if os.environ.get("ENN_ATTEMPT_TAG"):
+        return os.environ["ENN_ATTEMPT_TAG"]
+    if env.launcher == "slurm":
+        return f"slurm-{env.job_id}-r{env.restart_count}"
+    return f"{env.launcher}-r{env.restart_count}"
+
+
+def _setup_logging(run: RunDir, env) -> None:
+    log_dir = run.logs / _attempt_tag(env)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s rank{env.rank} %(name)s %(levelname)s %(message)s")
+    root = logging.getLogger("enn_cluster")
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    fh = logging.FileHandler(log_dir / f"rank-{env.rank}.log")
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    if env.rank == 0:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+
+
+def _configure_nccl(env) -> None:
+    """On GPU nodes, pick the fabric profile unless the user set the variables."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        from . import nccl
+    except ImportError:
+        return
+    profile = os.environ.get("ENN_NCCL_PROFILE", "auto")
+    chosen = nccl.configure(os.environ, profile=profile) if hasattr(nccl, "configure") else None
+    if env.rank == 0 and chosen is not None:
+        log.info("NCCL profile: %s", chosen)
+
+
+def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
+             step: Optional[int] = None) -> int:
+    """Run one task of the job in this process; returns the exit code."""
+    run = RunDir(Path(run_dir).resolve())
+    cfg = run.load_config()
+    env = discover(os.environ)
+    cleaned = clean_environment(os.environ, env)
+    os.environ.clear()
+    os.environ.update(cleaned)
+    return _run(run, cfg, env, task, name, step)
+
+
+def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[int]) -> int:
+    import torch
+
+    from .lanes import close_lanes, open_lanes
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _setup_logging(run, env)
+    _configure_nccl(env)
+    lanes = open_lanes(env, cfg.parallel.timeout_s)
+    try:
+        if task == "train":
+            return _train(run, cfg, env, lanes)
+        from .predict import run_prediction
+
+        run_prediction(run, cfg, env, lanes, name=name, step=step)
+        return EXIT_OK
+    finally:
+        close_lanes()
+
+
+def _train(run: RunDir, cfg, env, lanes) -> int:
+    from .trainer import Trainer
+
+    trainer = Trainer(cfg, run, env, lanes)
+    trainer.install_signal_handlers()
+    try:
+        outcome = trainer.fit()
+    finally:
+        trainer.close()
+    if outcome == "stopped":
+        if env.rank == 0 and env.job_id:
+            marker = run.requeue / str(env.job_id)
+            marker.parent.mkdir(exist_ok=True)
+            marker.write_text(str(trainer.step))
+        log.warning("stopped at step %d with a committed checkpoint: requeue to continue",
+                    trainer.step)
+        return EXIT_REQUEUE
+    log.info("training done at step %d", trainer.step)
+    return EXIT_OK
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m enn_cluster.worker",
+                                     description="enn_cluster worker (same on every task)")
+    parser.add_argument("run_dir")
+    parser.add_argument("--task", choices=("train", "predict"), default="train")
+    parser.add_argument("--name", default=None, help="prediction name (predict task)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (predict task)")
+    args = parser.parse_args(argv)
+    try:
+        return run_task(args.run_dir, args.task, args.name, args.step)
+    except UserError as exc:
+        print(f"enn_cluster worker: {exc}", file=sys.stderr)
+        return EXIT_USER
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Helpers shared by tests: run the real CLI in a subprocess, read checkpoints back."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, timeout=300, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """`enn-submit ARGS` as a user runs it (a fresh interpreter)."""
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "enn_cluster.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=cwd or ROOT)
+
+
+def write_config(path: Path, **sections) -> Path:
+    path.write_text(yaml.safe_dump(sections))
+    return path
+
+
+def small_config(tmp_path: Path, name: str = "run", **over) -> dict:
+    cfg = {
+        "run_name": name, "runs_root": str(tmp_path / "runs"),
+        "model": {"name": "mlp", "hidden_sizes": [16, 16]},
+        "data": {"synthetic": {"n_samples": 512, "n_features": 8}, "eval_fraction": 0.125},
+        "training": {"epochs": 3, "per_device_train_batch_size": 8, "lr": 3e-3,
+                     "warmup_ratio": 0.1, "seed": 7},
+        "checkpoint": {"every_steps": 8, "keep_last": 5},
+        "parallel": {"nodes": 2, "procs_per_node": 2},
+    }
+    for key, value in over.items():
+        cfg.setdefault(key, {}).update(value) if isinstance(value, dict) else cfg.update({key: value})
+    return cfg
+
+
+def full_params(step_dir: Path) -> dict:
+    """A DCP checkpoint's full model weights in this process (no process group)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = step_dir.parent.parent / f".full-{step_dir.name}.pt"
+    dcp_to_torch_save(str(step_dir), str(out))
+    state = torch.load(out, weights_only=True)
+    out.unlink()
+    return state["model"]
+
+
+def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines if line.strip()]
+    return [r for r in recs if kind is None or r["kind"] == kind]
