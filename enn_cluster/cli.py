@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     _add_shape_flags(p)
 
+    from .cli_predict import register as register_prediction
+
+    register_prediction(sub, _add_shape_flags, COMMANDS)
+
     p = sub.add_parser("verify", help="check every committed checkpoint against its record")
     p.add_argument("run_dir")
 
@@ -89,6 +93,11 @@ def cmd_resume(args) -> int:
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     cfg = prepare_resume(run, shape, args.overrides)
     return _launch(args, run, "train", shape, _max_restarts(args, cfg))
+
+
+def launch_run(args, run, task, shape, restarts, name=None, step=None) -> int:
+    """Start the workers where --cluster says; the CLI's one way to run a task."""
+    return _launch(args, run, task, shape, restarts, name=name, step=step)
 
 
 def _launch(args, run, task, shape, restarts, name=None, step=None) -> int:
