@@ -1,0 +1,135 @@
+"""The local dev cluster (slurm/dev/cluster.sh) behaves like a real multi-node Slurm cluster.
+
+Real daemons, real jobs: these need root and the Slurm packages (see tests/slurm_fixture.py).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slurm_fixture import CLUSTER_SH
+
+pytestmark = pytest.mark.slurm
+
+# Rank 0 (on n1) listens; rank 1 (on n2) resolves n1 by name and connects, retrying until the
+# listener is up. Every wait is bounded.
+TCP_PROGRAM = textwrap.dedent("""
+    import os, socket, time
+    rank, host = int(os.environ["SLURM_PROCID"]), socket.gethostname()
+    if rank == 0:
+        srv = socket.create_server(("0.0.0.0", 29517), reuse_port=True)
+        srv.settimeout(20)
+        conn, (peer, _) = srv.accept()
+        conn.settimeout(10)
+        print(f"{host} got {conn.recv(64).decode()!r} from {peer}", flush=True)
+        conn.sendall(host.encode())
+    else:
+        addr = socket.gethostbyname("n1")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                conn = socket.create_connection((addr, 29517), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        conn.settimeout(10)
+        conn.sendall(f"hello from {host}".encode())
+        print(f"{host} resolved n1={addr} reply={conn.recv(64).decode()}", flush=True)
+""")
+
+
+def test_srun_two_nodes_two_tasks_each(slurm_cluster):
+    proc = slurm_cluster.run(["srun", "-N2", "--ntasks-per-node=2", "hostname"], timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split()) == ["n1", "n1", "n2", "n2"]
+
+
+def test_gpus_per_node_sets_cuda_visible_devices(slurm_cluster):
+    proc = slurm_cluster.run(
+        ["srun", "-N1", "--gpus-per-node=2", "bash", "-c",
+         'echo "$CUDA_VISIBLE_DEVICES $SLURM_GPUS_ON_NODE"'], timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0,1", "2"]
+
+
+def test_too_many_gpus_is_refused(slurm_cluster):
+    proc = slurm_cluster.run(["srun", "-N1", "--gpus-per-node=9", "true"], timeout=30)
+    assert proc.returncode != 0
+
+
+def test_sbatch_wait_job_writes_file(slurm_cluster, tmp_path):
+    out = tmp_path / "result.txt"
+    script = tmp_path / "job.sh"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --nodes=1 --ntasks=1 --time=2
+        #SBATCH --output={tmp_path}/slurm-%j.out
+        set -euo pipefail
+        {sys.executable} -c 'import socket; print("written on", socket.gethostname())' > {out}
+        """))
+    proc = slurm_cluster.run(["sbatch", "--wait", "--parsable", str(script)], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    assert out.read_text().split()[:2] == ["written", "on"]
+    # Finished jobs stay visible to the controller (MinJobAge).
+    assert slurm_cluster.wait_job(job_id, "COMPLETED", timeout=10) == "COMPLETED"
+
+
+def test_step_on_n2_reaches_listener_on_n1(slurm_cluster):
+    proc = slurm_cluster.run(
+        ["srun", "-N2", "--nodelist=n1,n2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+         sys.executable, "-c", TCP_PROGRAM], timeout=45)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted(proc.stdout.splitlines())
+    assert lines == ["n1 got 'hello from n2' from 10.213.0.12",
+                     "n2 resolved n1=10.213.0.11 reply=n1"]
+
+
+def _cluster_sh(*args):
+    return subprocess.run(["bash", CLUSTER_SH, *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _pids_from(state_dir):
+    pid_files = [os.path.join(state_dir, "munge", "munged.pid")]
+    run_dir = os.path.join(state_dir, "run")
+    pid_files += [os.path.join(run_dir, f) for f in os.listdir(run_dir) if f.endswith(".pid")]
+    return [int(Path(f).read_text()) for f in pid_files]
+
+
+def _alive(pid):
+    return os.path.exists(f"/proc/{pid}")
+
+
+# Last in this file: it restarts the session's cluster (same state dir; one cluster at a time).
+def test_down_cleans_up_and_up_again_works(slurm_cluster):
+    assert _cluster_sh("up", slurm_cluster.state_dir, str(len(slurm_cluster.nodes))).returncode == 0
+    assert _cluster_sh("status", slurm_cluster.state_dir).returncode == 0
+    # A process that escaped its job (setsid) must not outlive the cluster.
+    proc = slurm_cluster.run(["srun", "-w", "n1", "bash", "-c",
+                              "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo $!"], timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    stray = int(proc.stdout.strip())
+    assert _alive(stray)
+    daemons = _pids_from(slurm_cluster.state_dir)
+    assert len(daemons) == 2 + len(slurm_cluster.nodes) and all(map(_alive, daemons))
+
+    for _ in range(2):  # down is safe to repeat
+        proc = slurm_cluster.down()
+        assert proc.returncode == 0, proc.stderr
+    assert not any(map(_alive, daemons + [stray]))
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "enn-n" not in netns
+    assert subprocess.run(["ip", "link", "show", "ennbr0"], capture_output=True).returncode != 0
+    assert _cluster_sh("status", slurm_cluster.state_dir).returncode != 0
+
+    proc = slurm_cluster.up()
+    assert proc.returncode == 0, proc.stderr
+    proc = slurm_cluster.run(["srun", "-N2", "hostname"], timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split()) == ["n1", "n2"]
