@@ -55,6 +55,22 @@ def check_shape(cfg: RunConfig, shape: LaunchShape, n_rows: Optional[int] = None
         total_steps(cfg.training, n_rows, plan.world)
 
 
+def check_model_importable(name: str) -> None:
+    """A `module:factory` model must import in the workers; find it now, without running it."""
+    if ":" not in name:
+        return
+    import importlib.util
+
+    module = name.split(":", 1)[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UserError(f"model.name: module {module!r} is not importable; put it on "
+                        "PYTHONPATH (every node must see it) or pip install it")
+
+
 def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:
     return replace(cfg, parallel=replace(cfg.parallel, nodes=shape.nodes,
                                          procs_per_node=shape.procs_per_node))
@@ -66,6 +82,7 @@ def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = Non
     cfg = with_shape(replace(cfg, runs_root=str(Path(cfg.runs_root).expanduser().resolve())),
                      shape)
     check_shape(cfg, shape)
+    check_model_importable(cfg.model.name)
     if not arrays:
         check_data_sources(cfg.data)
 

@@ -106,15 +106,19 @@ def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
     if dtype.hasobject:
         raise UserError(f"{dest.name}: object arrays cannot be staged; convert to a numeric dtype")
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
     running = RunningChecksum()
-    if out.size:
-        fill(out.reshape(-1).view(np.uint8), running)
-    out.flush()
-    del out
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, dest)
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+        if out.size:
+            fill(out.reshape(-1).view(np.uint8), running)
+        out.flush()
+        del out
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return {"file": dest.name, "shape": list(shape), "dtype": dtype.str,
             "checksum": running.hexdigest(), "nbytes": running.size}
 

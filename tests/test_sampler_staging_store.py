@@ -1,0 +1,79 @@
+"""Pure pieces: the resumable sampler, staging into memmaps, checkpoint commit records."""
+import json
+
+import numpy as np
+import pytest
+
+from enn_cluster import checkpoint_store as store
+from enn_cluster.config import DataConfig, ModelConfig
+from enn_cluster.errors import UserError
+from enn_cluster.sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows,
+                                 shard_rows)
+from enn_cluster.staging import read_manifest, stage_array, stage_run_data
+
+
+def test_every_row_once_per_epoch_at_any_world_and_resume_point():
+    n, micro, accum = 100, 3, 2
+    perm = epoch_permutation(n, seed=1, epoch=0)
+    for dp in (1, 2, 4):
+        seen, pos = [], DataPosition()
+        gb = micro * accum * dp
+        while pos.epoch == 0:
+            for k in range(accum):
+                for r in range(dp):
+                    seen += micro_batch_rows(perm, pos.consumed, r, dp, micro, k).tolist()
+            pos = advance(pos, n, gb)
+        assert len(seen) == len(set(seen)) == (n // gb) * gb
+    assert not np.array_equal(perm, epoch_permutation(n, 1, 1))
+    assert np.array_equal(perm, epoch_permutation(n, 1, 0))
+    assert [shard_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+
+
+def test_stage_npz_npy_and_fsspec(tmp_path):
+    import fsspec
+
+    x = np.arange(60, dtype=np.float32).reshape(20, 3)
+    y = np.arange(20, dtype=np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    data = DataConfig(train_path=str(tmp_path / "d.npz"), eval_fraction=0.25)
+    (tmp_path / "staged").mkdir()
+    manifest = stage_run_data(data, ModelConfig(), tmp_path / "staged")
+    assert manifest["train_rows"] == [0, 15] and manifest["eval_rows"] == [15, 20]
+    staged = np.load(tmp_path / "staged" / "train_x.npy", mmap_mode="r")
+    assert isinstance(staged, np.memmap) and np.array_equal(staged, x)
+    assert read_manifest(tmp_path / "staged")["entries"]["train_x"]["shape"] == [20, 3]
+    with fsspec.open("memory://bucket/x.npy", "wb") as fh:
+        np.save(fh, x)
+    entry = stage_array("memory://bucket/x.npy", tmp_path / "m.npy")
+    assert np.array_equal(np.load(tmp_path / "m.npy"), x)
+    assert entry["checksum"] == stage_array(x, tmp_path / "a.npy")["checksum"]
+    with pytest.raises(UserError, match="has no array 'zz'"):
+        stage_array(str(tmp_path / "d.npz"), tmp_path / "z.npy", key="zz")
+    raw = (tmp_path / "m.npy").read_bytes()
+    (tmp_path / "cut.npy").write_bytes(raw[:-7])
+    with pytest.raises(UserError, match="truncated"):
+        stage_array(str(tmp_path / "cut.npy"), tmp_path / "cut-out.npy")
+    assert not list(tmp_path.glob(".cut-out.npy.tmp*"))
+
+
+def _fake_checkpoint(root, step, files):
+    path = store.step_dir(root, step)
+    path.mkdir(parents=True)
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    return path
+
+
+def test_commit_record_verification_and_prune(tmp_path):
+    good = _fake_checkpoint(tmp_path, 10, {".metadata": b"meta", "__0_0.distcp": b"x" * 100})
+    store.write_commit(good, 10, store.checksum_files(good, [".metadata", "__0_0.distcp"]))
+    torn = _fake_checkpoint(tmp_path, 20, {".metadata": b"meta"})  # no commit record
+    assert store.committed_steps(tmp_path) == [10] and store.latest_committed(tmp_path) == 10
+    assert store.verify_checkpoint(good) == []
+    (good / "__0_0.distcp").write_bytes(b"y" * 100)  # same size, other bytes
+    assert store.is_committed(good)  # cheap check passes ...
+    assert "checksum" in store.verify_checkpoint(good)[0]  # ... the checksum does not
+    assert "missing" in store.verify_checkpoint(torn)[0]
+    assert store.prune_plan([1, 2, 3, 4, 5], [1, 3, 4], keep_last=2) == [1, 2]
+    assert store.prune_plan([1, 2, 3, 6], [1, 3], keep_last=5) == [2]  # torn 6 may be in flight
+    assert json.loads((good / "commit.json").read_text())["step"] == 10
