@@ -72,7 +72,7 @@ def save(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: La
     _write_side_files(path, lanes, trainer_state)
     started = time.perf_counter()
     if async_save:
-        future = dcp.async_save(state, storage_writer=writer, process_group=lanes.control)
+        future = dcp.async_save(state, storage_writer=writer, process_group=lanes.checkpoint)
         return PendingSave(step, path, future, started, contents)
     dcp.save(state, storage_writer=writer, process_group=lanes.control)
     commit(PendingSave(step, path, None, started, contents), lanes)

@@ -3,7 +3,7 @@
 - accelerator lane: the default process group (NCCL on GPU, gloo on CPU) that carries
   gradients; the DeviceMesh is built on it.
 - control lane: a separate gloo group for barriers, decisions (stop now? which checkpoint?)
-  and checkpoint planning, so that slow filesystem work never sits inside an NCCL
+  and checkpoint planning (async checkpoint writes get a gloo group of their own), so that slow filesystem work never sits inside an NCCL
   watchdog and decisions never queue behind gradient traffic.
 Every collective has the configured timeout: a dead peer ends the job, it never hangs it.
 """
@@ -23,6 +23,7 @@ from .environment import WorkerEnv
 @dataclass
 class Lanes:
     control: Any  # gloo ProcessGroup
+    checkpoint: Any  # gloo ProcessGroup owned by background (async) checkpoint writes
     device: torch.device
     rank: int
     world_size: int
@@ -77,7 +78,11 @@ def open_lanes(env: WorkerEnv, timeout_s: float) -> Lanes:
         device = torch.device("cpu")
         dist.init_process_group(backend="gloo", **common)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    return Lanes(control=control, device=device, rank=env.rank, world_size=env.world_size)
+    # An async save runs its collectives in a writer thread; sharing the control lane with
+    # the training loop's per-step decisions would interleave two collectives on one group.
+    checkpoint = dist.new_group(backend="gloo", timeout=timeout)
+    return Lanes(control=control, checkpoint=checkpoint, device=device, rank=env.rank,
+                 world_size=env.world_size)
 
 
 def close_lanes() -> None:

@@ -169,7 +169,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         return {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": elapsed,
-                "samples_per_s": self.global_batch / elapsed}
+                "samples_per_s": self.global_batch / elapsed, "skipped": self.skipped}
 
     @torch.no_grad()
     def evaluate(self) -> float:

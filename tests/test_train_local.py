@@ -88,3 +88,37 @@ def test_resume_at_smaller_world_skips_torn_and_corrupt_checkpoints(baseline, tm
     # step-40 was written again from step 32; the corrupt attempt was set aside, not deleted
     assert len(list((run / "checkpoints").glob("step-40.torn-*"))) == 1
     assert cli("verify", run).returncode == 0
+
+
+def test_fsdp_run_resumes_under_ddp_with_async_checkpoints(tmp_path):
+    """Strategies share one checkpoint format: FSDP shards load into a DDP replica."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "strat", parallel={"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"},
+        training={"epochs": 1}))
+    assert cli("train", "--config", cfg).returncode == 0
+    run = tmp_path / "runs" / "strat"
+    res = cli("resume", run, "--set", "parallel.strategy=ddp", "--set", "training.epochs=2",
+              "--set", "checkpoint.async_save=true")
+    assert res.returncode == 0, res.stderr
+    resume = metrics(run, "resume")[-1]
+    assert resume["step"] == 28
+    assert metrics(run, "train")[-1]["step"] == 56
+    assert all(math.isfinite(r["loss"]) for r in metrics(run, "train"))
+    verify = cli("verify", run)
+    assert verify.returncode == 0 and "step-56: OK" in verify.stdout and "step-48: OK" in verify.stdout
+
+
+def test_non_finite_losses_abort_with_a_clear_message(tmp_path):
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    y = np.full((64, 1), np.nan, dtype=np.float32)
+    np.savez(tmp_path / "nan.npz", x=x, y=y)
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "nan", data={"train_path": str(tmp_path / "nan.npz"), "eval_fraction": 0.0},
+        training={"max_nonfinite_steps": 3}, parallel={"nodes": 1, "procs_per_node": 1}))
+    res = cli("train", "--config", cfg, timeout=120)
+    assert res.returncode != 0
+    assert "3 non-finite losses in a row at step 2" in res.stderr
+    skipped = metrics(tmp_path / "runs" / "nan", "train")
+    assert [(r["loss"], r["skipped"]) for r in skipped] == [("nan", 1), ("nan", 2)]

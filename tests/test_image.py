@@ -1,0 +1,325 @@
+"""`enn-submit build`: the image key, Enroot's image layout, and a real podman -> squashfs build."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from enn_cluster import enroot_layout
+from enn_cluster.errors import ToolMissing, UserError
+from enn_cluster.image import (builder_env, build_image, context_entries, find_cached_image,
+                               image_for, image_key, image_path, is_ignored, parse_dockerignore)
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_TAG = "localhost/enn-testbase:latest"
+BASE_CACHE = Path(os.environ.get("ENN_TESTBASE_CACHE", "/var/tmp/enn-testbase-cache"))
+# A Debian base has no torch and a PEP 668 Python, and nothing may come from PyPI here.
+TEST_BUILD_ARGS = {"BASE_IMAGE": BASE_TAG, "PIP_INSTALL_FLAGS":
+                   "--no-deps --no-index --no-build-isolation --break-system-packages"}
+
+
+# ------------------------------------------------------------------- .dockerignore and key
+
+def test_dockerignore_follows_docker_rules():
+    rules = parse_dockerignore("# comment\n*\n!pyproject.toml\n!enn_cluster/\n"
+                               "**/__pycache__\n/docs/**/*.md\n!docs/keep.md\n")
+    ignored = {path: is_ignored(path, rules) for path in [
+        "pyproject.toml", "enn_cluster/image.py", "enn_cluster/sub/x.py", "tests/test_x.py",
+        ".venv/bin/python", "enn_cluster/__pycache__/image.cpython-311.pyc",
+        "docs/a/b/c.md", "docs/keep.md"]}
+    assert ignored == {
+        "pyproject.toml": False, "enn_cluster/image.py": False, "enn_cluster/sub/x.py": False,
+        "tests/test_x.py": True, ".venv/bin/python": True,
+        "enn_cluster/__pycache__/image.cpython-311.pyc": True,
+        "docs/a/b/c.md": True, "docs/keep.md": False}
+    blacklist = parse_dockerignore(".venv\nruns/\n*.log\ndata/*.np[yz]\n")
+    assert is_ignored(".venv/lib/x.py", blacklist) and is_ignored("runs/a/b", blacklist)
+    assert is_ignored("train.log", blacklist) and not is_ignored("sub/train.log", blacklist)
+    assert is_ignored("data/x.npz", blacklist) and not is_ignored("data/x.csv", blacklist)
+
+
+def _context(tmp_path: Path) -> tuple[Path, Path]:
+    ctx = tmp_path / "ctx"
+    (ctx / "pkg").mkdir(parents=True)
+    (ctx / "tests" / "data").mkdir(parents=True)
+    (ctx / "Dockerfile").write_text("FROM scratch\nCOPY pkg /pkg\n")
+    (ctx / ".dockerignore").write_text("tests\n**/*.pyc\n")
+    (ctx / "pkg" / "mod.py").write_text("x = 1\n")
+    (ctx / "tests" / "data" / "big.bin").write_bytes(b"\0" * 10)
+    return ctx / "Dockerfile", ctx
+
+
+def test_key_changes_with_what_the_build_sees(tmp_path):
+    dockerfile, ctx = _context(tmp_path)
+    key = image_key(dockerfile, ctx)
+    assert key == image_key(dockerfile, ctx)
+    (ctx / "tests" / "data" / "big.bin").write_bytes(b"\1" * 10)  # ignored: same key
+    (ctx / "pkg" / "mod.cpython-311.pyc").write_bytes(b"junk")
+    assert image_key(dockerfile, ctx) == key
+    (ctx / "pkg" / "mod.py").write_text("x = 2\n")
+    changed = image_key(dockerfile, ctx)
+    assert changed != key
+    (ctx / "pkg" / "mod.py").chmod(0o755)  # COPY keeps the exec bit
+    assert image_key(dockerfile, ctx) != changed
+    assert image_key(dockerfile, ctx, {"BASE_IMAGE": "a"}) != image_key(dockerfile, ctx)
+    dockerfile.write_text("FROM scratch\nCOPY pkg /opt/pkg\n")
+    assert image_key(dockerfile, ctx) not in (key, changed)
+
+
+def test_repo_context_is_only_the_package_and_its_metadata():
+    """The repo's .dockerignore keeps venvs, runs, tests and caches out of the image key."""
+    paths = [rel for rel, _ in context_entries(ROOT)]
+    assert {"pyproject.toml", "README.md", "enn_cluster/__init__.py"} <= set(paths)
+    assert all(p in ("pyproject.toml", "README.md") or p.startswith("enn_cluster") for p in paths)
+    assert not any("__pycache__" in p or p.endswith(".pyc") for p in paths)
+
+
+def test_cached_image_lookup(tmp_path):
+    dockerfile, ctx = _context(tmp_path)
+    cache = tmp_path / "cache"
+    expected = image_path(cache, image_key(dockerfile, ctx))
+    assert expected.parent == cache and expected.name.startswith("enn-")
+    assert len(expected.name) == len("enn-.sqsh") + 16
+    assert find_cached_image(dockerfile, ctx, cache) is None
+    with pytest.raises(UserError, match="enn-submit build"):
+        image_for(dockerfile, ctx, cache)
+    cache.mkdir()
+    expected.touch()
+    assert image_for(dockerfile, ctx, cache) == expected
+
+
+def test_build_returns_cached_image_without_tools(tmp_path, monkeypatch):
+    dockerfile, ctx = _context(tmp_path)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ToolMissing, match="apt-get install podman"):
+        build_image(dockerfile, ctx, cache, progress=lambda line: None)
+    cache.mkdir()
+    expected = image_path(cache, image_key(dockerfile, ctx))
+    expected.touch()
+    lines = []
+    assert build_image(dockerfile, ctx, cache, progress=lines.append) == expected
+    assert any("up to date" in line for line in lines)
+
+
+FAKE_PODMAN = """#!/bin/sh
+echo "podman $*" >> "$FAKE_LOG"
+"""
+FAKE_ENROOT = """#!/bin/sh
+echo "enroot $* $ENROOT_SQUASH_OPTIONS" >> "$FAKE_LOG"
+[ "$FAKE_ENROOT_RC" = 0 ] && echo image > "$3"
+exit "$FAKE_ENROOT_RC"
+"""
+
+
+@pytest.mark.parametrize("enroot_rc", [0, 1])
+def test_build_uses_enroot_import_when_installed(tmp_path, monkeypatch, enroot_rc):
+    """With enroot on PATH: podman build, `enroot import podman://TAG`, rmi; atomic output."""
+    dockerfile, ctx = _context(tmp_path)
+    bin_dir, log, cache = tmp_path / "bin", tmp_path / "log", tmp_path / "cache"
+    bin_dir.mkdir()
+    for name, text in (("podman", FAKE_PODMAN), ("enroot", FAKE_ENROOT)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_ENROOT_RC", str(enroot_rc))
+    monkeypatch.delenv("ENROOT_SQUASH_OPTIONS", raising=False)
+    final = image_path(cache, image_key(dockerfile, ctx, {"A": "b c"}))
+    if enroot_rc:
+        with pytest.raises(UserError, match="enroot import"):
+            build_image(dockerfile, ctx, cache, build_args={"A": "b c"}, progress=print)
+        assert list(cache.iterdir()) == []
+    else:
+        assert build_image(dockerfile, ctx, cache, build_args={"A": "b c"},
+                           progress=print) == final
+        assert final.read_text() == "image\n" and list(cache.iterdir()) == [final]
+    build, enroot, rmi = log.read_text().splitlines()
+    tag = build.split(" -t ")[1].split()[0]
+    assert tag.startswith(f"localhost/enn-cluster:{final.stem[4:]}-")
+    assert build == f"podman build -f {dockerfile} -t {tag} --build-arg=A=b c {ctx}"
+    partial = enroot.split()[3]
+    assert Path(partial).parent == cache and partial.endswith(".partial")
+    assert enroot.endswith(f"podman://{tag} -comp zstd -Xcompression-level 3")
+    assert rmi == f"podman rmi {tag}"
+
+
+def test_podman_gets_our_containers_conf_unless_the_user_set_one():
+    conf = ROOT / "containers" / "containers.conf"
+    assert builder_env("podman", {}, conf)["CONTAINERS_CONF"] == str(conf)
+    assert builder_env("podman", {"CONTAINERS_CONF": "/x"}, conf)["CONTAINERS_CONF"] == "/x"
+    assert "CONTAINERS_CONF" not in builder_env("docker", {}, conf)
+    assert "runtime = \"runc\"" in conf.read_text()
+
+
+# ------------------------------------------------------------------------ Enroot's layout
+
+CONFIG = {
+    "Env": ["PATH=/usr/bin:/bin", "PYTHONUNBUFFERED=1"],
+    "WorkingDir": "/workspace",
+    "Entrypoint": ["/opt/entry.sh", "it's"],
+    "Cmd": ["python3", "-c", "print(1)"],
+    "Volumes": {"/data": {}, "/scratch": {}},
+    "Labels": {"maintainer": "ml team", "version": "1"},
+}
+
+
+def test_enroot_rc_matches_enroot_layout():
+    assert enroot_layout.rc_text(CONFIG, "podman://localhost/x:1") == (
+        "# enroot-provenance: podman://localhost/x:1\n"
+        "# maintainer ml team\n"
+        "# version 1\n"
+        "\n"
+        'mkdir -p "/workspace" 2> /dev/null\n'
+        'cd "/workspace" && unset OLDPWD || exit 1\n'
+        "\n"
+        "if [ -s /etc/rc.local ]; then\n"
+        "    . /etc/rc.local\n"
+        "fi\n"
+        "\n"
+        "if [ $# -gt 0 ]; then\n"
+        "    exec '/opt/entry.sh' 'it'\\''s' \"$@\"\n"
+        "else\n"
+        "    exec '/opt/entry.sh' 'it'\\''s' 'python3' '-c' 'print(1)'\n"
+        "fi\n")
+
+
+def test_enroot_rc_without_config_runs_a_shell_in_root():
+    rc = enroot_layout.rc_text({})
+    assert rc.startswith('mkdir -p "/" 2> /dev/null\ncd "/" && unset OLDPWD || exit 1\n')
+    assert "    exec  \"$@\"\n" in rc and "    exec  '/bin/sh'\n" in rc
+
+
+def test_enroot_environment_fstab_and_rc_local():
+    files = enroot_layout.enroot_files(CONFIG)
+    assert set(files) == {"etc/rc", "etc/rc.local", "etc/environment", "etc/fstab"}
+    assert files["etc/environment"] == "PATH=/usr/bin:/bin\nPYTHONUNBUFFERED=1\n"
+    assert files["etc/fstab"] == (
+        "${ENROOT_ROOTFS}/data /data none x-create=dir,bind,rw,nosuid,nodev\n"
+        "${ENROOT_ROOTFS}/scratch /scratch none x-create=dir,bind,rw,nosuid,nodev\n")
+    assert files["etc/rc.local"].startswith("# This file is sourced by /etc/rc")
+    assert enroot_layout.enroot_files({})["etc/fstab"] == ""
+    assert enroot_layout.image_config({"Config": {"Env": ["A=1"]}}) == {"Env": ["A=1"]}
+
+
+def test_rc_runs_under_sh(tmp_path):
+    """The generated rc is valid shell: it cds to WORKDIR and execs ENTRYPOINT + arguments."""
+    if os.path.getsize("/etc/rc.local") if os.path.exists("/etc/rc.local") else 0:
+        pytest.skip("the rc would source this host's /etc/rc.local")
+    rc = tmp_path / "rc"
+    rc.write_text(enroot_layout.rc_text({"WorkingDir": str(tmp_path / "wd"),
+                                         "Entrypoint": ["echo", "a b"], "Cmd": ["default"]}))
+    run = subprocess.run(["sh", str(rc)], capture_output=True, text=True, check=True)
+    assert run.stdout == "a b default\n"
+    run = subprocess.run(["sh", str(rc), "x", "$HOME"], capture_output=True, text=True, check=True)
+    assert run.stdout == "a b x $HOME\n"
+    assert (tmp_path / "wd").is_dir()
+
+
+def test_bash_quote_matches_bash():
+    words = ["abc", "it's", "", "a b", "a\nb", "t\tx", "$HOME", "é", "\x01", "\\", "a'b\nc"]
+    for word in words:
+        bash = subprocess.run(["bash", "-c", 'printf %s "${1@Q}"', "_", word],
+                              capture_output=True, text=True, check=True,
+                              env={"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"})
+        assert enroot_layout.bash_quote(word) == bash.stdout, word
+
+
+# ------------------------------------------------------------------- real build (podman)
+
+def _need(ok: bool, reason: str) -> None:
+    """Skip when a tool is missing, except on CI, where every tool must be installed."""
+    if not ok:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must provide this: {reason}")
+        pytest.skip(reason)
+
+
+def _podman(*args: str) -> subprocess.CompletedProcess:
+    env = builder_env("podman", os.environ, ROOT / "containers" / "containers.conf")
+    return subprocess.run(["podman", *args], env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def base_image():
+    """localhost/enn-testbase:latest from debootstrap (tar cached in BASE_CACHE)."""
+    _need(os.geteuid() == 0, "the podman build test needs root")
+    for tool in ("podman", "debootstrap", "mksquashfs", "unsquashfs"):
+        _need(shutil.which(tool) is not None, f"{tool} not installed (slurm/dev/install-deps.sh)")
+    existed = _podman("image", "exists", BASE_TAG).returncode == 0
+    make = subprocess.run(["bash", str(ROOT / "containers/dev/make-base-image.sh"),
+                           str(BASE_CACHE), BASE_TAG], capture_output=True, text=True, timeout=600)
+    assert make.returncode == 0, make.stdout + make.stderr
+    yield BASE_TAG
+    if not existed:
+        _podman("rmi", BASE_TAG)
+
+
+def _snapshot_context(dest: Path) -> Path:
+    """Copy what the build sees (plus the Dockerfile) so concurrent edits cannot move the key."""
+    for rel, fingerprint in context_entries(ROOT):
+        if fingerprint == "d":
+            (dest / rel).mkdir(parents=True, exist_ok=True)
+        else:
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dest / rel, follow_symlinks=False)
+    for rel in (".dockerignore", "containers/Dockerfile"):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+    return dest / "containers" / "Dockerfile"
+
+
+@pytest.mark.podman
+def test_build_image_makes_an_enroot_squashfs(tmp_path, base_image):
+    ctx = tmp_path / "ctx"
+    dockerfile = _snapshot_context(ctx)
+    cache, lines = tmp_path / "cache", []
+    sqsh = build_image(dockerfile, ctx, cache, build_args=TEST_BUILD_ARGS, builder="podman",
+                       progress=lines.append)
+    assert sqsh == image_path(cache, image_key(dockerfile, ctx, TEST_BUILD_ARGS))
+    assert [p.name for p in cache.iterdir()] == [sqsh.name]  # no partial files left
+    assert any(line.startswith("enn build: mksquashfs") for line in lines), lines
+
+    listing = subprocess.run(["unsquashfs", "-lls", str(sqsh)], capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+    entries = {line.split()[-1] if "->" not in line else line.split()[-3]: line.split()[1]
+               for line in listing if "squashfs-root" in line}
+    names = {name.removeprefix("squashfs-root") or "/" for name in entries}
+    assert {"/etc/rc", "/etc/rc.local", "/etc/environment", "/etc/fstab", "/workspace"} <= names
+    assert not [n for n in names if n.startswith("/dev/")] and "/.dockerenv" not in names
+    assert set(entries.values()) == {"root/root"}
+    assert any(n.endswith("-packages/enn_cluster/image.py") for n in names)
+
+    rc = _cat(sqsh, "etc/rc")
+    assert rc.startswith(f"# enroot-provenance: podman://localhost/enn-cluster:{sqsh.stem[4:]}")
+    assert 'cd "/workspace" && unset OLDPWD || exit 1' in rc
+    assert "# org.opencontainers.image.title enn_cluster" in rc
+    assert "PYTHONUNBUFFERED=1\n" in _cat(sqsh, "etc/environment")
+    tag = rc.splitlines()[0].split("podman://")[1]
+    assert _podman("image", "exists", tag).returncode == 1, f"{tag} was not removed"
+
+    rootfs = tmp_path / "rootfs"
+    subprocess.run(["unsquashfs", "-q", "-d", str(rootfs), str(sqsh)], check=True,
+                   capture_output=True)
+    chroot = shutil.which("chroot", path="/usr/sbin:/usr/bin:/sbin:/bin")
+    run = subprocess.run([chroot, str(rootfs), "/bin/sh", "/etc/rc", "python3", "-c",
+                          "import os, enn_cluster; print(os.getcwd(), enn_cluster.__file__)"],
+                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    cwd, module = run.stdout.split()
+    assert cwd == "/workspace" and "-packages/enn_cluster/" in module
+
+    start = time.monotonic()
+    again = build_image(dockerfile, ctx, cache, build_args=TEST_BUILD_ARGS,
+                        progress=lines.append)
+    assert again == sqsh and time.monotonic() - start < 2
+    assert "up to date" in lines[-1]
+
+
+def _cat(sqsh: Path, path: str) -> str:
+    return subprocess.run(["unsquashfs", "-cat", str(sqsh), path], capture_output=True,
+                          text=True, check=True).stdout
