@@ -16,12 +16,28 @@ from .errors import UserError
 def _add_shape_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", choices=("local", "slurm"), default="local",
                    help="where workers run: local processes (default) or Slurm via submitit")
-    p.add_argument("--nodes", type=int, default=None, help="nodes (simulated when local)")
+    p.add_argument("--nodes", default=None,
+                   help="nodes (simulated when local); on Slurm MIN-MAX takes what is granted")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (0: CPU)")
     p.add_argument("--procs-per-node", type=int, default=None,
                    help="processes per node on CPU (default: GPUs per node, or the config)")
     p.add_argument("--max-restarts", type=int, default=None,
                    help="retries after a worker failure (default: parallel.max_restarts)")
+    g = p.add_argument_group("Slurm (with --cluster slurm; the site config fills the rest)")
+    g.add_argument("--partition")
+    g.add_argument("--account")
+    g.add_argument("--qos")
+    g.add_argument("--time", help="minutes or a Slurm time string (e.g. 2-00:00:00)")
+    g.add_argument("--exclusive", action="store_true")
+    g.add_argument("--container", default=None,
+                   help="squashfs path or registry image for Pyxis; 'none' runs bare metal")
+    g.add_argument("--mount", dest="mounts", action="append", default=[], metavar="SRC:DST[:FLAGS]")
+    g.add_argument("--python", default=None, help="interpreter the tasks run (inside the container)")
+    g.add_argument("--site", default=None, help="site config YAML (default: search order, see docs)")
+    g.add_argument("--job-name", default=None)
+    g.add_argument("--signal-grace", type=int, default=None,
+                   help="seconds between the USR2 warning and the time limit")
+    g.add_argument("--wait", action="store_true", help="block until the Slurm job ends")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +62,30 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_predict import register as register_prediction
 
     register_prediction(sub, _add_shape_flags, COMMANDS)
+
+    p = sub.add_parser("build", help="build containers/Dockerfile into an Enroot squashfs (cached)")
+    p.add_argument("--dockerfile", default="containers/Dockerfile")
+    p.add_argument("--context", default=".", help="build context (the repository root)")
+    p.add_argument("--cache-dir", default=None, help="image cache (default $ENN_IMAGE_CACHE "
+                   "or ~/.cache/enn_cluster/images; on a cluster: the shared filesystem)")
+    p.add_argument("--build-arg", dest="build_args", action="append", default=[],
+                   metavar="KEY=VALUE", help="e.g. BASE_IMAGE=nvcr.io/nvidia/pytorch:25.03-py3")
+    p.add_argument("--builder", choices=("podman", "docker"), default=None)
+
+    p = sub.add_parser("render", help="print the Slurm batch script for a run or config (dry run)")
+    p.add_argument("target", help="a run directory or a run YAML")
+    p.add_argument("--task", choices=("train", "predict"), default="train")
+    p.add_argument("--name", default=None, help="prediction name (--task predict)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_shape_flags(p)
+
+    p = sub.add_parser("logs", help="a rank's log of the newest attempt")
+    p.add_argument("run_dir")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--follow", action="store_true", help="keep printing while the run is live")
+
+    p = sub.add_parser("cancel", help="cancel the run's Slurm job or stop its local launcher")
+    p.add_argument("run_dir")
 
     p = sub.add_parser("verify", help="check every committed checkpoint against its record")
     p.add_argument("run_dir")
@@ -102,14 +142,34 @@ def launch_run(args, run, task, shape, restarts, name=None, step=None) -> int:
 
 def _launch(args, run, task, shape, restarts, name=None, step=None) -> int:
     if args.cluster == "slurm":
-        raise UserError("--cluster slurm: Slurm submission is not available in this build; "
-                        "use --cluster local")
+        from .cli_ops import submit_to_slurm
+
+        return submit_to_slurm(args, run, task, shape, restarts, name=name, step=step)
     from .launch import run_local
 
     code = run_local(run, task, shape, restarts, name=name, step=step)
     if code == 0:
         print(f"done: checkpoints in {run.checkpoints}, metrics in {run.metrics}", file=sys.stderr)
     return code
+
+
+def cmd_build(args) -> int:
+    from .image import build_image, default_cache_dir
+
+    build_args = {}
+    for item in args.build_args:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--build-arg {item!r}: expected KEY=VALUE")
+        build_args[key] = value
+    for flag, path in (("--dockerfile", args.dockerfile), ("--context", args.context)):
+        if not Path(path).exists():
+            raise UserError(f"{flag}: {path} does not exist")
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    image = build_image(args.dockerfile, args.context, cache, build_args=build_args,
+                        builder=args.builder)
+    print(image)
+    return 0
 
 
 def cmd_verify(args) -> int:
@@ -140,7 +200,18 @@ def cmd_status(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "verify": cmd_verify,
-            "status": cmd_status}
+            "status": cmd_status, "build": cmd_build}
+
+
+def _ops(name: str):
+    def handler(args) -> int:
+        from . import cli_ops
+
+        return getattr(cli_ops, name)(args)
+    return handler
+
+
+COMMANDS.update(render=_ops("cmd_render"), logs=_ops("cmd_logs"), cancel=_ops("cmd_cancel"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

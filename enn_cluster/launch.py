@@ -31,13 +31,24 @@ class LaunchShape:
         return self.nodes * self.procs_per_node
 
 
-def shape_from_flags(cfg: RunConfig, nodes: Optional[int], gpus_per_node: Optional[int],
+def parse_nodes(value) -> tuple[int, int]:
+    """--nodes N or MIN-MAX (Slurm grants something in the range; DCP reshards)."""
+    text = str(value).strip()
+    lo, sep, hi = text.partition("-")
+    try:
+        lo_i, hi_i = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise UserError(f"--nodes: {text!r} is not a number or a MIN-MAX range, e.g. 4 or 2-4")
+    if lo_i < 1 or hi_i < lo_i:
+        raise UserError(f"--nodes: {text!r} must be >= 1 (and MIN <= MAX)")
+    return lo_i, hi_i
+
+
+def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],
                      procs_per_node: Optional[int]) -> LaunchShape:
-    nodes = nodes if nodes is not None else cfg.parallel.nodes
+    nodes = parse_nodes(nodes)[0] if nodes is not None else cfg.parallel.nodes
     gpus = gpus_per_node or 0
     procs = procs_per_node if procs_per_node is not None else (gpus or cfg.parallel.procs_per_node)
-    if nodes < 1:
-        raise UserError(f"--nodes: {nodes} must be >= 1")
     if procs < 1:
         raise UserError(f"--procs-per-node: {procs} must be >= 1")
     if gpus < 0:

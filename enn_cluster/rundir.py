@@ -172,7 +172,7 @@ def read_lock(run: RunDir) -> Optional[dict]:
         return None
 
 
-def _owner_alive(owner: dict, slurm_job_alive=None) -> bool:
+def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
     if owner.get("slurm_job_id") and slurm_job_alive is not None:
         return slurm_job_alive(owner["slurm_job_id"])
     if owner.get("host") != socket.gethostname():
@@ -199,7 +199,7 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
             if current and (current.get("slurm_job_id") and
                             current.get("slurm_job_id") == owner.get("slurm_job_id")):
                 return current  # the same Slurm job, requeued or another task
-            if current and _owner_alive(current, slurm_job_alive):
+            if current and owner_alive(current, slurm_job_alive):
                 who = (f"Slurm job {current['slurm_job_id']}" if current.get("slurm_job_id")
                        else f"pid {current.get('pid')} on {current.get('host')}")
                 raise UserError(f"run directory {run.path} is in use by {who}; wait for it, "

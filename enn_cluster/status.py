@@ -29,7 +29,7 @@ def run_status(path: Path) -> dict:
         "checkpoints": store.committed_steps(run.checkpoints),
         "last_checkpoint": store.latest_committed(run.checkpoints),
         "jobs": jobs,
-        "lock": read_lock(run),
+        "lock": _live_lock(run),
     }
     slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
     if slurm_jobs:
@@ -37,6 +37,20 @@ def run_status(path: Path) -> dict:
 
         status["slurm"] = job_state(str(slurm_jobs[-1]["job_id"]))
     return status
+
+
+def _live_lock(run: RunDir):
+    """The lock's owner, only while it is alive (a finished job leaves its lock behind)."""
+    owner = read_lock(run)
+    if not owner:
+        return None
+    if owner.get("slurm_job_id"):
+        from .slurm_state import job_alive
+
+        return owner if job_alive(str(owner["slurm_job_id"])) else None
+    from .rundir import owner_alive
+
+    return owner if owner_alive(owner) else None
 
 
 def format_status(st: dict) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Optional
@@ -45,6 +46,9 @@ def _setup_logging(run: RunDir, env) -> None:
         sh = logging.StreamHandler(sys.stderr)
         sh.setFormatter(fmt)
         root.addHandler(sh)
+    log.info("worker rank %d/%d local %d node %d pid %d host %s launcher %s restart %d",
+             env.rank, env.world_size, env.local_rank, env.node_rank, os.getpid(),
+             socket.gethostname(), env.launcher, env.restart_count)
 
 
 def _configure_nccl(env) -> None:
@@ -105,7 +109,9 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
     finally:
         trainer.close()
     if outcome == "stopped":
-        if env.rank == 0 and env.job_id:
+        if env.job_id:
+            # every rank writes it: with --kill-on-bad-exit the first rank to exit may
+            # get the others killed before rank 0 alone would have written it
             marker = run.requeue / str(env.job_id)
             marker.parent.mkdir(exist_ok=True)
             marker.write_text(str(trainer.step))

@@ -1,0 +1,131 @@
+"""Operations on runs from the login node: submit to Slurm, render, logs, cancel, wait.
+
+No torch here: these commands must answer fast on a login node.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .errors import UserError
+from .rundir import RunDir, read_lock
+
+
+def _spec(args, run: RunDir, task: str, shape, restarts: int, name: Optional[str] = None):
+    from .submit_slurm import build_spec
+
+    nodes = str(args.nodes) if args.nodes is not None else None
+    args.nodes_range = nodes if nodes and "-" in nodes else None
+    return build_spec(args, run, task, shape, restarts, name=name)
+
+
+def submit_to_slurm(args, run: RunDir, task: str, shape, restarts: int,
+                    name: Optional[str] = None, step: Optional[int] = None) -> int:
+    from .submit_slurm import submit
+
+    spec = _spec(args, run, task, shape, restarts, name)
+    job_id = submit(run, spec, step=step)
+    print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
+    print(job_id)
+    if getattr(args, "wait", False):
+        return wait_for_job(job_id)
+    return 0
+
+
+def wait_for_job(job_id: str, poll_s: float = 1.0) -> int:
+    """Block until the job leaves Slurm's live states; 0 only when it COMPLETED."""
+    from .slurm_state import LIVE_STATES, job_state
+
+    while True:
+        state = job_state(job_id)
+        if state["state"] not in LIVE_STATES:
+            print(f"Slurm job {job_id}: {state['state']}", file=sys.stderr)
+            return 0 if state["state"] == "COMPLETED" else 1
+        time.sleep(poll_s)
+
+
+def cmd_render(args) -> int:
+    """Print the exact batch script a job for this run would use (dry run, nothing written)."""
+    from .config import load_config
+    from .job_spec import render_batch_script
+    from .launch import shape_from_flags
+    from .rundir import run_dir_for
+
+    target = Path(args.target)
+    if (target / "config.yaml").exists():
+        run = RunDir(target.resolve())
+        cfg = run.load_config()
+    else:
+        cfg = load_config(str(target), args.overrides)
+        run = run_dir_for(cfg)
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
+
+    spec_run = run if (run.path / "config.yaml").exists() else _ConfigOnlyRun(run.path, cfg)
+    spec = _spec(args, spec_run, args.task, shape, restarts, args.name)
+    sys.stdout.write(render_batch_script(spec))
+    return 0
+
+
+class _ConfigOnlyRun(RunDir):
+    """A run directory that does not exist yet: render needs its path and config only."""
+
+    def __init__(self, path: Path, cfg) -> None:
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "_cfg", cfg)
+
+    def load_config(self):
+        return self._cfg
+
+
+def _latest_log_dir(run: RunDir) -> Path:
+    dirs = [d for d in run.logs.iterdir() if d.is_dir()] if run.logs.exists() else []
+    if not dirs:
+        raise UserError(f"{run.path}: no logs yet")
+    return max(dirs, key=lambda d: d.stat().st_mtime)
+
+
+def cmd_logs(args) -> int:
+    run = RunDir(Path(args.run_dir).resolve())
+    path = _latest_log_dir(run) / f"rank-{args.rank}.log"
+    if not path.exists():
+        raise UserError(f"--rank {args.rank}: no log at {path}")
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        sys.stdout.write(fh.read())
+        sys.stdout.flush()
+        while args.follow:
+            line = fh.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            elif read_lock(run) is None:
+                break  # nothing holds the run: the job is over
+            else:
+                time.sleep(0.5)
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    """Cancel the run's live Slurm job, or stop its local launcher (SIGTERM to its pid)."""
+    from .slurm_state import cancel, job_alive
+
+    run = RunDir(Path(args.run_dir).resolve())
+    owner = read_lock(run)
+    jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
+    if jobs and job_alive(str(jobs[-1]["job_id"])):
+        cancel(str(jobs[-1]["job_id"]))
+        print(f"cancelled Slurm job {jobs[-1]['job_id']}")
+        return 0
+    if owner and owner.get("pid"):
+        try:
+            os.kill(int(owner["pid"]), signal.SIGTERM)
+            print(f"sent SIGTERM to local launcher pid {owner['pid']}")
+            return 0
+        except ProcessLookupError:
+            pass
+    print(f"{run.path}: nothing is running")
+    return 0

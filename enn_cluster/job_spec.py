@@ -1,0 +1,397 @@
+"""One Slurm job, as data, and the two ways it reaches Slurm.
+
+`JobSpec` is validated once (a `UserError` names the flag and the fix), then
+`render_batch_script` fills the admin template (what `enn-submit render` prints) and
+`submitit_parameters` feeds submitit. Both launch the same worker command with the same
+srun and Pyxis flags and the same host-side requeue snippet. Every value that lands in
+a shell line goes through `shlex.quote`; `#SBATCH` lines are not shell, so values that
+would break them are refused instead. Pure: no torch, no subprocess.
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Mapping, Optional, Union
+
+from . import nccl, pyxis
+from .errors import UserError
+
+TASKS = ("train", "predict")
+WORKER_MODULE = "enn_cluster.worker"
+DEFAULT_MAX_RESTARTS = 20
+# sbatch options JobSpec owns; extra_sbatch_args may not repeat them.
+MANAGED_SBATCH = frozenset({
+    "job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem",
+    "time", "partition", "account", "qos", "exclusive", "signal", "requeue", "no-requeue",
+    "open-mode", "output", "error"})
+MANAGED_SRUN = ("--container-", "--no-container-", "--output", "--error", "--kill-on-bad-exit")
+
+_NAME = re.compile(r"^\w[\w.+-]*\Z")  # job / prediction names (unicode letters allowed)
+_SLURM_WORD = re.compile(r"^[\w.,+-]+\Z")  # partition, account, qos
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*\Z")
+_SBATCH_UNSAFE = re.compile(r"[\s'\"\\#$`]|[\x00-\x1f\x7f]")
+_TIME = re.compile(r"^(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?\Z")
+
+
+def time_minutes(value: Union[int, str], field_name: str = "--time") -> int:
+    """Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) or int -> minutes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        minutes = value
+    elif isinstance(value, str) and _TIME.match(value.strip()):
+        d, a, b, c = _TIME.match(value.strip()).groups()
+        nums = [int(x) for x in (a, b, c) if x is not None]
+        if d is not None:  # D-HH[:MM[:SS]]
+            h, m, s = (nums + [0, 0])[:3]
+            secs = ((int(d) * 24 + h) * 60 + m) * 60 + s
+        elif len(nums) == 3:
+            secs = (nums[0] * 60 + nums[1]) * 60 + nums[2]
+        else:  # MM or MM:SS
+            secs = nums[0] * 60 + (nums[1] if len(nums) == 2 else 0)
+        minutes = -(-secs // 60)
+    else:
+        raise UserError(f"{field_name}: {value!r} is not a time; give minutes (240) or a "
+                        "Slurm time like 04:00:00 or 1-12:00:00")
+    if minutes <= 0:
+        raise UserError(f"{field_name}: {value!r} must be at least one minute")
+    return minutes
+
+
+def _fail(flag: str, problem: str, fix: str) -> UserError:
+    return UserError(f"{flag}: {problem}; {fix}")
+
+
+def check_line(line: str, flag: str) -> str:
+    if not isinstance(line, str) or "\n" in line or "\r" in line or "\0" in line:
+        raise _fail(flag, f"{line!r} is not one line", "give one command or argument per item")
+    return line
+
+
+def parse_sbatch_arg(arg: str, flag: str = "--sbatch-arg") -> tuple[str, Union[str, bool]]:
+    """'--key=value' or '--key' -> (key, value|True), safe on an #SBATCH line."""
+    check_line(arg, flag)
+    key, eq, value = arg.partition("=")
+    key = key[2:] if key.startswith("--") else ""
+    if not _SBATCH_KEY.match(key) or (eq and not value):
+        raise _fail(flag, f"{arg!r} is not a long sbatch option",
+                    "write --option=value, e.g. --constraint=a100")
+    if key in MANAGED_SBATCH:
+        raise _fail(flag, f"--{key} is set by enn_cluster", "use its own flag or site key")
+    if _SBATCH_UNSAFE.search(value):
+        raise _fail(flag, f"{arg!r} has spaces, quotes, '#', '$' or '\\'",
+                    "#SBATCH lines cannot carry them; drop those characters")
+    return key, (value if eq else True)
+
+
+def check_srun_arg(arg: str, flag: str = "--srun-arg") -> str:
+    check_line(arg, flag)
+    if not arg.startswith("-"):
+        raise _fail(flag, f"{arg!r} is not an option", "write --option=value (one item each)")
+    if arg.startswith(MANAGED_SRUN):
+        raise _fail(flag, f"{arg!r} is set by enn_cluster",
+                    "use the container/image flags or site keys instead")
+    return arg
+
+
+def _int(value, flag: str, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise _fail(flag, f"{value!r} is not a whole number >= {lo}", f"give one >= {lo}")
+    return value
+
+
+def check_word(value: Optional[str], flag: str, pattern=_SLURM_WORD) -> Optional[str]:
+    if value is not None and (not isinstance(value, str) or not pattern.match(value)):
+        raise _fail(flag, f"{value!r} has characters an #SBATCH line cannot carry",
+                    "use letters, digits and . _ - +")
+    return value
+
+
+def _nodes(value) -> tuple[int, int]:
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+-[0-9]+", value.strip()):
+        lo, hi = (int(x) for x in value.strip().split("-"))
+    elif isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
+        lo = hi = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        lo = hi = value
+    else:
+        raise _fail("--nodes", f"{value!r} is not a node count", "give N or a range MIN-MAX")
+    if not 1 <= lo <= hi:
+        raise _fail("--nodes", f"{value!r} is empty or below 1", "give 1 <= MIN <= MAX")
+    return lo, hi
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """Everything one job needs; lists become tuples and 'none' image becomes None."""
+
+    job_name: str
+    run_dir: str
+    task: str = "train"
+    predict_name: Optional[str] = None
+    nodes: Union[int, str] = 1  # N, or "MIN-MAX" for an elastic allocation
+    gpus_per_node: int = 1  # one task per GPU
+    procs_per_node: int = 1  # tasks per node when gpus_per_node == 0 (CPU runs)
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[float] = None  # 0: all of each node's memory (--mem=0)
+    time: Union[int, str] = 60  # minutes, or a Slurm time string
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    exclusive: bool = False
+    signal_grace_s: int = 90
+    container_image: Optional[str] = None  # squashfs path or registry ref; None: bare metal
+    container_mounts: tuple[str, ...] = ()
+    container_workdir: Optional[str] = None
+    container_env: tuple[str, ...] = nccl.CONTAINER_ENV_NAMES
+    nccl_profile: str = "auto"
+    env: Mapping[str, str] = field(default_factory=dict)  # extra task variables; kept as pairs
+    python: str = "python3"
+    setup_lines: tuple[str, ...] = ()
+    extra_sbatch_args: tuple[str, ...] = ()
+    extra_srun_args: tuple[str, ...] = ()
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        for name in ("container_mounts", "container_env", "setup_lines",
+                     "extra_sbatch_args", "extra_srun_args"):
+            value = getattr(self, name)
+            fix(name, (value,) if isinstance(value, str) else tuple(value or ()))
+        lo, hi = _nodes(self.nodes)
+        fix("nodes", lo if lo == hi else f"{lo}-{hi}")
+        if pyxis.is_bare_metal(self.container_image):
+            fix("container_image", None)
+        if not isinstance(self.env, Mapping):
+            raise _fail("--env", f"{self.env!r} is not a mapping", "give NAME=VALUE pairs")
+        fix("env", tuple(self.env.items()))
+        _validate(self)
+
+    @property
+    def time_minutes(self) -> int:
+        return time_minutes(self.time)
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        return _nodes(self.nodes)
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.gpus_per_node or self.procs_per_node
+
+    @property
+    def mounts(self) -> tuple[pyxis.Mount, ...]:
+        """User mounts, then the run directory at its own path (the worker reads it)."""
+        return (*pyxis.parse_mounts(self.container_mounts),
+                pyxis.Mount(self.run_dir, self.run_dir))
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        """--container-env: the spec's names plus the extra variables it exports."""
+        return pyxis.check_env_names((*self.container_env, *(k for k, _ in self.env)))
+
+    @property
+    def worker_args(self) -> list[str]:
+        args = ["-m", WORKER_MODULE, self.run_dir, "--task", self.task]
+        return args + (["--name", self.predict_name] if self.task == "predict" else [])
+
+
+def _validate(s: JobSpec) -> None:
+    check_word(s.job_name, "--job-name", _NAME)
+    pyxis.check_path(s.run_dir, "RUN_DIR", "run directory")
+    if "%" in s.run_dir or posixpath.normpath(s.run_dir) != s.run_dir:
+        raise _fail("RUN_DIR", f"{s.run_dir!r} has '%', '.', '..', '//' or a trailing '/'",
+                    "give the plain absolute path ('%' is a log-name pattern in Slurm)")
+    if s.task not in TASKS:
+        raise _fail("--task", f"{s.task!r} is not a task", "use train or predict")
+    if s.task == "predict":
+        if not s.predict_name:
+            raise _fail("--name", "predict needs a prediction name", "pass --name NAME")
+        check_word(s.predict_name, "--name", _NAME)
+    time_minutes(s.time)
+    _int(s.gpus_per_node, "--gpus-per-node", 0)
+    _int(s.procs_per_node, "--procs-per-node", 1)
+    if s.cpus_per_task is not None:
+        _int(s.cpus_per_task, "--cpus-per-task", 1)
+    if s.mem_gb is not None and (isinstance(s.mem_gb, bool) or
+                                 not isinstance(s.mem_gb, (int, float)) or s.mem_gb < 0):
+        raise _fail("--mem-gb", f"{s.mem_gb!r} is not a size", "give GB per node, 0 for all")
+    for flag in ("partition", "account", "qos"):
+        check_word(getattr(s, flag), f"--{flag}")
+    _int(s.signal_grace_s, "--signal-grace", 1)
+    _int(s.max_restarts, "--max-restarts", 0)
+    if s.time_minutes * 60 <= s.signal_grace_s + 60:
+        raise _fail("--time", f"{s.time!r} leaves no run time before the USR2 warning "
+                    f"({s.signal_grace_s} s before the end; Slurm may send it 60 s early)",
+                    f"give more than {(s.signal_grace_s + 60) // 60 + 1} minutes or a "
+                    "smaller --signal-grace")
+    if not isinstance(s.exclusive, bool):
+        raise _fail("--exclusive", f"{s.exclusive!r} is not true/false", "give a boolean")
+    _validate_container(s)
+    check_line(s.python, "--python")
+    if not s.python.strip():
+        raise _fail("--python", "empty interpreter", "give python3 or a path")
+    nccl.check_profile(s.nccl_profile, "--nccl-profile")
+    for name, value in s.env:
+        pyxis.check_env_names([name], "--env")
+        if not isinstance(value, str) or "\0" in value:
+            raise _fail("--env", f"{name}={value!r} is not a string", "give text values")
+    for i, line in enumerate(s.setup_lines):
+        check_line(line, f"setup_lines[{i}]")
+    for i, arg in enumerate(s.extra_sbatch_args):
+        parse_sbatch_arg(arg, f"--sbatch-arg[{i}]")
+    for i, arg in enumerate(s.extra_srun_args):
+        check_srun_arg(arg, f"--srun-arg[{i}]")
+
+
+def _validate_container(s: JobSpec) -> None:
+    if s.container_image is None:
+        if s.container_mounts or s.container_workdir:
+            raise _fail("--container-mounts", "mounts or workdir given without an image",
+                        "pass --container-image, or drop them for bare metal")
+        return
+    pyxis.check_image(s.container_image)
+    pyxis.parse_mounts(s.container_mounts)
+    if s.container_workdir is not None:
+        pyxis.check_path(s.container_workdir, "--container-workdir")
+    pyxis.check_env_names(s.container_env)
+
+
+# -- shared pieces --------------------------------------------------------------------
+
+def _q(value) -> str:
+    return shlex.quote(str(value))
+
+
+def _template(name: str) -> str:
+    return resources.files("enn_cluster").joinpath("templates", name).read_text("utf-8")
+
+
+def host_setup_lines() -> list[str]:
+    """The host-side snippet (MASTER_PORT, requeue EXIT trap) both paths share."""
+    return _template("host_setup.sh").splitlines()
+
+
+def env_lines(spec: JobSpec) -> list[str]:
+    """Extra variables (always set), then the profile's NCCL defaults, each skipped at run
+    time when the job's environment (the submitter's, a module) already has it."""
+    lines = [f"export {k}={_q(v)}" for k, v in spec.env]
+    lines.append(f"export {nccl.PROFILE_VAR}={_q(spec.nccl_profile)}")
+    for name, value in nccl.script_env(spec.nccl_profile).items():
+        if name == "LD_LIBRARY_PATH":
+            lines.append(f'export LD_LIBRARY_PATH={_q(value)}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"')
+        else:
+            lines.append(f'[ -n "${{{name}+x}}" ] || export {name}={_q(value)}')
+    return lines
+
+
+def srun_args(spec: JobSpec) -> list[str]:
+    """srun arguments before the interpreter: Pyxis flags, then the user's extras."""
+    flags = pyxis.srun_container_flags(spec.container_image, spec.mounts,
+                                       spec.container_workdir, spec.env_names)
+    return ["--kill-on-bad-exit=1", *flags, *spec.extra_srun_args]
+
+
+def worker_command(spec: JobSpec) -> list[str]:
+    return [spec.python, *spec.worker_args]
+
+
+def _mem(spec: JobSpec) -> Optional[str]:
+    if spec.mem_gb is None:
+        return None
+    if spec.mem_gb == 0:
+        return "0"
+    return f"{int(spec.mem_gb)}G" if spec.mem_gb == int(spec.mem_gb) else f"{int(spec.mem_gb * 1024)}M"
+
+
+# -- submitit ---------------------------------------------------------------------------
+
+def submitit_parameters(spec: JobSpec) -> dict:
+    """Keyword arguments for `AutoExecutor(...).update_parameters(**...)` on Slurm (names
+    checked against submitit 1.5.4's `_make_sbatch_string` signature)."""
+    lo, hi = spec.node_range
+    extra: dict = {"requeue": True, "open-mode": "append"}
+    if lo != hi:
+        extra["nodes"] = f"{lo}-{hi}"
+    if spec.mem_gb == 0:
+        extra["mem"] = "0"  # submitit would write 0GB
+    extra.update(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)
+    params = {
+        "name": spec.job_name, "nodes": lo, "tasks_per_node": spec.tasks_per_node,
+        "timeout_min": spec.time_minutes, "slurm_signal_delay_s": spec.signal_grace_s,
+        "slurm_srun_args": srun_args(spec), "slurm_additional_parameters": extra,
+        "slurm_setup": [
+            "# enn_cluster: host-side setup (job_spec.submitit_parameters)",
+            f"ENN_RUN_DIR={_q(spec.run_dir)}", f"ENN_MAX_RESTARTS={spec.max_restarts}",
+            *spec.setup_lines, *env_lines(spec), *host_setup_lines()],
+    }
+    optional = {"gpus_per_node": spec.gpus_per_node or None, "cpus_per_task": spec.cpus_per_task,
+                "mem_gb": spec.mem_gb or None, "slurm_partition": spec.partition,
+                "slurm_account": spec.account, "slurm_qos": spec.qos,
+                "slurm_exclusive": True if spec.exclusive else None}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def submitit_executor_kwargs(spec: JobSpec) -> dict:
+    """`AutoExecutor(folder, **...)`: the interpreter srun starts. `python` is a
+    constructor argument in submitit 1.5.4, not an update_parameters one; submitit puts it
+    in the script unquoted, so it is quoted here."""
+    return {"slurm_python": _q(spec.python)}
+
+
+# -- batch script -----------------------------------------------------------------------
+
+def sbatch_lines(spec: JobSpec) -> list[str]:
+    lo, hi = spec.node_range
+    opts = [("job-name", spec.job_name), ("nodes", f"{lo}-{hi}" if lo != hi else lo),
+            ("ntasks-per-node", spec.tasks_per_node),
+            ("gpus-per-node", spec.gpus_per_node or None), ("cpus-per-task", spec.cpus_per_task),
+            ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
+            ("account", spec.account), ("qos", spec.qos),
+            ("exclusive", True if spec.exclusive else None), ("requeue", True),
+            ("open-mode", "append"), ("signal", f"USR2@{spec.signal_grace_s}"),
+            ("output", f"{spec.run_dir}/logs/%x-%j.out"),
+            *(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)]
+    return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}"
+            for k, v in opts if v is not None]
+
+
+def parameter_lines(spec: JobSpec) -> list[str]:
+    """The template's parameter block with this spec's values (same names, fixed)."""
+    values = [("ENN_RUN_DIR", spec.run_dir)]
+    if spec.task == "predict":
+        values.append(("ENN_PREDICT_NAME", spec.predict_name))
+    values += [("ENN_IMAGE", spec.container_image or ""),
+               ("ENN_MOUNTS", ",".join(str(m) for m in pyxis.parse_mounts(spec.container_mounts))),
+               ("ENN_WORKDIR", spec.container_workdir or ""),
+               ("ENN_CONTAINER_ENV", ",".join(spec.env_names)), ("ENN_PYTHON", spec.python),
+               ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts),
+               ("ENN_NCCL_PROFILE", spec.nccl_profile)]
+    lines = [f"{k}={_q(v)}" for k, v in values]
+    return lines + ["enn_srun_extra=(" + " ".join(_q(a) for a in spec.extra_srun_args) + ")"]
+
+
+def replace_block(text: str, name: str, lines: list[str]) -> str:
+    """Replace what lies between '# >>> NAME' and '# <<< NAME' (markers kept)."""
+    start = re.search(rf"^# >>> {re.escape(name)}\b.*\n", text, re.M)
+    end = re.search(rf"^# <<< {re.escape(name)}\n", text, re.M)
+    if not start or not end or end.start() < start.end():
+        raise ValueError(f"template has no '{name}' block")
+    body = "".join(line + "\n" for line in lines)
+    return text[:start.end()] + body + text[end.start():]
+
+
+def render_batch_script(spec: JobSpec, template: Optional[str] = None) -> str:
+    """The exact batch script for `spec` (`enn-submit render`): the admin template with
+    its usage, sbatch, parameter, setup and nccl blocks filled in."""
+    text = template if template is not None else _template(f"{spec.task}.sbatch")
+    usage = [f"# Rendered by enn-submit for job {spec.job_name}: submit it with `sbatch FILE`.",
+             "# Values are fixed here; slurm/*.sbatch takes them from ENN_* variables.",
+             "# On USR2 the worker checkpoints; the EXIT trap below requeues from the host."]
+    for name, lines in (("usage", usage), ("sbatch", sbatch_lines(spec)),
+                        ("parameters", parameter_lines(spec)),
+                        ("setup", list(spec.setup_lines)), ("nccl", env_lines(spec))):
+        text = replace_block(text, name, lines)
+    return text

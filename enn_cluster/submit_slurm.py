@@ -1,0 +1,106 @@
+"""Submit a run's task to Slurm through submitit: one task per GPU, the same worker entry.
+
+`job_spec` decides every flag (pure, golden-tested); this module only turns CLI flags and
+the site config into a JobSpec, hands it to submitit, and records the job in the run.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .errors import UserError
+from .rundir import RunDir, acquire_lock
+
+
+def worker_entry(run_dir: str, task: str, name: Optional[str], step: Optional[int]) -> int:
+    """What submitit runs on every task. A non-zero code must reach srun (kill-on-bad-exit,
+    the host-side requeue trap), so it leaves through sys.exit rather than a return value."""
+    from .worker import run_task
+
+    code = run_task(run_dir, task, name, step)
+    if code:
+        sys.stdout.flush()
+        sys.exit(code)
+    return code
+
+
+def build_spec(args, run: RunDir, task: str, shape, max_restarts: int,
+               name: Optional[str] = None):
+    """CLI flags win over the site config, which wins over defaults (site.merge)."""
+    from .job_spec import JobSpec
+    from .site import DEFAULTS, load_site, merge
+
+    flags = {"partition": args.partition, "account": args.account, "qos": args.qos,
+             "time": args.time, "image": args.container, "python": args.python,
+             "signal_grace_s": args.signal_grace,
+             "mounts": tuple(args.mounts) if args.mounts else None}
+    opts = merge(DEFAULTS, load_site(args.site), flags)
+    bare = opts["image"] in (None, "none")
+    cfg = run.load_config()
+    return JobSpec(
+        job_name=args.job_name or f"enn-{cfg.run_name}"[:64], run_dir=str(run.path),
+        task=task, predict_name=name, nodes=getattr(args, "nodes_range", None) or shape.nodes,
+        gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
+        time=opts["time"], partition=opts["partition"], account=opts["account"],
+        qos=opts["qos"], exclusive=bool(args.exclusive), signal_grace_s=opts["signal_grace_s"],
+        container_image=None if bare else opts["image"],
+        container_mounts=() if bare else tuple(opts["mounts"]),
+        nccl_profile=opts["nccl_profile"],
+        # bare metal: the tasks run this very interpreter (same venv on a shared filesystem)
+        python=args.python or (sys.executable if bare else opts["python"]),
+        setup_lines=tuple(opts["setup_lines"]), extra_sbatch_args=tuple(opts["extra_sbatch_args"]),
+        extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
+
+
+def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
+    """Submit and record; refuse while another live job holds the run."""
+    import submitit
+
+    from .job_spec import submitit_executor_kwargs, submitit_parameters
+    from .slurm_state import job_alive
+
+    _check_lock(run, job_alive)
+    executor = submitit.AutoExecutor(folder=run.path / "slurm" / "%j", cluster="slurm",
+                                     **submitit_executor_kwargs(spec))
+    executor.update_parameters(**submitit_parameters(spec))
+    try:
+        job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name, step)
+    except subprocess_errors() as exc:
+        raise UserError(f"sbatch refused the job: {str(exc).strip().splitlines()[-1]}")
+    job_id = str(job.job_id)
+    acquire_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0},
+                 slurm_job_alive=job_alive)
+    run.record_job(kind="slurm", job_id=job_id, task=spec.task, name=spec.predict_name,
+                   nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
+                   image=spec.container_image)
+    return job_id
+
+
+def subprocess_errors():
+    import subprocess
+
+    import submitit
+
+    return (subprocess.CalledProcessError, submitit.core.utils.FailedJobError)
+
+
+def _check_lock(run: RunDir, job_alive) -> None:
+    from .rundir import read_lock
+
+    owner = read_lock(run)
+    if owner and owner.get("slurm_job_id") and job_alive(owner["slurm_job_id"]):
+        raise UserError(f"run directory {run.path} is in use by Slurm job "
+                        f"{owner['slurm_job_id']}; wait for it or 'enn-submit cancel {run.path}'")
+    if owner and not owner.get("slurm_job_id"):
+        import os
+        import socket
+
+        if owner.get("host") == socket.gethostname():
+            try:
+                os.kill(int(owner.get("pid", 0)), 0)
+                raise UserError(f"run directory {run.path} is in use by pid {owner['pid']} "
+                                "on this host; wait for it or stop it")
+            except ProcessLookupError:
+                pass
+    run.lock_path.unlink(missing_ok=True)

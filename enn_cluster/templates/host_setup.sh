@@ -1,0 +1,29 @@
+# >>> host (shared snippet: enn_cluster/templates/host_setup.sh; runs on the host before srun)
+# Rendezvous port from the job id, as the worker derives it: stable across requeues.
+export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+# Requeue from the host: inside a Pyxis container `scontrol` is missing. When srun returns,
+# this EXIT trap requeues the job (it resumes from the newest complete checkpoint):
+# - a worker stopped by USR2/TERM checkpointed and left RUN_DIR/requeue/JOB_ID: always;
+# - the step failed (a rank died; not exit 2, bad input): at most ENN_MAX_RESTARTS times.
+enn_requeue_if_asked() {
+  local rc=$? marker="$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
+  local failures_file="$ENN_RUN_DIR/requeue/failures-$SLURM_JOB_ID" failures=0 why
+  if [ -e "$marker" ]; then
+    rm -f -- "$marker"
+    why="stopped with a checkpoint"
+  elif [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ]; then
+    [ -f "$failures_file" ] && failures=$(cat -- "$failures_file")
+    if [ "$failures" -ge "$ENN_MAX_RESTARTS" ]; then
+      echo "enn: job $SLURM_JOB_ID failed (exit $rc) after $failures retries (limit $ENN_MAX_RESTARTS)" >&2
+      return 0
+    fi
+    echo "$((failures + 1))" > "$failures_file"
+    why="failed (exit $rc), retry $((failures + 1)) of $ENN_MAX_RESTARTS"
+  else
+    return 0
+  fi
+  echo "enn: requeueing job $SLURM_JOB_ID: $why" >&2
+  scontrol requeue "$SLURM_JOB_ID" || echo "enn: scontrol requeue $SLURM_JOB_ID failed; resubmit to continue from the checkpoint" >&2
+}
+trap enn_requeue_if_asked EXIT
+# <<< host

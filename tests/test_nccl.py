@@ -1,0 +1,148 @@
+"""NCCL fabric detection on fake sysfs trees, and the per-profile environment."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from enn_cluster import nccl
+from enn_cluster.errors import UserError
+
+
+def make_sysfs(root, rdma=(), net=("lo", "eth0"), drivers=None):
+    """A fake /sys: class/infiniband/<dev>/device/driver -> .../drivers/<name>, class/net/*."""
+    drivers = drivers or {}
+    for dev in rdma:
+        device = root / "class" / "infiniband" / dev / "device"
+        device.mkdir(parents=True)
+        if dev in drivers:
+            target = root / "bus" / "pci" / "drivers" / drivers[dev]
+            target.mkdir(parents=True, exist_ok=True)
+            os.symlink(target, device / "driver")
+    for name in net:
+        (root / "class" / "net" / name).mkdir(parents=True)
+    return str(root)
+
+
+@pytest.fixture
+def no_libfabric(tmp_path):
+    return (str(tmp_path / "no-such-efa"),)
+
+
+@pytest.fixture
+def libfabric(tmp_path):
+    (tmp_path / "opt-amazon-efa").mkdir()
+    return (str(tmp_path / "opt-amazon-efa"),)
+
+
+def test_efa_by_device_name(tmp_path, no_libfabric):
+    root = make_sysfs(tmp_path / "sys", rdma=("rdmap16s27", "rdmap32s27"))
+    assert nccl.detect_fabric(root, {}, no_libfabric) == "efa"
+    found = nccl.scan_interfaces(root, no_libfabric)
+    assert found.efa_devices == ("rdmap16s27", "rdmap32s27") and found.ib_devices == ()
+
+
+def test_efa_by_driver(tmp_path, no_libfabric):
+    root = make_sysfs(tmp_path / "sys", rdma=("roce0",), drivers={"roce0": "efa"})
+    assert nccl.detect_fabric(root, {}, no_libfabric) == "efa"
+
+
+def test_unreadable_device_with_libfabric_is_efa(tmp_path, libfabric, no_libfabric):
+    root = make_sysfs(tmp_path / "sys", rdma=("dev0",))
+    assert nccl.detect_fabric(root, {}, libfabric) == "efa"
+    assert nccl.detect_fabric(root, {}, no_libfabric) == "ib"
+
+
+def test_infiniband_lists_mlx5_devices_in_natural_order(tmp_path, libfabric):
+    root = make_sysfs(tmp_path / "sys", rdma=("mlx5_10", "mlx5_0", "mlx5_1"),
+                      drivers={"mlx5_0": "mlx5_core"})
+    found = nccl.scan_interfaces(root, libfabric)  # libfabric does not make mlx5 EFA
+    assert found.fabric == "ib"
+    env = nccl.nccl_env("auto", {}, found)
+    assert env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1,mlx5_10"
+    assert env["NCCL_IB_TIMEOUT"] == "22" and env["NCCL_IB_RETRY_CNT"] == "14"
+    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
+    assert "FI_PROVIDER" not in env and "NCCL_IB_DISABLE" not in env
+
+
+def test_socket_when_no_rdma(tmp_path, libfabric):
+    root = make_sysfs(tmp_path / "sys", net=("lo", "eth0", "docker0", "virbr0", "br-1a2b"))
+    assert nccl.detect_fabric(root, {}, libfabric) == "socket"
+    env = nccl.nccl_env("auto", {}, nccl.scan_interfaces(root, libfabric))
+    assert env["NCCL_IB_DISABLE"] == "1"
+    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth,virbr,br-"
+
+
+def test_missing_sysfs_is_socket(tmp_path, no_libfabric):
+    assert nccl.detect_fabric(str(tmp_path / "nothing"), {}, no_libfabric) == "socket"
+
+
+def test_fabric_override_from_environ(tmp_path, no_libfabric):
+    root = make_sysfs(tmp_path / "sys", rdma=("mlx5_0",))
+    assert nccl.detect_fabric(root, {"ENN_FABRIC": "socket"}, no_libfabric) == "socket"
+    with pytest.raises(UserError, match="ENN_FABRIC"):
+        nccl.detect_fabric(root, {"ENN_FABRIC": "omnipath"}, no_libfabric)
+
+
+def test_efa_profile_values():
+    env = nccl.nccl_env("efa", {})
+    assert env["FI_PROVIDER"] == "efa"
+    assert env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert env["FI_EFA_SET_CUDA_SYNC_MEMOPS"] == "0"
+    assert env["FI_EFA_USE_HUGE_PAGE"] == "0"
+    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
+    assert env["LD_LIBRARY_PATH"] == "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib"
+    for name, value in nccl.COMMON_ENV.items():
+        assert env[name] == value
+
+
+@pytest.mark.parametrize("profile", ["efa", "ib", "socket"])
+def test_user_set_variables_are_never_overridden(profile):
+    full = nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",)))
+    names = [n for n in full if n != "LD_LIBRARY_PATH"]
+    user = {n: "user-value" for n in names}
+    assert not set(nccl.nccl_env(profile, user, nccl.Interfaces(ib_devices=("mlx5_0",)))) & set(names)
+    for name in names:  # one at a time, too: only that one disappears
+        env = nccl.nccl_env(profile, {name: ""}, nccl.Interfaces(ib_devices=("mlx5_0",)))
+        assert name not in env and set(env) == set(full) - {name}
+
+
+def test_library_path_is_only_extended():
+    env = nccl.nccl_env("efa", {"LD_LIBRARY_PATH": "/usr/local/cuda/lib64:/opt/amazon/efa/lib"})
+    assert env["LD_LIBRARY_PATH"] == "/opt/aws-ofi-nccl/lib:/usr/local/cuda/lib64:/opt/amazon/efa/lib"
+    done = "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib:/x"
+    assert "LD_LIBRARY_PATH" not in nccl.nccl_env("efa", {"LD_LIBRARY_PATH": done})
+
+
+def test_none_profile_sets_nothing_and_bad_profile_is_a_user_error():
+    assert nccl.nccl_env("none", {}) == {}
+    with pytest.raises(UserError, match="nccl_profile: 'fast'.*auto, efa, ib, socket, none"):
+        nccl.nccl_env("fast", {})
+
+
+def test_every_name_we_may_set_is_listed():
+    emitted = set()
+    for profile in ("efa", "ib", "socket"):
+        emitted |= set(nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",))))
+    assert emitted <= set(nccl.NCCL_ENV_NAMES)
+    assert emitted - {"LD_LIBRARY_PATH"} <= set(nccl.CONTAINER_ENV_NAMES)
+    assert "LD_LIBRARY_PATH" not in nccl.CONTAINER_ENV_NAMES  # would replace the image's
+
+
+def test_script_env_decides_nothing_node_specific():
+    assert nccl.script_env("auto") == nccl.COMMON_ENV
+    assert "NCCL_IB_HCA" not in nccl.script_env("ib")
+    assert nccl.script_env("efa")["FI_PROVIDER"] == "efa"
+    assert nccl.script_env("none") == {}
+
+
+def test_configure_applies_the_detected_profile(tmp_path, no_libfabric):
+    root = make_sysfs(tmp_path / "sys", rdma=("mlx5_0",))
+    environ = {"ENN_NCCL_PROFILE": "auto", "NCCL_IB_TIMEOUT": "30"}
+    assert nccl.configure(environ, sysfs_root=root, libfabric_paths=no_libfabric) == "ib"
+    assert environ["NCCL_IB_HCA"] == "=mlx5_0" and environ["NCCL_IB_TIMEOUT"] == "30"
+    environ = {"ENN_NCCL_PROFILE": "none"}
+    assert nccl.configure(environ, sysfs_root=root) == "none" and len(environ) == 1
+    environ = {}
+    assert nccl.configure(environ, "socket", sysfs_root=root) == "socket"
+    assert environ["NCCL_IB_DISABLE"] == "1"

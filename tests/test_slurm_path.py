@@ -1,0 +1,102 @@
+"""The cluster path on a real local Slurm cluster (2 nodes in network namespaces):
+submitit submission, host-side requeue after USR2, retry after a killed rank, resume on
+another node count. Every job runs the same worker entry as the embedded default."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import cli, metrics, small_config, write_config
+
+pytestmark = pytest.mark.slurm
+SLURM = ("--cluster", "slurm", "--container", "none", "--time", "10")
+
+
+def _submit(*args) -> str:
+    res = cli(*args, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _wait_train_step(run: Path, step: int, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run, "train")):
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"{run}: no train step {step} within {timeout} s")
+
+
+def _release_requeued(cluster, job_id: str) -> None:
+    """A requeued job waits ~2 min (BeginTime); start it now, as the notes advise."""
+    cluster.wait_job(job_id, ("PENDING",), timeout=60)
+    time.sleep(2)
+    res = cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    assert res.returncode == 0, res.stderr
+
+
+def test_train_2x2_across_two_nodes_then_resume_on_one(slurm_cluster, tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "sl", training={"epochs": 2}))
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--gpus-per-node", "2", "--wait")
+    run = tmp_path / "runs" / "sl"
+    slurm_cluster.wait_job(job, ("COMPLETED",), timeout=120)
+    log = (run / "logs" / f"slurm-{job}-r0" / "rank-3.log").read_text()
+    assert "worker rank 3/4 local 1 node 1" in log and "host n2" in log and "launcher slurm" in log
+    status = cli("status", run)
+    assert f"slurm job:       {job} COMPLETED" in status.stdout, status.stdout
+    assert "last complete:   step-28" in status.stdout
+    job2 = _submit("resume", run, *SLURM, "--nodes", "1", "--gpus-per-node", "2",
+                   "--set", "training.epochs=3", "--wait")
+    slurm_cluster.wait_job(job2, ("COMPLETED",), timeout=120)
+    resume = metrics(run, "resume")[-1]
+    assert (resume["step"], resume["from_world"], resume["world_size"]) == (28, 4, 2)
+    assert metrics(run, "train")[-1]["step"] == 28 + 28
+    assert cli("verify", run).returncode == 0
+
+
+def test_usr2_checkpoints_requeues_on_the_host_and_resumes(slurm_cluster, tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "pre", training={"max_steps": 400}, checkpoint={"every_steps": 1000}))
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--gpus-per-node", "2")
+    run = tmp_path / "runs" / "pre"
+    _wait_train_step(run, 20)
+    res = slurm_cluster.run(["scancel", "--signal=USR2", job])
+    assert res.returncode == 0, res.stderr
+    _release_requeued(slurm_cluster, job)
+    state = slurm_cluster.wait_job(job, ("COMPLETED",), timeout=180)
+    assert state == "COMPLETED"
+    stopped = [r for r in metrics(run, "checkpoint") if r["step"] < 400]
+    assert len(stopped) == 1, metrics(run, "checkpoint")
+    resume = metrics(run, "resume")
+    assert [r["step"] for r in resume] == [stopped[0]["step"]]  # no lost or repeated steps
+    steps = [r["step"] for r in metrics(run, "train")]
+    assert steps == list(range(1, 401))
+    assert not (run / "requeue" / job).exists()
+    assert "(restarts 1)" in cli("status", run).stdout
+
+
+def test_killed_rank_fails_fast_and_retry_resumes(slurm_cluster, tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "kill", training={"max_steps": 300}, checkpoint={"every_steps": 10}))
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--gpus-per-node", "2",
+                  "--max-restarts", "1")
+    run = tmp_path / "runs" / "kill"
+    _wait_train_step(run, 25)
+    log = (run / "logs" / f"slurm-{job}-r0" / "rank-2.log").read_text()
+    pid = int(re.search(r"pid (\d+)", log).group(1))
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    slurm_cluster.wait_job(job, ("PENDING",), timeout=60)
+    assert time.time() - killed_at < 45  # failed fast: no collective hung on the dead rank
+    _release_requeued(slurm_cluster, job)
+    slurm_cluster.wait_job(job, ("COMPLETED",), timeout=180)
+    resume = metrics(run, "resume")[-1]
+    committed_before = [r["step"] for r in metrics(run, "checkpoint") if r["time"] < killed_at]
+    assert resume["step"] == max(committed_before)
+    assert metrics(run, "train")[-1]["step"] == 300
+    assert (run / "requeue" / f"failures-{job}").read_text().strip() == "1"
