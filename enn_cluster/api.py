@@ -1,0 +1,187 @@
+"""The Python API: `train()` and `predict()` drive the same runtime as `enn-submit`.
+
+A call does not loop over `model.forward()` in the caller's process. It stages the data
+into memmaps, writes the model's current weights as the run's step-0 checkpoint, freezes
+the config, launches workers (local elastic workers, or Slurm tasks through submitit) and
+reads back their artifacts.
+
+    >>> import numpy as np, torch, enn_cluster
+    >>> x = np.random.randn(512, 8).astype("float32"); y = x[:, :1] ** 2
+    >>> run = enn_cluster.train(torch.nn.Sequential(torch.nn.Linear(8, 1)), x, y,
+    ...                         training={"epochs": 2}, parallel={"nodes": 1, "procs_per_node": 2})
+    >>> preds = enn_cluster.predict(run, x)          # numpy array, rows in input order
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .config import RunConfig, apply_overrides, config_from_dict, config_to_dict, read_yaml
+from .errors import UserError
+from .launch import LaunchShape, prepare_run, run_local
+from .rundir import RunDir
+from .run_handle import Run
+
+MODEL_PICKLE = "model.pkl"
+
+
+def unpickled_model(n_features: int, n_outputs: int, path: str):
+    """Factory the workers call for a module given as an instance: its pickled structure."""
+    with open(path, "rb") as fh:
+        return pickle.load(fh)
+
+
+def check_shippable(model: Any) -> None:
+    """What ships to workers must import there: refuse early, before anything is written."""
+    if isinstance(model, str):
+        module, sep, attr = model.partition(":")
+        if not sep or not module or not attr:
+            raise UserError(f"model: {model!r} is not 'package.module:factory'")
+        return
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model: expected an nn.Module or 'module:factory', got {type(model).__name__}")
+    for sub in model.modules():
+        cls = type(sub)
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+            raise UserError(f"model: class {where} is defined in __main__, a notebook or a "
+                            "function; workers cannot import it. Move it to a module on "
+                            "PYTHONPATH (or pass 'module:factory')")
+        try:
+            found = importlib.import_module(cls.__module__)
+            for part in cls.__qualname__.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError):
+            found = None
+        if found is not cls:
+            raise UserError(f"model: class {where} is not importable by that path; "
+                            "define it at the top level of an importable module")
+    try:
+        pickle.dumps(model)
+    except Exception as exc:  # pickle raises many types; all mean the same to the user
+        raise UserError(f"model: cannot be pickled for the workers ({exc}); remove lambdas "
+                        "and open handles from it or pass 'module:factory'")
+
+
+def _config(config: Union[None, str, dict, RunConfig], overrides: dict) -> RunConfig:
+    if isinstance(config, RunConfig):
+        data = config_to_dict(config)
+    elif isinstance(config, (str, Path)):
+        data = read_yaml(str(config))
+    else:
+        data = dict(config or {})
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            data = apply_overrides(data, [f"{section}.{k}={v!r}" if isinstance(v, str)
+                                          else f"{section}.{k}={v}" for k, v in values.items()])
+        else:
+            data[section] = values
+    return config_from_dict(data)
+
+
+def _arrays(X, y, eval_data) -> dict:
+    arrays = {"x": X}
+    if y is not None:
+        arrays["y"] = y
+    if eval_data is not None:
+        arrays["eval_x"], arrays["eval_y"] = eval_data
+    return arrays
+
+
+def _write_step0(model, run: RunDir) -> None:
+    """The module's current weights, as a committed DCP checkpoint at step 0."""
+    import torch.distributed.checkpoint as dcp
+
+    from . import checkpoint_store as store
+
+    path = store.step_dir(run.checkpoints, 0)
+    path.mkdir(parents=True)
+    state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    dcp.save(state, checkpoint_id=str(path))
+    files = store.checksum_files(path, store.unowned_files(path, 1))
+    store.write_commit(path, 0, files, world_size=1, contents=["model"], source="api")
+
+
+def _namespace(cluster: dict, shape: LaunchShape, restarts: int) -> argparse.Namespace:
+    keys = ("partition", "account", "qos", "time", "container", "python", "site",
+            "job_name", "signal_grace")
+    ns = argparse.Namespace(**{k: cluster.get(k) for k in keys}, cluster="slurm",
+                            nodes=str(cluster.get("nodes", shape.nodes)),
+                            mounts=list(cluster.get("mounts", [])),
+                            exclusive=bool(cluster.get("exclusive", False)), wait=False)
+    ns.container = ns.container or "none"
+    return ns
+
+
+def _shape(cfg: RunConfig, cluster: Optional[dict]) -> LaunchShape:
+    from .launch import shape_from_flags
+
+    c = cluster or {}
+    return shape_from_flags(cfg, c.get("nodes"), c.get("gpus_per_node"), c.get("procs_per_node"))
+
+
+def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[dict] = None,
+          run_dir: Optional[str] = None, wait: bool = True, **overrides) -> Run:
+    """Train `model` (an nn.Module or 'module:factory') on X/y; returns a `Run` handle.
+
+    `config` is a RunConfig, a dict or a YAML path; keyword sections override it
+    (`training={"epochs": 3}`). `cluster=None` runs locally; a dict such as
+    `{"nodes": 2, "gpus_per_node": 8, "partition": "gpu", "container": "/img.sqsh"}` submits
+    to Slurm. `wait=False` returns at once; `Run.open(path)` re-attaches later.
+    """
+    check_shippable(model)
+    if run_dir is not None:
+        overrides = {**overrides, "run_name": Path(run_dir).name,
+                     "runs_root": str(Path(run_dir).resolve().parent)}
+    cfg = _config(config, overrides)
+    if isinstance(model, str):
+        cfg.model.name = model
+    shape = _shape(cfg, cluster)
+    restarts = cfg.parallel.max_restarts
+
+    def populate(run: RunDir) -> None:
+        if not isinstance(model, str):
+            with open(run.path / MODEL_PICKLE, "wb") as fh:
+                pickle.dump(model, fh)
+            _write_step0(model, run)
+
+    if not isinstance(model, str):
+        final = Path(cfg.runs_root).expanduser().resolve() / cfg.run_name
+        cfg.model.name = "enn_cluster.api:unpickled_model"
+        cfg.model.kwargs = {"path": str(final / MODEL_PICKLE)}
+    run = prepare_run(cfg, shape, arrays=_arrays(X, y, eval_data), populate_extra=populate)
+    return _start(run, "train", shape, restarts, cluster, wait)
+
+
+def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int, cluster, wait: bool,
+           name: Optional[str] = None, step: Optional[int] = None) -> Run:
+    if cluster is not None:
+        from .cli_ops import wait_for_job
+        from .submit_slurm import build_spec, submit
+
+        ns = _namespace(cluster, shape, restarts)
+        ns.nodes_range = ns.nodes if "-" in ns.nodes else None
+        job = submit(run, build_spec(ns, run, task, shape, restarts, name=name), step=step)
+        if wait and wait_for_job(job) != 0:
+            raise RuntimeError(f"Slurm job {job} for {run.path} did not complete; "
+                               f"see 'enn-submit logs {run.path}'")
+        return Run.open(run.path)
+    if not wait:
+        cmd = [sys.executable, "-m", "enn_cluster.cli", "resume", str(run.path),
+               "--cluster", "local", "--nodes", str(shape.nodes),
+               "--procs-per-node", str(shape.procs_per_node), "--max-restarts", str(restarts)]
+        log = open(run.logs / "api-launcher.log", "ab")
+        subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        return Run.open(run.path)
+    code = run_local(run, task, shape, restarts, name=name, step=step)
+    if code != 0:
+        raise RuntimeError(f"workers for {run.path} exited with code {code}; "
+                           f"see 'enn-submit logs {run.path}'")
+    return Run.open(run.path)

@@ -1,0 +1,81 @@
+"""The Python API drives the same runtime as the CLI: real workers, real files."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import enn_cluster
+from enn_cluster.errors import UserError
+from api_models import TinyRegressor, preset
+from helpers import full_params
+
+
+def _data(n=384, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 8)).astype(np.float32)
+    return x, np.tanh(x[:, :2].sum(1, keepdims=True)).astype(np.float32)
+
+
+def test_train_from_preset_weights_and_load_model(tmp_path):
+    model = preset()
+    x, y = _data()
+    run = enn_cluster.train(model, x, y, run_dir=str(tmp_path / "runs" / "api"),
+                            training={"epochs": 2, "per_device_train_batch_size": 16},
+                            checkpoint={"every_steps": 0}, parallel={"nodes": 1, "procs_per_node": 2})
+    step0 = full_params(run.path / "checkpoints" / "step-0")
+    for key, value in model.state_dict().items():
+        assert torch.equal(step0[key], value), key  # the caller's weights, exactly
+    assert run.latest_checkpoint == 24  # 384 rows / (16 x 2 ranks) x 2 epochs
+    trained = run.load_model()
+    final = full_params(run.path / "checkpoints" / "step-24")
+    for key, value in trained.state_dict().items():
+        assert torch.equal(value, final[key]), key
+    assert not torch.equal(trained.state_dict()["head.weight"], model.state_dict()["head.weight"])
+    assert [r["step"] for r in run.metrics("resume")] == [0]
+    again = enn_cluster.Run.open(run.path)
+    assert again.latest_checkpoint == 24 and len(again.metrics("train")) == 24
+
+
+def test_failing_worker_is_restarted_and_run_completes(tmp_path):
+    x, y = _data()
+    run = enn_cluster.train("api_models:tiny", x, y, run_dir=str(tmp_path / "r"),
+                            training={"epochs": 1, "per_device_train_batch_size": 16,
+                                      "fail_at_step": 7, "fail_rank": 1},
+                            checkpoint={"every_steps": 5},
+                            parallel={"nodes": 1, "procs_per_node": 2, "max_restarts": 1})
+    assert (run.path / "faults" / "fired-step-7").exists()
+    assert [r["step"] for r in run.metrics("resume")] == [5]
+    assert run.latest_checkpoint == 12
+
+
+def _local_model():
+    class Local(torch.nn.Module):  # defined in a function: workers cannot import it
+        def forward(self, x):
+            return x
+    return Local()
+
+
+@pytest.mark.parametrize("model, needle", [
+    (_local_model(), "defined in __main__, a notebook or a function"),
+    (torch.nn.Sequential(torch.nn.Linear(2, 1)), None),
+    ("no_colon_here", "is not 'package.module:factory'"),
+    (42, "expected an nn.Module"),
+])
+def test_unshippable_models_fail_fast_without_a_run_dir(tmp_path, model, needle):
+    from enn_cluster.api import check_shippable
+
+    if needle is None:
+        check_shippable(model)  # torch's own classes ship fine
+        return
+    with pytest.raises(UserError, match=needle):
+        enn_cluster.train(model, *_data(), run_dir=str(tmp_path / "runs" / "x"))
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_main_module_class_is_refused():
+    from enn_cluster.api import check_shippable
+
+    cls = type("Notebook", (torch.nn.Module,), {"forward": lambda self, x: x, "__module__": "__main__"})
+    with pytest.raises(UserError, match="defined in __main__"):
+        check_shippable(cls())
