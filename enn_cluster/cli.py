@@ -150,6 +150,9 @@ def _launch(args, run, task, shape, restarts, name=None, step=None) -> int:
     code = run_local(run, task, shape, restarts, name=name, step=step)
     if code == 0:
         print(f"done: checkpoints in {run.checkpoints}, metrics in {run.metrics}", file=sys.stderr)
+    elif code == 75:
+        print(f"stopped with a committed checkpoint; continue with: enn-submit resume {run.path}",
+              file=sys.stderr)
     return code
 
 

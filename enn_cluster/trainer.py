@@ -63,7 +63,7 @@ class Trainer:
         self.global_batch = global_batch(t, self.sm.dp_size)
         self.total_steps = total_steps(t, self.n_rows, self.sm.dp_size)
         self.step, self.pos, self.nonfinite_in_row, self.skipped = 0, DataPosition(), 0, 0
-        self.stop_requested = 0
+        self.stop_requested, self.stop_signal = 0, None
         self.pending = None
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0)
 
@@ -103,13 +103,13 @@ class Trainer:
 
     # -- signals -------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        """USR2 (Slurm's warning before the time limit) asks for an agreed
-        checkpoint-and-exit at the next step boundary; the handler only sets a flag.
-        Under Slurm, TERM (preemption, scancel) does the same, with a hard exit if the
-        boundary is not reached within the grace time. Under the elastic launchers TERM
-        is the teardown of a failed group and keeps its default meaning: die now."""
+        """USR2 (Slurm's warning before the time limit) and TERM (preemption, scancel, a
+        local launcher stopping) ask for an agreed checkpoint-and-exit at the next step
+        boundary; the handler only sets a flag. After TERM a hard exit follows if that
+        boundary is not reached within parallel.stop_grace_s (a peer may be dead)."""
         def request_stop(signum, frame):
             self.stop_requested = 1
+            self.stop_signal = signum
             log.warning("signal %d received: checkpoint at the next step boundary", signum)
 
         def term(signum, frame):
@@ -118,8 +118,7 @@ class Trainer:
             signal.alarm(max(int(self.cfg.parallel.stop_grace_s), 1))
 
         signal.signal(signal.SIGUSR2, request_stop)
-        if self.env.launcher == "slurm":
-            signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGTERM, term)
 
     # -- loop ----------------------------------------------------------------------------
     def _maybe_inject_fault(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -109,14 +110,18 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
     finally:
         trainer.close()
     if outcome == "stopped":
-        if env.job_id:
-            # every rank writes it: with --kill-on-bad-exit the first rank to exit may
-            # get the others killed before rank 0 alone would have written it
-            marker = run.requeue / str(env.job_id)
-            marker.parent.mkdir(exist_ok=True)
-            marker.write_text(str(trainer.step))
+        # every rank writes the marker: with --kill-on-bad-exit the first rank to exit may
+        # get the others killed before rank 0 alone would have written it
+        marker = run.requeue / str(env.job_id or "local")
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(str(trainer.step))
         log.warning("stopped at step %d with a committed checkpoint: requeue to continue",
                     trainer.step)
+        if trainer.stop_signal == signal.SIGTERM and env.launcher in ("local", "torchrun"):
+            # the elastic agent is shutting down and will never collect a return value;
+            # its workers would wait for it until SIGKILL
+            logging.shutdown()
+            os._exit(EXIT_REQUEUE)
         return EXIT_REQUEUE
     log.info("training done at step %d", trainer.step)
     return EXIT_OK

@@ -1,0 +1,74 @@
+"""Preemption on the embedded default: USR2 or TERM to the launcher checkpoints at the next
+step boundary and exits 75; resuming loses no step and ends bit-identical."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, cli, full_params, metrics, small_config, write_config
+
+STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("whole")
+    cfg = write_config(tmp / "run.yaml", **small_config(
+        tmp, "whole", training={"max_steps": STEPS}, checkpoint={"every_steps": 1000}))
+    assert cli("train", "--config", cfg).returncode == 0
+    return full_params(tmp / "runs" / "whole" / "checkpoints" / f"step-{STEPS}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
+def test_signal_checkpoints_and_resume_is_exact(uninterrupted, tmp_path, sig):
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "pre", training={"max_steps": STEPS}, checkpoint={"every_steps": 1000}))
+    run = tmp_path / "runs" / "pre"
+    proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.cli", "train", "--config", str(cfg)],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (run / "metrics.jsonl").exists() and len(metrics(run, "train")) >= 15:
+            break
+        time.sleep(0.05)
+    sent_at = time.time()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert time.time() - sent_at < 30
+    stop = metrics(run, "checkpoint")[-1]["step"]
+    assert 15 <= stop < STEPS
+    assert metrics(run, "train")[-1]["step"] == stop  # nothing past the step boundary is lost
+    assert cli("verify", run).returncode == 0
+    res = cli("resume", run)
+    assert res.returncode == 0, res.stderr
+    assert [r["step"] for r in metrics(run, "resume")] == [stop]
+    assert [r["step"] for r in metrics(run, "train")] == list(range(1, STEPS + 1))
+    ours = full_params(run / "checkpoints" / f"step-{STEPS}")
+    for key, value in uninterrupted.items():
+        assert (ours[key] == value).all(), key
+
+
+def test_second_job_on_a_live_run_is_refused(tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "busy", training={"max_steps": 400}, parallel={"nodes": 1, "procs_per_node": 1}))
+    run = tmp_path / "runs" / "busy"
+    proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.cli", "train", "--config", str(cfg)],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not (run / "run.lock").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        res = cli("resume", run, timeout=60)
+        assert res.returncode == 2, res.stderr
+        assert f"in use by pid {proc.pid}" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
