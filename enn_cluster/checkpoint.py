@@ -57,19 +57,35 @@ def _write_side_files(path: Path, lanes: Lanes, trainer_state: dict) -> None:
         atomic_write_text(path / TRAINER_STATE, json.dumps(trainer_state, sort_keys=True))
 
 
+def _agreed(lanes: Lanes, action) -> None:
+    """Run a local filesystem step on every rank and fail on all ranks if any failed:
+    a rank that raised alone would leave the others waiting in the next collective."""
+    try:
+        action()
+        error = None
+    except OSError as exc:
+        error = f"{exc.strerror or exc} ({getattr(exc, 'filename', '') or ''})"
+    errors = [e for e in lanes.gather_objects(error) if e]
+    if errors:
+        raise OSError(errors[0])
+
+
 def save(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: Lanes,
          async_save: bool = False) -> Optional[PendingSave]:
     """Write step-N; sync saves are committed before returning, async ones return a handle."""
     path = store.step_dir(root, step)
-    if lanes.rank == 0:
-        if path.exists():  # a torn attempt at this step: never write over it in place
-            path.rename(path.with_name(f"{path.name}.torn-{time.time_ns()}"))
-        path.mkdir(parents=True)
-    lanes.barrier()
+
+    def make_dir() -> None:
+        if lanes.rank == 0:
+            if path.exists():  # a torn attempt at this step: never write over it in place
+                path.rename(path.with_name(f"{path.name}.torn-{time.time_ns()}"))
+            path.mkdir(parents=True)
+
+    _agreed(lanes, make_dir)
     state = _state(model, optimizer)
     contents = tuple(state)
     writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    _write_side_files(path, lanes, trainer_state)
+    _agreed(lanes, lambda: _write_side_files(path, lanes, trainer_state))
     started = time.perf_counter()
     if async_save:
         future = dcp.async_save(state, storage_writer=writer, process_group=lanes.checkpoint)
@@ -85,19 +101,23 @@ def commit(pending: PendingSave, lanes: Lanes) -> None:
         pending.future.result()
     mine = store.checksum_files(pending.path, store.files_for_rank(pending.path, lanes.rank))
     gathered = lanes.gather_objects(mine)
-    if lanes.rank == 0:
+
+    def write_record() -> None:
+        if lanes.rank != 0:
+            return
         files: dict = {}
         for part in gathered:
             files.update(part)
         rest = [n for n in store.unowned_files(pending.path, lanes.world_size) if n not in files]
         files.update(store.checksum_files(pending.path, rest))
         if store.METADATA not in files:
-            raise RuntimeError(f"{pending.path}: DCP wrote no {store.METADATA}; not committing")
+            raise OSError(f"DCP wrote no {store.METADATA} in {pending.path}; not committing")
         store.write_commit(pending.path, pending.step, files, world_size=lanes.world_size,
                            contents=list(pending.contents), time=time.time(),
                            save_seconds=round(time.perf_counter() - pending.started, 3))
         log.info("checkpoint step-%d committed (%d files)", pending.step, len(files))
-    lanes.barrier()
+
+    _agreed(lanes, write_record)  # also the barrier: nobody runs ahead of the commit
 
 
 def choose_resume(root: Path, lanes: Lanes, step: Optional[int] = None) -> Optional[int]:

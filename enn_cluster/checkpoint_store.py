@@ -132,6 +132,22 @@ def write_commit(path: Path, step: int, files: dict, **info) -> None:
     fsync_dir(Path(path).parent)
 
 
+def storage_problem(path: Path, need_bytes: int = 1 << 20) -> Optional[str]:
+    """Name the usual storage faults plainly (DCP reports a full disk as a zip error)."""
+    import os
+
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        return f"cannot stat {path}: {exc.strerror}"
+    if st.f_flag & os.ST_RDONLY:
+        return "Read-only file system"
+    free = st.f_bavail * st.f_frsize
+    if free < need_bytes:
+        return f"No space left on device ({free} bytes free)"
+    return None
+
+
 def prune_plan(steps: list[int], committed: list[int], keep_last: int,
                protect: Iterable[int] = ()) -> list[int]:
     """Which step directories to delete: committed ones beyond the newest `keep_last`,

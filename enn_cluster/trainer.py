@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import checkpoint as ckpt
 from . import checkpoint_store as store
@@ -198,16 +199,34 @@ class Trainer:
 
     def save(self, async_save: bool) -> None:
         self.finish_pending()
-        self.pending = ckpt.save(self.run.checkpoints, self.step, self.sm.model, self.optimizer,
-                                 self.state_dict(), self.lanes, async_save=async_save)
+        try:
+            self.pending = ckpt.save(self.run.checkpoints, self.step, self.sm.model,
+                                     self.optimizer, self.state_dict(), self.lanes,
+                                     async_save=async_save)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise self._save_failed(exc) from exc
         if self.pending is None:
             self._after_commit(self.step)
         self.metrics.write("checkpoint", step=self.step, async_save=async_save)
 
+    def _save_failed(self, exc: Exception) -> TrainingAborted:
+        """Stop training: going on without the checkpoint would silently drop state."""
+        last = store.latest_committed(self.run.checkpoints)
+        reason = (store.storage_problem(self.run.checkpoints) or
+                  " ".join(str(exc).split())[:300] or type(exc).__name__)
+        return TrainingAborted(
+            f"checkpoint step-{self.step} could not be written to {self.run.checkpoints} "
+            f"({reason}); free space or fix permissions there, then 'enn-submit resume' "
+            f"continues from step-{last}, which is intact")
+
     def finish_pending(self) -> None:
         if self.pending is not None:
             step = self.pending.step
-            ckpt.commit(self.pending, self.lanes)
+            try:
+                ckpt.commit(self.pending, self.lanes)
+            except (Exception, CheckpointException) as exc:
+                self.pending = None
+                raise self._save_failed(exc) from exc
             self.pending = None
             self._after_commit(step)
 

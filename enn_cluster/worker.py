@@ -103,10 +103,17 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
 def _train(run: RunDir, cfg, env, lanes) -> int:
     from .trainer import Trainer
 
+    from .trainer import TrainingAborted
+
     trainer = Trainer(cfg, run, env, lanes)
     trainer.install_signal_handlers()
     try:
         outcome = trainer.fit()
+    except TrainingAborted as exc:
+        log.error("training aborted: %s", exc)
+        if env.rank == 0:
+            print(f"enn_cluster: training aborted: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     finally:
         trainer.close()
     if outcome == "stopped":
