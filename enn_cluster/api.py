@@ -185,3 +185,44 @@ def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int, cluster, w
         raise RuntimeError(f"workers for {run.path} exited with code {code}; "
                            f"see 'enn-submit logs {run.path}'")
     return Run.open(run.path)
+
+
+IN_MEMORY_LIMIT = 1 << 30  # larger outputs come back as a read-only memmap
+
+
+def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict] = None,
+            name: Optional[str] = None, raw: bool = False, out: Optional[str] = None,
+            chunk_rows: Optional[int] = None, batch_size: Optional[int] = None):
+    """Predict X with a complete checkpoint of a run (default: the newest); rows in order.
+
+    Same path as `enn-submit predict` + `collect`: X is staged, workers (local, or Slurm
+    with `cluster=`) write verified chunks, and they are assembled into
+    `predictions/<name>/assembled.npy` (or `out`). Outputs over 1 GiB come back as a
+    read-only memmap. `raw=True` skips target de-normalisation.
+
+        >>> preds = enn_cluster.predict(run, x_test)             # doctest: +SKIP
+    """
+    import numpy as np
+
+    from .collect import collect
+    from .prediction_request import DEFAULT_BATCH_SIZE, DEFAULT_CHUNK_ROWS, prepare_prediction
+
+    run = RunDir(Path(getattr(run_or_dir, "path", run_or_dir)).resolve())
+    cfg = run.load_config()
+    shape = _shape(cfg, cluster)
+    request = prepare_prediction(run, X, name=name, step=step,
+                                 chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS,
+                                 batch_size=batch_size or DEFAULT_BATCH_SIZE)
+    if not request.complete:
+        _start(run, "predict", shape, cfg.parallel.max_restarts, cluster, True,
+               name=request.name, step=request.step)
+    target = out or str(request.path / ("assembled-raw.npy" if raw else "assembled.npy"))
+    result = collect(run, request.name, target, raw=raw, overwrite=out is None)
+    for line in result.warnings:
+        import warnings
+
+        warnings.warn(f"prediction {request.name}: {line}", RuntimeWarning, stacklevel=2)
+    if out is not None and "://" in out:
+        return out
+    array = np.load(target, mmap_mode="r")
+    return np.array(array) if array.nbytes <= IN_MEMORY_LIMIT else array

@@ -77,7 +77,7 @@ def check_data_sources(data: DataConfig) -> None:
 # Streaming copy into a memmap
 
 
-def _read_header(fh) -> tuple[tuple, bool, np.dtype]:
+def read_npy_header(fh) -> tuple[tuple, bool, np.dtype]:
     version = np.lib.format.read_magic(fh)
     if version == (1, 0):
         return np.lib.format.read_array_header_1_0(fh)
@@ -143,7 +143,7 @@ def stage_array(source: Any, dest: Path, key: Optional[str] = None) -> dict:
     source = str(source)
     stream, closers = _open_npy_stream(source, key if source.endswith(".npz") else None)
     try:
-        shape, fortran, dtype = _read_header(stream)
+        shape, fortran, dtype = read_npy_header(stream)
         if fortran:
             raise UserError(f"{source}: Fortran-ordered arrays are not supported; "
                             "save with np.ascontiguousarray")

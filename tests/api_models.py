@@ -25,3 +25,18 @@ def preset(value: float = 0.01) -> TinyRegressor:
 def tiny(n_features: int, n_outputs: int) -> TinyRegressor:
     """The `module:factory` form: the runtime passes the data's input/output sizes."""
     return TinyRegressor(n_features, 16, n_outputs)
+
+
+class ConstantRegressor(nn.Module):
+    """Outputs one learned value whatever the input: the prediction-collapse case."""
+
+    def __init__(self, n_outputs: int):
+        super().__init__()
+        self.value = nn.Parameter(torch.zeros(n_outputs))
+
+    def forward(self, x):
+        return self.value.expand(len(x), -1) + 0.0 * x[:, :1]
+
+
+def constant(n_features: int, n_outputs: int) -> ConstantRegressor:
+    return ConstantRegressor(n_outputs)
