@@ -8,8 +8,11 @@ everywhere is broadcast. Loading at another world size reshards through DTensor 
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
@@ -27,6 +30,72 @@ from .rundir import atomic_write_text
 
 log = logging.getLogger("enn_cluster.checkpoint")
 TRAINER_STATE = "trainer.json"
+
+
+# -- loading without unpickling arbitrary objects ------------------------------------------
+# DCP's FileSystemReader reads `.metadata` with plain pickle.load, and its DefaultLoadPlanner
+# reads non-tensor entries (optimizer param_groups) with torch.load(weights_only=False):
+# whoever can write a checkpoint directory could run code in every process that loads it.
+# Tensor shards DCP already reads with weights_only=True. These two close the other paths.
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                     ("torch.serialization", "_get_layout"), ("torch", "Size"),
+                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                     ("collections", "OrderedDict"), ("builtins", "set"),
+                     ("builtins", "frozenset"), ("builtins", "slice")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only what a DCP `.metadata` holds: its dataclasses, dtypes, layouts, Size, paths."""
+
+    def find_class(self, module: str, name: str):
+        obj = super().find_class(module, name) if module.split(".")[0] in (
+            "torch", "pathlib", "collections", "builtins") else None
+        if module == _METADATA_MODULE and isinstance(obj, type) \
+                and obj.__module__ == _METADATA_MODULE:
+            return obj
+        if (module, name) in _METADATA_GLOBALS:
+            return obj
+        if module == "torch" and isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return obj
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a "
+                                     "DCP checkpoint never holds; refusing to load it")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` goes through an allow-list unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(os.path.join(str(self.path), name), "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries must load with weights_only=True (plain
+    data and tensors); only bytes that passed that are handed to DCP's own loader."""
+
+    def load_bytes(self, read_item, value) -> None:
+        data = value.read()
+        torch.load(io.BytesIO(data), weights_only=True)  # raises on any other object
+        super().load_bytes(read_item, io.BytesIO(data))
+
+
+def safe_load(state: dict, path, process_group=None) -> None:
+    """dcp.load that never unpickles arbitrary objects from the checkpoint."""
+    import torch.distributed as dist
+
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+             process_group=process_group,
+             no_dist=process_group is None and not dist.is_initialized())
 
 
 @dataclass
@@ -148,7 +217,7 @@ def load(root: Path, step: int, model, optimizer, lanes: Lanes) -> dict:
     record = store.read_commit(path) or {}
     with_optim = optimizer is not None and "optim" in record.get("contents", ["model", "optim"])
     state = _state(model, optimizer if with_optim else None)
-    dcp.load(state, storage_reader=FileSystemReader(str(path)), process_group=lanes.control)
+    safe_load(state, path, process_group=lanes.control)
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])

@@ -13,6 +13,22 @@ from typing import Optional
 from .errors import UserError
 
 
+def one_line(text: str) -> str:
+    """A message as one line: control characters and line breaks from a path or a value
+    (newlines, vertical tabs, NEL, U+2028, terminal escapes) shown as escapes."""
+    import unicodedata
+
+    return "".join(repr(c)[1:-1] if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                   else c for c in text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags end like every other bad input: one line on stderr, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def _add_shape_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", choices=("local", "slurm"), default="local",
                    help="where workers run: local processes (default) or Slurm via submitit")
@@ -41,7 +57,7 @@ def _add_shape_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="enn-submit", description="Distributed PyTorch training and prediction on "
         "Slurm + Pyxis/Enroot, or locally (the embedded default).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="last step, checkpoints, jobs of a run")
     p.add_argument("run_dir")
+    p.add_argument("--follow", action="store_true",
+                   help="a live one-line status until the run's job ends")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+
+    p = sub.add_parser("plot", help="PNG of loss, validation loss, lr and throughput")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
     return parser
 
 
@@ -119,9 +142,24 @@ def cmd_train(args) -> int:
     cfg = _load_train_config(args)
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     restarts = _max_restarts(args, cfg)
+    if args.cluster == "slurm":  # refuse a job Slurm cannot take before the run exists
+        from .cli_ops import check_slurm_spec
+
+        check_slurm_spec(args, cfg, "train", shape, restarts)
     run = prepare_run(cfg, shape)
+    if args.cluster != "slurm":
+        print(f"run directory: {run.path}", file=sys.stderr)
+        return _launch(args, run, "train", shape, restarts)
+    try:
+        code = _launch(args, run, "train", shape, restarts)
+    except UserError:
+        if not run.jobs():  # sbatch refused: the run this command made has never run
+            import shutil
+
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
     print(f"run directory: {run.path}", file=sys.stderr)
-    return _launch(args, run, "train", shape, restarts)
+    return code
 
 
 def cmd_resume(args) -> int:
@@ -148,7 +186,7 @@ def _launch(args, run, task, shape, restarts, name=None, step=None) -> int:
     from .launch import run_local
 
     code = run_local(run, task, shape, restarts, name=name, step=step)
-    if code == 0:
+    if code == 0 and task == "train":
         print(f"done: checkpoints in {run.checkpoints}, metrics in {run.metrics}", file=sys.stderr)
     elif code == 75:
         print(f"stopped with a committed checkpoint; continue with: enn-submit resume {run.path}",
@@ -196,14 +234,57 @@ def cmd_verify(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .status import run_status, format_status
+    from .status import format_status, run_status
 
-    print(format_status(run_status(Path(args.run_dir).resolve())))
+    path = Path(args.run_dir).resolve()
+    if not (path / "config.yaml").exists():
+        raise UserError(f"RUN_DIR: {path} is not a run directory (no config.yaml)")
+    if args.follow:
+        return _follow_status(path, max(args.interval, 0.1))
+    print(format_status(run_status(path)))
+    return 0
+
+
+def _follow_status(path: Path, interval: float) -> int:
+    """Redraw one line in place on a terminal; elsewhere print a line when it changes."""
+    import time
+
+    from .status import live, progress_line, run_status
+
+    tty, previous = sys.stdout.isatty(), None
+    while True:
+        st = run_status(path)
+        line = progress_line(st)
+        if line != previous:
+            sys.stdout.write(f"\r\033[K{line}" if tty else line + "\n")
+            sys.stdout.flush()
+            previous = line
+        if not live(st):
+            break
+        time.sleep(interval)
+    if tty:
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .metrics import read_metrics
+    from .plot import plot_series, write_plot
+    from .rundir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    run.load_config()
+    series = plot_series(read_metrics(run.metrics))
+    if not series["loss"][0]:
+        raise UserError(f"RUN_DIR: {run.metrics} has no training steps to plot yet")
+    out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
+                     title=run.path.name)
+    print(out)
     return 0
 
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "verify": cmd_verify,
-            "status": cmd_status, "build": cmd_build}
+            "status": cmd_status, "build": cmd_build, "plot": cmd_plot}
 
 
 def _ops(name: str):
@@ -223,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:
-        print(f"enn-submit: error: {exc}", file=sys.stderr)
+        print(f"enn-submit: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

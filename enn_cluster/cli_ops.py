@@ -71,6 +71,17 @@ def cmd_render(args) -> int:
     return 0
 
 
+def check_slurm_spec(args, cfg, task: str, shape, restarts: int, name: Optional[str] = None):
+    """Build (and so validate) the job for a run that does not exist yet: bad Slurm flags,
+    a run directory path Pyxis cannot carry, are refused before anything is written."""
+    from .launch import with_shape
+    from .rundir import run_dir_for
+
+    run = run_dir_for(cfg)
+    return _spec(args, _ConfigOnlyRun(run.path, with_shape(cfg, shape)), task, shape, restarts,
+                 name)
+
+
 class _ConfigOnlyRun(RunDir):
     """A run directory that does not exist yet: render needs its path and config only."""
 

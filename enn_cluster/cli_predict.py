@@ -78,6 +78,8 @@ def cmd_collect(args) -> int:
     if not (run.path / "config.yaml").exists():
         raise UserError(f"RUN_DIR: {run.path} is not a run directory")
     result = collect(run, args.name, args.out, raw=args.raw, overwrite=args.overwrite)
+    print(f"collected {result.name} (step-{result.step}): {result.shape[0]} rows of shape "
+          f"{tuple(result.shape[1:])}", file=sys.stderr)
     for line in result.notes:
         print(line, file=sys.stderr)
     for line in result.warnings:

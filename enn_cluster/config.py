@@ -7,13 +7,23 @@ every task of a job (and every restart) reads the same thing. Validation errors 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
+import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
 
 from .errors import UserError
+
+MAX_SEED = 2**32 - 1  # numpy and torch both take it; negative seeds fail in numpy
+MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
+MAX_WAIT_S = 7 * 24 * 3600.0  # timeouts beyond a week overflow gloo/alarm and mean a typo
+MAX_NAME_BYTES = 200  # run_name: a path component, with room for '.NAME.creating-PID'
+MAX_YAML_DEPTH = 32
+MAX_YAML_VALUES = 100_000
 
 
 @dataclass
@@ -42,6 +52,7 @@ class ModelConfig:
                             f"{self.n_heads}; pick sizes that divide")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError("model.dropout: must be in [0, 1)")
+        _no_secret_keys("model.kwargs", self.kwargs)
 
 
 @dataclass
@@ -58,6 +69,12 @@ class SyntheticConfig:
         _positive("data.synthetic.n_outputs", self.n_outputs)
         if self.noise < 0:
             raise UserError("data.synthetic.noise: must be >= 0")
+        _seed("data.synthetic.seed", self.seed)
+        values = self.n_samples * (self.n_features + self.n_outputs + 32)
+        if values > MAX_SYNTHETIC_VALUES:
+            raise UserError(f"data.synthetic: n_samples x (n_features + n_outputs + 32) = "
+                            f"{values} values is more than synthetic data supports "
+                            f"({MAX_SYNTHETIC_VALUES}); make it smaller or give data.train_path")
 
 
 @dataclass
@@ -73,6 +90,8 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def validate(self) -> None:
+        for key in ("train_path", "train_targets_path", "eval_path", "eval_targets_path"):
+            no_credentials_in_url(f"data.{key}", getattr(self, key))
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError("data.eval_fraction: must be in [0, 1)")
         self.synthetic.validate()
@@ -100,6 +119,9 @@ class TrainingConfig:
         _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
         _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive("training.max_nonfinite_steps", self.max_nonfinite_steps)
+        _seed("training.seed", self.seed)
+        _non_negative("training.fail_at_step", self.fail_at_step)
+        _non_negative("training.fail_rank", self.fail_rank)
         if not self.lr > 0:
             raise UserError(f"training.lr: {self.lr} must be > 0, e.g. 1e-3")
         if self.weight_decay < 0 or self.grad_clip < 0:
@@ -139,8 +161,12 @@ class ParallelConfig:
         _non_negative("parallel.replicate", self.replicate)
         _non_negative("parallel.shard", self.shard)
         _non_negative("parallel.max_restarts", self.max_restarts)
-        if not self.timeout_s > 0:
-            raise UserError("parallel.timeout_s: must be > 0 seconds")
+        if not 0 < self.timeout_s <= MAX_WAIT_S:
+            raise UserError(f"parallel.timeout_s: {self.timeout_s!r} must be > 0 and at most "
+                            f"{MAX_WAIT_S:.0f} seconds (a week)")
+        if not 0 <= self.stop_grace_s <= MAX_WAIT_S:
+            raise UserError(f"parallel.stop_grace_s: {self.stop_grace_s!r} must be >= 0 and at "
+                            f"most {MAX_WAIT_S:.0f} seconds (a week)")
         plan_mesh(self, self.nodes * self.procs_per_node, self.procs_per_node)
 
 
@@ -148,9 +174,20 @@ class ParallelConfig:
 class LoggingConfig:
     metrics_path: str = "metrics.jsonl"  # relative to the run directory
     every_steps: int = 1
+    mlflow_tracking_uri: str = ""  # "": no MLflow; credentials only through the environment
+    mlflow_experiment: str = "enn_cluster"
 
     def validate(self) -> None:
         _positive("logging.every_steps", self.every_steps)
+        parts = str(self.metrics_path).split("/")
+        if not self.metrics_path or self.metrics_path.startswith("/") or ".." in parts \
+                or "\n" in self.metrics_path:
+            raise UserError(f"logging.metrics_path: {self.metrics_path!r} must be a relative "
+                            "path inside the run directory, e.g. metrics.jsonl")
+        no_credentials_in_url("logging.mlflow_tracking_uri", self.mlflow_tracking_uri,
+                              "MLFLOW_TRACKING_TOKEN (or _USERNAME/_PASSWORD)")
+        if not self.mlflow_experiment.strip():
+            raise UserError("logging.mlflow_experiment: must not be empty")
 
 
 @dataclass
@@ -169,6 +206,13 @@ class RunConfig:
                 or any(c in self.run_name for c in "\n\r\0"):
             raise UserError(f"run_name: {self.run_name!r} must be a non-empty name "
                             "without '/' or newlines")
+        _path_text("run_name", self.run_name)
+        if len(self.run_name.encode("utf-8")) > MAX_NAME_BYTES:
+            raise UserError(f"run_name: {len(self.run_name.encode('utf-8'))} bytes is too long "
+                            f"for a directory name; keep it under {MAX_NAME_BYTES}")
+        if not self.runs_root:
+            raise UserError("runs_root: is empty; give a directory, e.g. runs")
+        _path_text("runs_root", self.runs_root)
         for section in (self.model, self.data, self.training, self.checkpoint,
                         self.parallel, self.logging):
             section.validate()
@@ -197,7 +241,7 @@ def plan_mesh(par: ParallelConfig, world: int, local_world: int) -> MeshPlan:
     shard = par.shard or local_world
     replicate = par.replicate or max(world // shard, 1)
     if replicate * shard != world:
-        raise UserError(f"parallel.replicate x parallel.shard = {replicate} x {shard} does not "
+        raise UserError(f"parallel.replicate, parallel.shard: {replicate} x {shard} does not "
                         f"equal the world size {world}; set them so their product is {world} "
                         "(or 0 for automatic)")
     return MeshPlan("hsdp", replicate, shard)
@@ -217,6 +261,70 @@ def _non_negative(key: str, value: Any) -> None:
         raise UserError(f"{key}: {value!r} must be >= 0")
 
 
+def _seed(key: str, value: int) -> None:
+    if not 0 <= value <= MAX_SEED:
+        raise UserError(f"{key}: {value!r} must be between 0 and {MAX_SEED}")
+
+
+_SECRET_NAME = re.compile(r"token|secret|passw|api_?key|credential|auth(?!or)", re.IGNORECASE)
+
+
+def _no_secret_keys(where: str, tree: Any) -> None:
+    """config.yaml is frozen into a group-readable run directory: no secrets in it."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, list) else ()
+    for key, value in items:
+        name = f"{where}.{key}"
+        if isinstance(key, str) and _SECRET_NAME.search(key) and value not in (None, ""):
+            raise UserError(f"{name}: looks like a secret, and the config is frozen into the "
+                            "run directory; read it from an environment variable instead")
+        _no_secret_keys(name, value)
+
+
+def no_credentials_in_url(key: str, value: Optional[str],
+                          where: str = "the environment or the fsspec config") -> None:
+    """A URL with user:password@ would be frozen into config.yaml; refuse it."""
+    if not value or "://" not in value:
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        has = urlsplit(value).password is not None
+    except ValueError:
+        raise UserError(f"{key}: {value!r} is not a valid URL")
+    if has:
+        raise UserError(f"{key}: the URL holds a password, and the config is frozen into the "
+                        f"run directory; give credentials through {where} instead")
+
+
+def _path_text(key: str, value: str) -> None:
+    """Text that becomes a path: valid UTF-8, no control characters."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{key}: {value!r} is not valid UTF-8 text; use plain characters")
+    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise UserError(f"{key}: {value!r} contains the control character {bad!r}; remove it")
+
+
+def _check_tree(data: Any, where: str) -> None:
+    """Refuse YAML that only aliases make finite (self-referencing anchors, 'billion laughs'):
+    the walks below would recurse forever or expand it exponentially."""
+    stack, count = [(data, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if depth > MAX_YAML_DEPTH or count > MAX_YAML_VALUES:
+            raise UserError(f"{where}: nested deeper than {MAX_YAML_DEPTH} levels or more than "
+                            f"{MAX_YAML_VALUES} values (an alias that refers to itself?); "
+                            "write the values out plainly")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, (list, tuple, set)):
+            stack.extend((v, depth + 1) for v in node)
+
+
 def _choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise UserError(f"{key}: {value!r} is not one of {', '.join(choices)}")
@@ -231,7 +339,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
         origin = typing.get_origin(tp)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            raise UserError(f"{key}: {value!r} is not a finite number; give a plain value")
+        return value
     if tp is str and key.endswith(".bf16") and isinstance(value, bool):
         return str(value).lower()
     expected = origin or tp
@@ -272,8 +386,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: a bad date or a 5000-digit number
         value = raw
+    _check_tree(value, f"--set {key}")
     if isinstance(value, float) or isinstance(value, str):
         # YAML 1.1 reads "1e-4" as a string; accept it as the float it means.
         try:
@@ -324,6 +439,7 @@ def _fix_yaml_floats(data: Any) -> Any:
 
 
 def config_from_dict(data: Any) -> RunConfig:
+    _check_tree(data, "config")
     return _build(RunConfig, _fix_yaml_floats(data), "").validate()
 
 
@@ -333,9 +449,17 @@ def read_yaml(path: str) -> dict:
             data = yaml.safe_load(fh)
     except FileNotFoundError:
         raise UserError(f"--config: {path} does not exist; pass the path of a run YAML")
-    except yaml.YAMLError as exc:
+    except IsADirectoryError:
+        raise UserError(f"--config: {path} is a directory; pass the path of a run YAML")
+    except OSError as exc:
+        raise UserError(f"--config: cannot read {path} ({exc.strerror or exc}); "
+                        "fix its permissions or pass another file")
+    except UnicodeDecodeError:
+        raise UserError(f"--config: {path} is not UTF-8 text; pass a run YAML")
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: a bad date, a huge number
         first = str(exc).splitlines()[0] if str(exc) else "invalid YAML"
         raise UserError(f"--config: {path} is not valid YAML ({first})")
+    _check_tree(data, f"--config: {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):

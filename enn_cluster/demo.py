@@ -1,10 +1,12 @@
-"""`make demo`: train on a 2x2 HSDP mesh locally, resume on 1x2 for more steps, report.
+"""`make demo`: train on a 2x2 HSDP mesh locally, resume on 1x2 for more steps, predict
+on 3 ranks, collect, report.
 
-It drives the real CLI (`enn-submit train`, `resume`, `status`, `verify`) in fresh
-processes, exactly as a user would.
+It drives the real CLI (`enn-submit train`, `resume`, `verify`, `status`, `predict`,
+`collect`, and `plot` where matplotlib is installed) in fresh processes, as a user would.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 from .metrics import read_metrics
+from .rundir import RunDir
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 
@@ -35,14 +38,42 @@ def main() -> None:
          "--procs-per-node", "2", "--set", "training.epochs=4")
     _cli("verify", str(run_dir))
     _cli("status", str(run_dir))
-    train = list(read_metrics(run_dir / "metrics.jsonl", "train"))
-    evals = list(read_metrics(run_dir / "metrics.jsonl", "eval"))
+    mse = _predict(run_dir)
+    metrics = RunDir(run_dir).metrics
+    train = list(read_metrics(metrics, "train"))
+    evals = list(read_metrics(metrics, "eval"))
     per_epoch = ", ".join(f"{e['eval_loss']:.4f}" for e in evals)
     print(f"\nloss: first step {train[0]['loss']:.4f}, last step {train[-1]['loss']:.4f}; "
           f"eval loss per epoch: {per_epoch}")
+    print(f"prediction of the first 1000 training rows: MSE {mse:.4f} against their targets "
+          f"(target variance {_target_var(run_dir):.4f})")
     print(f"run directory: {run_dir}\n  checkpoints: {run_dir / 'checkpoints'}\n"
-          f"  metrics:     {run_dir / 'metrics.jsonl'}\n  logs:        {run_dir / 'logs'}")
+          f"  metrics:     {metrics}\n  predictions: {run_dir / 'predictions'}\n"
+          f"  logs:        {run_dir / 'logs'}")
     print(f"demo finished in {time.perf_counter() - started:.1f} s")
+
+
+def _predict(run_dir: Path) -> float:
+    """Predict rows whose targets we know, on another world size (3 ranks)."""
+    import numpy as np
+
+    x = np.load(run_dir / "data" / "train_x.npy", mmap_mode="r")[:1000]
+    y = np.load(run_dir / "data" / "train_y.npy", mmap_mode="r")[:1000]
+    np.save(run_dir / "demo-input.npy", x)
+    _cli("predict", str(run_dir), "--input", str(run_dir / "demo-input.npy"), "--name", "demo",
+         "--nodes", "1", "--procs-per-node", "3", "--chunk-rows", "250")
+    out = run_dir / "demo-predictions.npy"
+    _cli("collect", str(run_dir), "--name", "demo", "--out", str(out))
+    if importlib.util.find_spec("matplotlib") is not None:
+        _cli("plot", str(run_dir), "--out", str(run_dir / "metrics.png"))
+    pred = np.load(out)
+    return float(np.mean((pred.reshape(len(y), -1) - np.asarray(y).reshape(len(y), -1)) ** 2))
+
+
+def _target_var(run_dir: Path) -> float:
+    import numpy as np
+
+    return float(np.var(np.load(run_dir / "data" / "train_y.npy", mmap_mode="r")[:1000]))
 
 
 if __name__ == "__main__":

@@ -260,8 +260,26 @@ def _validate_container(s: JobSpec) -> None:
 
 # -- shared pieces --------------------------------------------------------------------
 
-def _q(value) -> str:
-    return shlex.quote(str(value))
+def _q(value, *, element: bool = False) -> str:
+    """shlex.quote, plus quotes where shlex leaves safe text bare but shellcheck objects:
+    a leading '=' (`X==a`, SC1097) and commas in an array element (SC2054)."""
+    text = shlex.quote(str(value))
+    if not text.startswith("'") and (text.startswith("=") or (element and "," in text)):
+        text = f"'{text}'"
+    return text
+
+
+# shellcheck flags characters inside single quotes that look like shell (SC2016: '$' and
+# '`'; SC1003: '\'; SC2089/SC2090: quotes; SC2088: '~'). Here they are the user's literal text, quoted
+# on purpose by shlex.quote, so the line before such a value says so.
+_LINT_CODES = (("SC2016", "$`"), ("SC1003", "\\"), ("SC2089,SC2090", "'\""), ("SC2088", "~"))
+
+
+def _literal(*values) -> list[str]:
+    text = "".join(map(str, values))
+    codes = [code for code, chars in _LINT_CODES if any(c in text for c in chars)]
+    return [f"# shellcheck disable={','.join(codes)}  # literal text, quoted on purpose"] \
+        if codes else []
 
 
 def _template(name: str) -> str:
@@ -276,7 +294,7 @@ def host_setup_lines() -> list[str]:
 def env_lines(spec: JobSpec) -> list[str]:
     """Extra variables (always set), then the profile's NCCL defaults, each skipped at run
     time when the job's environment (the submitter's, a module) already has it."""
-    lines = [f"export {k}={_q(v)}" for k, v in spec.env]
+    lines = [line for k, v in spec.env for line in (*_literal(v), f"export {k}={_q(v)}")]
     lines.append(f"export {nccl.PROFILE_VAR}={_q(spec.nccl_profile)}")
     for name, value in nccl.script_env(spec.nccl_profile).items():
         if name == "LD_LIBRARY_PATH":
@@ -369,8 +387,9 @@ def parameter_lines(spec: JobSpec) -> list[str]:
                ("ENN_CONTAINER_ENV", ",".join(spec.env_names)), ("ENN_PYTHON", spec.python),
                ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts),
                ("ENN_NCCL_PROFILE", spec.nccl_profile)]
-    lines = [f"{k}={_q(v)}" for k, v in values]
-    return lines + ["enn_srun_extra=(" + " ".join(_q(a) for a in spec.extra_srun_args) + ")"]
+    lines = [line for k, v in values for line in (*_literal(v), f"{k}={_q(v)}")]
+    return lines + _literal(*spec.extra_srun_args) + [
+        "enn_srun_extra=(" + " ".join(_q(a, element=True) for a in spec.extra_srun_args) + ")"]
 
 
 def replace_block(text: str, name: str, lines: list[str]) -> str:

@@ -6,6 +6,7 @@ Nothing here imports torch at module import time (the CLI must start fast).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -13,7 +14,7 @@ from typing import Optional
 from .config import RunConfig, plan_mesh
 from .errors import UserError
 from .rundir import (RunDir, acquire_lock, create_run_dir, lock_owner, release_lock,
-                     update_config)
+                     run_umask, update_config)
 from .staging import check_data_sources, read_manifest, stage_run_data
 from .schedule import total_steps
 
@@ -98,7 +99,7 @@ def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = Non
         check_data_sources(cfg.data)
 
     def populate(run: RunDir) -> None:
-        manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays)
+        manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays, progress=sys.stderr)
         check_shape(cfg, shape, manifest["train_rows"][1] - manifest["train_rows"][0])
         if populate_extra is not None:
             populate_extra(run)
@@ -125,12 +126,16 @@ def run_local(run: RunDir, task: str, shape: LaunchShape, max_restarts: int,
     """Hold the run lock while local workers run; record the launch in jobs.jsonl."""
     from .launch_local import launch_local
 
+    from .tracking import ensure_run
+
     owner = acquire_lock(run, lock_owner())
     try:
+        ensure_run(run, run.load_config())
         run.record_job(kind="local", task=task, pid=os.getpid(), nodes=shape.nodes,
                        procs_per_node=shape.procs_per_node, name=name)
-        return launch_local(str(run.path), task, nodes=shape.nodes,
-                            procs_per_node=shape.procs_per_node, max_restarts=max_restarts,
-                            name=name, step=step)
+        with run_umask():  # the workers inherit it: checkpoints, logs, metrics
+            return launch_local(str(run.path), task, nodes=shape.nodes,
+                                procs_per_node=shape.procs_per_node,
+                                max_restarts=max_restarts, name=name, step=step)
     finally:
         release_lock(run, owner)

@@ -28,9 +28,13 @@ def _clean(value):
 
 
 class MetricsLog:
-    def __init__(self, path: Path, enabled: bool) -> None:
+    def __init__(self, path: Path, enabled: bool, sink=None) -> None:
+        """`sink` (an MLflow logger, see tracking.py) also gets every record."""
         self.path = Path(path)
         self.enabled = enabled
+        self.sink = sink
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", encoding="utf-8") if enabled else None
 
     def write(self, kind: str, **fields) -> None:
@@ -40,8 +44,12 @@ class MetricsLog:
                   **{k: _clean(v) for k, v in fields.items()}}
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
+        if self.sink is not None:
+            self.sink.log(kind, record)
 
     def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
         if self._fh:
             self._fh.close()
             self._fh = None

@@ -33,14 +33,10 @@ FAULT_AFTER_CHUNKS = "ENN_FAULT_PREDICT_EXIT_AFTER_CHUNKS"  # tests: exit hard a
 
 def load_replica(run: RunDir, cfg, step: int, input_shape: tuple, lanes) -> torch.nn.Module:
     """The model with the full weights of step-N on this rank's device, in eval mode."""
-    from torch.distributed.checkpoint import FileSystemReader
-    import torch.distributed.checkpoint as dcp
-
     manifest = read_manifest(run.data_dir)
     model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
     state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=FileSystemReader(str(store.step_dir(run.checkpoints, step))),
-             process_group=lanes.control)
+    ckpt.safe_load(state, store.step_dir(run.checkpoints, step), process_group=lanes.control)
     model.load_state_dict(state["model"])
     return model.to(lanes.device).eval()
 

@@ -88,6 +88,10 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
             raise UserError(f"--step: prediction {name!r} was made from step-{existing['step']}; "
                             "use another --name for another step")
         return _request(run, existing)
+    if isinstance(source, str):
+        from .config import no_credentials_in_url
+
+        no_credentials_in_url("--input", source)
     if source is None:
         raise UserError(f"--input: required (no prediction named {name!r} to continue in "
                         f"{run.predictions})")
@@ -98,7 +102,7 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     run.predictions.mkdir(mode=DIR_MODE, exist_ok=True)
     tmp.mkdir(mode=DIR_MODE)
     try:
-        entry = stage_array(source, tmp / pm.INPUT)
+        entry = stage_array(source, tmp / pm.INPUT, progress=sys.stderr)
         _check_input(entry, run)
         name = name or default_name(source, step, entry["checksum"])
         final = run.predictions / name

@@ -1,7 +1,7 @@
 """A one-line progress bar on stderr for long client-side work (staging, collect).
 
-Redrawn in place at most every `interval` seconds on a terminal; elsewhere (logs, CI) it
-prints only the final line, so captured output stays short.
+Redrawn in place at most every `interval` seconds on a terminal; elsewhere (logs, CI,
+captured output) it stays silent, so an error after it is still the only line.
 """
 from __future__ import annotations
 
@@ -46,5 +46,6 @@ class ProgressBar:
             self.stream.flush()
 
     def close(self) -> None:
-        self.stream.write(("\r" if self.live else "") + self.line() + "\n")
-        self.stream.flush()
+        if self.live:
+            self.stream.write("\r" + self.line() + "\n")
+            self.stream.flush()

@@ -64,8 +64,7 @@ class Run:
 
     def load_model(self, step: Optional[int] = None):
         """The model with the full weights of a complete checkpoint, in this process."""
-        import torch.distributed.checkpoint as dcp
-
+        from .checkpoint import safe_load
         from .model_setup import output_size
         from .models import build_model
         from .staging import read_manifest
@@ -77,9 +76,16 @@ class Run:
         model = build_model(cfg.model, tuple(manifest["entries"]["train_x"]["shape"][1:]),
                             output_size(cfg, manifest))
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(store.step_dir(self.dir.checkpoints, step)))
+        safe_load(state, store.step_dir(self.dir.checkpoints, step))
         model.load_state_dict(state["model"])
         return model.eval()
+
+    def plot(self, out=None) -> Path:
+        """PNG of loss, validation loss, lr and throughput (needs matplotlib)."""
+        from .plot import plot_series, write_plot
+
+        target = Path(out) if out is not None else self.path / "metrics.png"
+        return write_plot(plot_series(read_metrics(self.dir.metrics)), target, self.path.name)
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, latest_checkpoint={self.latest_checkpoint})"

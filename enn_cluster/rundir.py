@@ -18,6 +18,7 @@ import os
 import shutil
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -28,6 +29,25 @@ from .errors import UserError
 import yaml
 
 DIR_MODE = 0o2750  # group-readable, never world-writable
+RUN_UMASK = 0o027  # files 0640, directories 0750: the same for whatever the run writes
+
+
+@contextmanager
+def run_umask():
+    """Everything under a run gets its mode from the umask of the process that writes it
+    (workers inherit the launcher's; under Slurm, sbatch hands the submitter's to the job
+    as SLURM_UMASK). Set it, whatever the caller's was: a world-writable checkpoint would let
+    any local user replace `.metadata`, which DCP unpickles."""
+    old = os.umask(RUN_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _mkdir(path: Path) -> None:
+    path.mkdir(mode=DIR_MODE)
+    os.chmod(path, DIR_MODE)  # mkdir drops the setgid bit: files keep the run's group
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -72,7 +92,11 @@ class RunDir:
 
     @property
     def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
+        """Where rank 0 writes metrics: `logging.metrics_path` of the frozen config."""
+        try:
+            return self.path / self.load_config().logging.metrics_path
+        except UserError:
+            return self.path / "metrics.jsonl"
 
     @property
     def logs(self) -> Path:
@@ -101,7 +125,7 @@ class RunDir:
         """Append one launch record (job id, kind, shape); appends of one line are atomic."""
         fields.setdefault("time", time.time())
         line = json.dumps(fields, sort_keys=True) + "\n"
-        with open(self.path / "jobs.jsonl", "a", encoding="utf-8") as fh:
+        with run_umask(), open(self.path / "jobs.jsonl", "a", encoding="utf-8") as fh:
             fh.write(line)
 
     def jobs(self) -> list[dict]:
@@ -127,21 +151,24 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
         raise UserError(f"run_name: {run.path} already exists; use "
                         f"'enn-submit resume {run.path}' or pick another --set run_name=...")
     tmp = RunDir(run.path.with_name(f".{run.path.name}.creating-{os.getpid()}"))
-    old_umask = os.umask(0o027)
-    try:
-        run.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.path.mkdir(mode=DIR_MODE)
-        for sub in (tmp.data_dir, tmp.checkpoints, tmp.logs, tmp.requeue, tmp.predictions):
-            sub.mkdir(mode=DIR_MODE)
-        atomic_write_text(tmp.config_path, dump_config(cfg))
-        if populate is not None:
-            populate(tmp)
-        os.rename(tmp.path, run.path)
-    except BaseException:
-        shutil.rmtree(tmp.path, ignore_errors=True)
-        raise
-    finally:
-        os.umask(old_umask)
+    with run_umask():
+        try:
+            run.path.parent.mkdir(parents=True, exist_ok=True)
+            _mkdir(tmp.path)
+        except OSError as exc:
+            raise UserError(f"runs_root: cannot create {str(tmp.path)!r} "
+                            f"({exc.strerror or exc}); give a runs_root you can write to "
+                            "(and a shorter run_name)") from None
+        try:
+            for sub in (tmp.data_dir, tmp.checkpoints, tmp.logs, tmp.requeue, tmp.predictions):
+                _mkdir(sub)
+            atomic_write_text(tmp.config_path, dump_config(cfg))
+            if populate is not None:
+                populate(tmp)
+            os.rename(tmp.path, run.path)
+        except BaseException:
+            shutil.rmtree(tmp.path, ignore_errors=True)
+            raise
     fsync_dir(run.path.parent)
     return run
 
@@ -149,10 +176,12 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
 def update_config(run: RunDir, cfg: RunConfig) -> None:
     """Re-freeze the config on resume (new schedule or shape); keep the old one."""
     history = run.path / "config-history"
-    history.mkdir(mode=DIR_MODE, exist_ok=True)
-    old = run.config_path.read_text(encoding="utf-8")
-    atomic_write_text(history / f"config-{time.time_ns()}.yaml", old)
-    atomic_write_text(run.config_path, dump_config(cfg))
+    with run_umask():
+        if not history.exists():
+            _mkdir(history)
+        old = run.config_path.read_text(encoding="utf-8")
+        atomic_write_text(history / f"config-{time.time_ns()}.yaml", old)
+        atomic_write_text(run.config_path, dump_config(cfg))
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,9 +201,20 @@ def read_lock(run: RunDir) -> Optional[dict]:
         return None
 
 
+def _slurm_job_alive(job_id: str) -> bool:
+    """Ask Slurm where we can; where we cannot (no Slurm client here), assume alive."""
+    if shutil.which("scontrol") is None:
+        return True
+    from .slurm_state import job_alive
+
+    return job_alive(str(job_id))
+
+
 def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
-    if owner.get("slurm_job_id") and slurm_job_alive is not None:
-        return slurm_job_alive(owner["slurm_job_id"])
+    """Is the lock's owner still running? A Slurm job's lock is judged by Slurm (a job that
+    ended leaves its lock behind), a local process's by its pid on this host."""
+    if owner.get("slurm_job_id"):
+        return (slurm_job_alive or _slurm_job_alive)(owner["slurm_job_id"])
     if owner.get("host") != socket.gethostname():
         return True  # cannot see it from here: assume alive
     try:

@@ -10,13 +10,14 @@ import json
 import os
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TextIO
 
 import numpy as np
 
 from .checksum import RunningChecksum
 from .config import DataConfig, ModelConfig, SyntheticConfig
 from .errors import UserError
+from .progress import ProgressBar
 from .rundir import atomic_write_text, fsync_dir
 
 _BLOCK = 16 << 20
@@ -101,16 +102,34 @@ def _open_npy_stream(source: str, key: Optional[str]):
     return member, [member, zf, handle]
 
 
+class _Tracked(RunningChecksum):
+    """A running checksum that also moves a progress bar."""
+
+    def __init__(self, bar: Optional[ProgressBar]) -> None:
+        super().__init__()
+        self.bar = bar
+
+    def update(self, data) -> None:
+        super().update(data)
+        if self.bar is not None:
+            self.bar.update(len(memoryview(data).cast("B")))
+
+
 def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
-                  fill: Callable[[np.ndarray, RunningChecksum], None]) -> dict:
+                  fill: Callable[[np.ndarray, RunningChecksum], None],
+                  progress: Optional[TextIO] = None) -> dict:
     if dtype.hasobject:
         raise UserError(f"{dest.name}: object arrays cannot be staged; convert to a numeric dtype")
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    running = RunningChecksum()
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    bar = ProgressBar(f"stage {dest.stem}", nbytes, stream=progress) if progress else None
+    running = _Tracked(bar)
     try:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
         if out.size:
             fill(out.reshape(-1).view(np.uint8), running)
+        if bar is not None:
+            bar.close()
         out.flush()
         del out
         with open(tmp, "rb+") as fh:
@@ -123,8 +142,10 @@ def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
             "checksum": running.hexdigest(), "nbytes": running.size}
 
 
-def stage_array(source: Any, dest: Path, key: Optional[str] = None) -> dict:
-    """Copy one array (ndarray, tensor, .npy/.npz path or URL) to `dest` as a memmap."""
+def stage_array(source: Any, dest: Path, key: Optional[str] = None,
+                progress: Optional[TextIO] = None) -> dict:
+    """Copy one array (ndarray, tensor, .npy/.npz path or URL) to `dest` as a memmap;
+    `progress` (a stream such as stderr) gets a progress bar."""
     if hasattr(source, "detach"):  # torch tensor, without importing torch here
         source = source.detach().cpu().numpy()
     if isinstance(source, np.ndarray):
@@ -137,7 +158,7 @@ def stage_array(source: Any, dest: Path, key: Optional[str] = None) -> dict:
                 flat[start:start + block.size] = block
                 running.update(block)
 
-        entry = _write_memmap(dest, arr.shape, arr.dtype, fill)
+        entry = _write_memmap(dest, arr.shape, arr.dtype, fill, progress)
         entry["source"] = "<array>"
         return entry
     source = str(source)
@@ -158,7 +179,7 @@ def stage_array(source: Any, dest: Path, key: Optional[str] = None) -> dict:
                 running.update(block)
                 pos += len(block)
 
-        entry = _write_memmap(dest, tuple(shape), np.dtype(dtype), fill)
+        entry = _write_memmap(dest, tuple(shape), np.dtype(dtype), fill, progress)
     finally:
         for c in closers:
             c.close()
@@ -183,7 +204,7 @@ def _target_scaler(y: np.ndarray) -> dict:
 
 
 def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
-                   arrays: Optional[dict] = None) -> dict:
+                   arrays: Optional[dict] = None, progress: Optional[TextIO] = None) -> dict:
     """Stage train (and eval) arrays; `arrays` (x, y, eval_x, eval_y) override the config."""
     arrays = dict(arrays or {})
     entries: dict = {}
@@ -199,9 +220,10 @@ def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
         if src is None or (isinstance(src, tuple) and src[0] is None):
             continue
         if isinstance(src, tuple):
-            entries[name] = stage_array(src[0], data_dir / f"{name}.npy", key=src[1])
+            entries[name] = stage_array(src[0], data_dir / f"{name}.npy", key=src[1],
+                                        progress=progress)
         else:
-            entries[name] = stage_array(src, data_dir / f"{name}.npy")
+            entries[name] = stage_array(src, data_dir / f"{name}.npy", progress=progress)
     n = entries["train_x"]["shape"][0]
     if entries["train_y"]["shape"][0] != n:
         raise UserError(f"data: train inputs have {n} rows but targets have "

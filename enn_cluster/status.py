@@ -10,7 +10,7 @@ from .rundir import RunDir, read_lock
 
 def run_status(path: Path) -> dict:
     run = RunDir(Path(path))
-    last_train, last_eval, resumes = None, None, 0
+    last_train, last_eval, resumes, start = None, None, 0, None
     for rec in read_metrics(run.metrics):
         kind = rec.get("kind")
         if kind == "train":
@@ -19,6 +19,8 @@ def run_status(path: Path) -> dict:
             last_eval = rec
         elif kind == "resume":
             resumes += 1
+        elif kind == "start":
+            start = rec
     jobs = run.jobs()
     status = {
         "run_dir": str(run.path),
@@ -26,6 +28,9 @@ def run_status(path: Path) -> dict:
         "last_loss": last_train["loss"] if last_train else None,
         "last_eval_loss": last_eval["eval_loss"] if last_eval else None,
         "resumes": resumes,
+        "total_steps": start["total_steps"] if start else None,
+        "step_time_s": last_train.get("step_time_s") if last_train else None,
+        "samples_per_s": last_train.get("samples_per_s") if last_train else None,
         "checkpoints": store.committed_steps(run.checkpoints),
         "last_checkpoint": store.latest_committed(run.checkpoints),
         "jobs": jobs,
@@ -69,3 +74,45 @@ def format_status(st: dict) -> str:
         lines.append(f"in use by:       pid {owner.get('pid')} on {owner.get('host')}"
                      + (f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else ""))
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _num(value) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)  # "nan" strings
+
+
+def live(st: dict) -> bool:
+    """Is something still going to happen to this run (a live lock or a live Slurm job)?"""
+    if st["lock"]:
+        return True
+    from .slurm_state import LIVE_STATES
+
+    return bool(st.get("slurm")) and st["slurm"].get("state") in LIVE_STATES
+
+
+def progress_line(st: dict) -> str:
+    """The one-line live view of `enn-submit status --follow`."""
+    step, total = st["last_step"], st.get("total_steps")
+    parts = [f"step {step if step is not None else '-'}" + (f"/{total}" if total else "")]
+    if step is not None and total:
+        parts[0] += f" ({100.0 * step / total:.0f}%)"
+    if st["last_loss"] is not None:
+        parts.append(f"loss {_num(st['last_loss'])}")
+    if st["last_eval_loss"] is not None:
+        parts.append(f"eval {_num(st['last_eval_loss'])}")
+    if st.get("samples_per_s"):
+        parts.append(f"{st['samples_per_s']:.0f} samples/s")
+    if step is not None and total and st.get("step_time_s") and st["lock"]:
+        parts.append(f"ETA {_duration((total - step) * st['step_time_s'])}")
+    last = st["last_checkpoint"]
+    parts.append(f"ckpt {'step-%d' % last if last is not None else 'none'}")
+    if st.get("slurm"):
+        parts.append(f"slurm {st['slurm'].get('state')}")
+    parts.append("running" if st["lock"] else "not running")
+    return " | ".join(parts)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import UserError
-from .rundir import RunDir, acquire_lock
+from .rundir import RunDir, acquire_lock, run_umask
 
 
 def worker_entry(run_dir: str, task: str, name: Optional[str], step: Optional[int]) -> int:
@@ -23,6 +23,14 @@ def worker_entry(run_dir: str, task: str, name: Optional[str], step: Optional[in
         sys.stdout.flush()
         sys.exit(code)
     return code
+
+
+def default_job_name(run_name: str) -> str:
+    """'enn-' + the run name, with what an #SBATCH line cannot carry made '_' (a run name
+    may hold spaces or '='; the user did not ask for them in a job name)."""
+    import re
+
+    return re.sub(r"[^\w.+-]", "_", f"enn-{run_name}")[:64]
 
 
 def build_spec(args, run: RunDir, task: str, shape, max_restarts: int,
@@ -39,7 +47,8 @@ def build_spec(args, run: RunDir, task: str, shape, max_restarts: int,
     bare = opts["image"] in (None, "none")
     cfg = run.load_config()
     return JobSpec(
-        job_name=args.job_name or f"enn-{cfg.run_name}"[:64], run_dir=str(run.path),
+        job_name=default_job_name(cfg.run_name) if args.job_name is None else args.job_name,
+        run_dir=str(run.path),
         task=task, predict_name=name, nodes=getattr(args, "nodes_range", None) or shape.nodes,
         gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
         time=opts["time"], partition=opts["partition"], account=opts["account"],
@@ -59,13 +68,17 @@ def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
 
     from .job_spec import submitit_executor_kwargs, submitit_parameters
     from .slurm_state import job_alive
+    from .tracking import ensure_run
 
     _check_lock(run, job_alive)
+    ensure_run(run, run.load_config())  # exported to the job with the environment
     executor = submitit.AutoExecutor(folder=run.path / "slurm" / "%j", cluster="slurm",
                                      **submitit_executor_kwargs(spec))
     executor.update_parameters(**submitit_parameters(spec))
     try:
-        job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name, step)
+        with run_umask():  # sbatch hands it to the job (SLURM_UMASK): what the tasks write
+            job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
+                                  step)
     except subprocess_errors() as exc:
         raise UserError(f"sbatch refused the job: {str(exc).strip().splitlines()[-1]}")
     job_id = str(job.job_id)

@@ -31,6 +31,7 @@ from .rundir import RunDir
 from .sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows, shard_rows)
 from .schedule import global_batch, lr_at, total_steps
 from .staging import open_array, read_manifest
+from .tracking import worker_sink
 
 log = logging.getLogger("enn_cluster.trainer")
 
@@ -66,7 +67,8 @@ class Trainer:
         self.step, self.pos, self.nonfinite_in_row, self.skipped = 0, DataPosition(), 0, 0
         self.stop_requested, self.stop_signal = 0, None
         self.pending = None
-        self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0)
+        self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
+                                  sink=worker_sink(cfg, run, lanes.rank))
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -250,6 +252,8 @@ class Trainer:
         """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
         cfg = self.cfg
         self.resume()
+        self.metrics.write("start", step=self.step, total_steps=self.total_steps,
+                           world_size=self.env.world_size, pid=os.getpid())
         every = cfg.checkpoint.every_steps
         perm_epoch, perm = -1, None
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1

@@ -32,7 +32,7 @@ def _bad(tmp_path, *extra, **over):
     ({"training": {"epochs": "three"}}, (), "training.epochs: expected int"),
     ({"training": {"per_device_train_batch_size": 0}}, (), "training.per_device_train_batch_size"),
     ({"training": {"lr": -1.0}}, (), "training.lr"),
-    ({"parallel": {"replicate": 3}}, (), "parallel.replicate x parallel.shard"),
+    ({"parallel": {"replicate": 3}}, (), "parallel.replicate, parallel.shard:"),
     ({"parallel": {"strategy": "zero3"}}, (), "parallel.strategy"),
     ({"data": {"train_path": "/nonexistent/x.npz"}}, (), "data.train_path: /nonexistent/x.npz does not exist"),
     ({"data": {"train_path": "x.csv"}}, (), "data.train_path"),

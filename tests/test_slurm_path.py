@@ -136,3 +136,9 @@ def test_api_trains_and_predicts_on_slurm_like_the_cli(slurm_cluster, tmp_path, 
     np.testing.assert_allclose(from_cli, reference, atol=1e-5, rtol=0)
     from_api = enn_cluster.predict(run, x, cluster=cluster, chunk_rows=50)
     np.testing.assert_array_equal(from_api, from_cli)
+    # the embedded default (local processes, 3 ranks) predicts the same rows
+    local = cli("predict", run.path, "--input", tmp_path / "x.npy", "--name", "local",
+                "--chunk-rows", "50", "--nodes", "1", "--procs-per-node", "3")
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert cli("collect", run.path, "--name", "local", "--out", tmp_path / "local.npy").returncode == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "local.npy"), from_cli)

@@ -1,0 +1,176 @@
+"""The docs stay true to the code: the generated config reference is current, relative
+links (and their #anchors) resolve, every `enn-submit <command>` the docs show exists with
+the flags they use, and every module and site key is documented. Fast: no torch, no
+subprocess except one import check.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from enn_cluster import config_docs, site
+from enn_cluster.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+# Subcommands the docs may show before they are registered in enn_cluster/cli.py. Once a
+# command is registered it is checked like any other (flags included), whether or not it
+# is still listed here; empty this set when they have all landed.
+PENDING_COMMANDS: set[str] = set()
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_INLINE_CODE = re.compile(r"`([^`\n]+)`")
+_LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_MENTION = re.compile(r"(?:^|(?<=[\s/(]))enn-submit\s+([a-z][a-z0-9_-]*)")
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+_CUT = re.compile(r"\||&&|;|\)|\s#|enn-submit")
+
+
+def markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def _fences(text: str) -> tuple[list[str], list[str]]:
+    """(lines outside fenced blocks, lines of fenced blocks with continuations joined)."""
+    outside, code, block, fenced = [], [], [], False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            if fenced:
+                code.extend("\n".join(block).replace("\\\n", " ").splitlines())
+                block = []
+            fenced = not fenced
+            continue
+        (block if fenced else outside).append(line)
+    return outside, code
+
+
+def split_markdown(text: str) -> tuple[list[str], list[str]]:
+    """(prose lines without code, code snippets): fenced blocks and inline code spans."""
+    outside, code = _fences(text)
+    code += [m.group(1) for line in outside for m in _INLINE_CODE.finditer(line)]
+    return [_INLINE_CODE.sub("", line) for line in outside], code
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors: lower case, punctuation dropped, spaces -> '-', '-N' for repeats."""
+    prose, _ = _fences(path.read_text(encoding="utf-8"))
+    seen: dict[str, int] = {}
+    anchors = set()
+    for line in prose:
+        m = _HEADING.match(line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(2).replace("`", "").lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def command_mentions(code_lines: list[str]) -> list[tuple[str, list[str]]]:
+    """(command, flags used with it) for every `enn-submit <command> ...` in code."""
+    out = []
+    for line in code_lines:
+        for m in _MENTION.finditer(line):
+            rest = line[m.end():]
+            cut = _CUT.search(rest)
+            rest = rest[:cut.start()] if cut else rest
+            out.append((m.group(1), _FLAG.findall(rest)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def test_config_reference_is_current():
+    expected = config_docs.render_config_reference()
+    path = DOCS / "config.md"
+    actual = path.read_text(encoding="utf-8") if path.exists() else ""
+    assert actual == expected, (f"{path.relative_to(ROOT)} is stale: run "
+                                f"`{config_docs.WRITE_COMMAND}` and commit the result")
+
+
+def test_config_fields_and_descriptions_must_match():
+    missing = {k: v for k, v in config_docs.DESCRIPTIONS.items() if k != "training.lr"}
+    with pytest.raises(ValueError, match=r"training\.lr"):
+        config_docs.render_config_reference(missing)
+    extra = {**config_docs.DESCRIPTIONS, "training.no_such_field": "gone"}
+    with pytest.raises(ValueError, match=r"training\.no_such_field"):
+        config_docs.render_config_reference(extra)
+
+
+def test_config_docs_does_not_import_torch():
+    code = ("import sys, enn_cluster.config_docs as d; d.render_config_reference(); "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.call([sys.executable, "-c", code], cwd=ROOT) == 0
+
+
+def test_relative_links_resolve():
+    broken = []
+    for md in markdown_files():
+        prose, _ = split_markdown(md.read_text(encoding="utf-8"))
+        for line in prose:
+            for target in _LINK.findall(line):
+                if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                    continue
+                path_part, _, anchor = target.partition("#")
+                dest = (md.parent / path_part).resolve() if path_part else md
+                where = f"{md.relative_to(ROOT)}: ({target})"
+                if not dest.exists():
+                    broken.append(f"{where} points to a missing file")
+                elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest):
+                    broken.append(f"{where}: no heading with anchor #{anchor}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_documented_commands_exist_with_their_flags():
+    commands = subcommands()
+    problems, seen = [], set()
+    for md in markdown_files():
+        _, code = split_markdown(md.read_text(encoding="utf-8"))
+        for command, flags in command_mentions(code):
+            seen.add(command)
+            where = md.relative_to(ROOT)
+            if command not in commands:
+                if command not in PENDING_COMMANDS:
+                    problems.append(f"{where}: `enn-submit {command}` is not a subcommand "
+                                    f"(there are: {', '.join(sorted(commands))})")
+                continue
+            known = commands[command]._option_string_actions
+            problems += [f"{where}: `enn-submit {command}` has no flag {flag}"
+                         for flag in flags if flag not in known]
+    assert not problems, "\n".join(problems)
+    assert {"train", "resume", "status", "verify", "build", "render"} <= seen
+
+
+def test_command_mentions_are_parsed():
+    code = ['IMG=$(enn-submit build --cache-dir /x) && sbatch --nodes=2 f',
+            '.venv/bin/enn-submit status RUN  # --not-a-flag',
+            'enn-submit COMMAND --help', 'the enn-submit --help output']
+    assert command_mentions(code) == [("build", ["--cache-dir"]), ("status", [])]
+
+
+def test_architecture_names_every_module():
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    missing = [p.name for p in sorted((ROOT / "enn_cluster").glob("*.py"))
+               if f"`{p.name}`" not in text]
+    assert not missing, f"docs/architecture.md has no paragraph for: {', '.join(missing)}"
+
+
+def test_admin_guide_names_every_site_key():
+    text = (DOCS / "admin.md").read_text(encoding="utf-8")
+    missing = [k for k in site.KEYS if f"`{k}`" not in text]
+    assert not missing, f"docs/admin.md does not document site keys: {', '.join(missing)}"

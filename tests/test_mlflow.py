@@ -1,0 +1,49 @@
+"""MLflow (optional extra): rank 0 logs into one MLflow run across a crash-restart and a
+later `enn-submit resume`; the token stays in the environment. A local file store stands
+in for a tracking server (MLFLOW_ALLOW_FILE_STORE: MLflow 3 keeps it for such uses)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import cli, small_config, write_config
+
+mlflow = pytest.importorskip("mlflow", reason="the dev extra installs mlflow-skinny")
+TOKEN = "tok-9f3e1c-never-on-disk"
+
+
+def test_one_mlflow_run_across_restart_and_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = f"file://{tmp_path / 'mlruns'}"
+    cfg = small_config(tmp_path, "tracked", training={"max_steps": 30, "fail_at_step": 17},
+                       checkpoint={"every_steps": 10},
+                       parallel={"nodes": 1, "procs_per_node": 2, "max_restarts": 1},
+                       logging={"mlflow_tracking_uri": store, "mlflow_experiment": "enn-test"})
+    env = {"MLFLOW_TRACKING_TOKEN": TOKEN}
+    done = cli("train", "--config", write_config(tmp_path / "c.yaml", **cfg), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "tracked"
+    run_id = json.loads((run / "mlflow.json").read_text())["run_id"]
+    again = cli("resume", run, "--set", "training.max_steps=40", env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run / "mlflow.json").read_text())["run_id"] == run_id
+
+    client = mlflow.tracking.MlflowClient(store)
+    experiment = client.get_experiment_by_name("enn-test")
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]  # one MLflow run for the whole history
+    loss_steps = {m.step for m in client.get_metric_history(run_id, "loss")}
+    assert loss_steps == set(range(1, 41))  # before the crash, after it, and after resume
+    assert {m.step for m in client.get_metric_history(run_id, "eval_loss")}
+    for path in list(run.rglob("*")) + list((tmp_path / "mlruns").rglob("*")):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_credentials_in_the_uri_are_refused(tmp_path):
+    cfg = small_config(tmp_path, "leaky",
+                       logging={"mlflow_tracking_uri": "https://bob:hunter2@mlflow.example"})
+    done = cli("train", "--config", write_config(tmp_path / "c.yaml", **cfg))
+    assert done.returncode == 2 and "MLFLOW_TRACKING_TOKEN" in done.stderr
+    assert "hunter2" not in done.stderr and not (tmp_path / "runs").exists()

@@ -1,0 +1,52 @@
+"""`enn-submit status --follow` on a live run, and `enn-submit plot` marking a restart."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from enn_cluster.metrics import read_metrics
+from enn_cluster.plot import plot_series
+from helpers import ROOT, cli, small_config, write_config
+
+
+def test_follow_a_live_run_then_plot_it_with_its_restart(tmp_path):
+    cfg = small_config(tmp_path, "live", training={"max_steps": 60, "fail_at_step": 25},
+                       checkpoint={"every_steps": 10},
+                       parallel={"nodes": 1, "procs_per_node": 2, "max_restarts": 1})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    train = subprocess.Popen([sys.executable, "-m", "enn_cluster.cli", "train", "--config",
+                              str(write_config(tmp_path / "c.yaml", **cfg))],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run = tmp_path / "runs" / "live"
+    try:
+        deadline = time.time() + 60  # the run directory appears once staging is done
+        while not (run / "run.lock").exists() and train.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        follow = cli("status", run, "--follow", "--interval", "0.2", timeout=240)
+        assert follow.returncode == 0, follow.stderr
+        train.wait(timeout=240)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 0, train.stderr.read().decode()[-2000:]
+    lines = follow.stdout.strip().splitlines()
+    assert len(lines) >= 2, lines  # it followed the run, not just one snapshot
+    assert any("running" in line and "not running" not in line for line in lines)
+    assert lines[-1].startswith("step 60/60 (100%)") and lines[-1].endswith("not running")
+    assert "ckpt step-60" in lines[-1]
+
+    series = plot_series(read_metrics(run / "metrics.jsonl"))
+    assert [r["step"] for r in series["restarts"]] == [20]  # crash at 25, resumed at 20
+    assert series["loss"][0] == list(range(1, 61))  # redone steps counted once
+    png = cli("plot", run, "--out", tmp_path / "m.png")
+    assert png.returncode == 0, png.stderr
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_and_status_refuse_what_is_not_a_run(tmp_path):
+    for args in (("plot", tmp_path), ("status", tmp_path, "--follow")):
+        done = cli(*args)
+        assert done.returncode == 2 and "RUN_DIR" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
