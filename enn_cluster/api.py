@@ -116,7 +116,6 @@ def _namespace(cluster: dict, shape: LaunchShape, restarts: int) -> argparse.Nam
                             nodes=str(cluster.get("nodes", shape.nodes)),
                             mounts=list(cluster.get("mounts", [])),
                             exclusive=bool(cluster.get("exclusive", False)), wait=False)
-    ns.container = ns.container or "none"
     return ns
 
 
@@ -124,7 +123,12 @@ def _shape(cfg: RunConfig, cluster: Optional[dict]) -> LaunchShape:
     from .launch import shape_from_flags
 
     c = cluster or {}
-    return shape_from_flags(cfg, c.get("nodes"), c.get("gpus_per_node"), c.get("procs_per_node"))
+    gpus = c.get("gpus_per_node")
+    if cluster is not None and gpus is None:  # a Slurm job: the site config may know
+        from .site import load_site
+
+        gpus = load_site(c.get("site")).gpus_per_node
+    return shape_from_flags(cfg, c.get("nodes"), gpus, c.get("procs_per_node"))
 
 
 def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[dict] = None,

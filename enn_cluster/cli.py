@@ -82,11 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build", help="build containers/Dockerfile into an Enroot squashfs (cached)")
     p.add_argument("--dockerfile", default="containers/Dockerfile")
     p.add_argument("--context", default=".", help="build context (the repository root)")
-    p.add_argument("--cache-dir", default=None, help="image cache (default $ENN_IMAGE_CACHE "
+    p.add_argument("--cache-dir", default=None, help="image cache (default $ENN_IMAGE_CACHE, "
+                   "the site's image_cache, "
                    "or ~/.cache/enn_cluster/images; on a cluster: the shared filesystem)")
     p.add_argument("--build-arg", dest="build_args", action="append", default=[],
                    metavar="KEY=VALUE", help="e.g. BASE_IMAGE=nvcr.io/nvidia/pytorch:25.03-py3")
     p.add_argument("--builder", choices=("podman", "docker"), default=None)
+    p.add_argument("--site", default=None, help="site config YAML (its image_cache)")
 
     p = sub.add_parser("render", help="print the Slurm batch script for a run or config (dry run)")
     p.add_argument("target", help="a run directory or a run YAML")
@@ -119,14 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_train_config(args):
-    from .config import load_config
+    from .config import load_config, read_yaml
 
     overrides = list(args.overrides)
     if args.run_name:
         overrides.append(f"run_name={args.run_name}")
     if args.runs_root:
         overrides.append(f"runs_root={args.runs_root}")
+    elif not any(o.startswith("runs_root=") for o in overrides):
+        # the site's runs_root where neither the flags nor the config file name one
+        from .site import load_site
+
+        site_root = load_site(args.site).runs_root
+        if site_root and "runs_root" not in (read_yaml(args.config) if args.config else {}):
+            overrides.append(f"runs_root={site_root}")
     return load_config(args.config, overrides)
+
+
+def _site_shape_defaults(args) -> None:
+    """A Slurm job's GPUs per node come from the site config when the flag is not given."""
+    if getattr(args, "gpus_per_node", 0) is None and \
+            (getattr(args, "cluster", None) == "slurm" or args.command == "render"):
+        from .site import load_site
+
+        args.gpus_per_node = load_site(args.site).gpus_per_node
 
 
 def _max_restarts(args, cfg) -> int:
@@ -137,7 +155,7 @@ def _max_restarts(args, cfg) -> int:
 
 
 def cmd_train(args) -> int:
-    from .launch import prepare_run, run_local, shape_from_flags
+    from .launch import prepare_run, shape_from_flags
 
     cfg = _load_train_config(args)
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
@@ -195,7 +213,9 @@ def _launch(args, run, task, shape, restarts, name=None, step=None) -> int:
 
 
 def cmd_build(args) -> int:
-    from .image import build_image, default_cache_dir
+    from .image import build_image
+    from .site import load_site
+    from .submit_slurm import image_cache_dir
 
     build_args = {}
     for item in args.build_args:
@@ -206,7 +226,8 @@ def cmd_build(args) -> int:
     for flag, path in (("--dockerfile", args.dockerfile), ("--context", args.context)):
         if not Path(path).exists():
             raise UserError(f"{flag}: {path} does not exist")
-    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    cache = Path(args.cache_dir) if args.cache_dir else \
+        image_cache_dir(load_site(args.site).image_cache)
     image = build_image(args.dockerfile, args.context, cache, build_args=build_args,
                         builder=args.builder)
     print(image)
@@ -302,6 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _site_shape_defaults(args)
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"enn-submit: error: {one_line(str(exc))}", file=sys.stderr)

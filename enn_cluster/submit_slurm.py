@@ -5,6 +5,7 @@ the site config into a JobSpec, hands it to submitit, and records the job in the
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,30 @@ def default_job_name(run_name: str) -> str:
     return re.sub(r"[^\w.+-]", "_", f"enn-{run_name}")[:64]
 
 
+def image_cache_dir(site_cache: Optional[str]) -> Path:
+    """--cache-dir aside: $ENN_IMAGE_CACHE, then the site's image_cache, then ~/.cache."""
+    from .image import default_cache_dir
+
+    if site_cache and not os.environ.get("ENN_IMAGE_CACHE"):
+        return Path(site_cache).expanduser()
+    return default_cache_dir()
+
+
+def default_image(site_cache: Optional[str]) -> Path:
+    """No --container and no site image: the image built from ./containers/Dockerfile."""
+    from .image import image_for
+
+    dockerfile = Path("containers/Dockerfile")
+    if not dockerfile.is_file():
+        raise UserError("--container: no image given (flag or site config) and no "
+                        "containers/Dockerfile here to find a built one for; pass --container "
+                        "IMAGE, or --container none to run without Pyxis")
+    try:
+        return image_for(dockerfile, ".", image_cache_dir(site_cache))
+    except UserError as exc:
+        raise UserError(f"--container: {exc} (or pass --container IMAGE / none)") from None
+
+
 def build_spec(args, run: RunDir, task: str, shape, max_restarts: int,
                name: Optional[str] = None):
     """CLI flags win over the site config, which wins over defaults (site.merge)."""
@@ -44,7 +69,9 @@ def build_spec(args, run: RunDir, task: str, shape, max_restarts: int,
              "signal_grace_s": args.signal_grace,
              "mounts": tuple(args.mounts) if args.mounts else None}
     opts = merge(DEFAULTS, load_site(args.site), flags)
-    bare = opts["image"] in (None, "none")
+    if opts["image"] is None:
+        opts["image"] = str(default_image(opts["image_cache"]))
+    bare = opts["image"] == "none"
     cfg = run.load_config()
     return JobSpec(
         job_name=default_job_name(cfg.run_name) if args.job_name is None else args.job_name,

@@ -12,7 +12,6 @@ import os
 import signal
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -25,7 +25,7 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from enn_cluster import config as config_mod
+from enn_cluster import config_checks
 from enn_cluster import job_spec, site
 from enn_cluster.config import (RunConfig, apply_overrides, config_from_dict, dump_config,
                                 load_config, read_yaml)
@@ -530,7 +530,7 @@ def test_hostile_run_name_trains_locally_verbatim(tmp_path):
 
 def test_config_module_bounds_are_documented_in_errors():
     """The limits the fuzzing found necessary exist and are what the messages say."""
-    assert config_mod.MAX_SEED == 2**32 - 1
+    assert config_checks.MAX_SEED == 2**32 - 1
     with pytest.raises(UserError, match="between 0 and 4294967295"):
         config_from_dict({"training": {"seed": 2**32}})
     assert config_from_dict({"training": {"seed": 2**32 - 1}}).training.seed == 2**32 - 1

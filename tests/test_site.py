@@ -125,3 +125,41 @@ def test_example_file_is_valid_and_documents_every_key():
     path = ROOT / "slurm" / "site.example.yaml"
     conf = site.parse_site(yaml.safe_load(path.read_text()), str(path))
     assert set(conf.overrides()) == set(site.KEYS)
+
+
+def test_site_runs_root_gpus_and_image_cache_reach_the_job(tmp_path):
+    """The site's runs_root, gpus_per_node and image_cache are used where no flag or config
+    key names them; with no image anywhere, the error says how to build one."""
+    import shutil
+
+    from enn_cluster.image import image_key, image_path
+    from helpers import ROOT, cli, small_config, write_config
+
+    work = tmp_path / "repo"
+    (work / "containers").mkdir(parents=True)
+    shutil.copy(ROOT / "containers" / "Dockerfile", work / "containers" / "Dockerfile")
+    cache = tmp_path / "cache"
+    runs = tmp_path / "shared-runs"
+    (work / "site.yaml").write_text(yaml.safe_dump({
+        "runs_root": str(runs), "image_cache": str(cache), "gpus_per_node": 4,
+        "partition": "gpu"}))
+    cfg = small_config(tmp_path, "fromsite")
+    cfg.pop("runs_root")
+    write_config(work / "run.yaml", **cfg)
+    args = ("render", "run.yaml", "--site", "site.yaml", "--nodes", "2")
+    missing = cli(*args, cwd=work)
+    assert missing.returncode == 2 and "enn-submit build" in missing.stderr, missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+    built = image_path(cache, image_key(work / "containers" / "Dockerfile", work))
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"hsqs")  # where `enn-submit build` puts the squashfs of these sources
+    done = cli(*args, cwd=work)
+    assert done.returncode == 0, done.stderr
+    assert f"ENN_IMAGE={built}\n" in done.stdout
+    assert "#SBATCH --ntasks-per-node=4" in done.stdout and "#SBATCH --partition=gpu" in done.stdout
+    # train: the run directory goes to the site's runs_root (the config names none)
+    train = cli("train", "--config", "run.yaml", "--site", "site.yaml", "--cluster", "slurm",
+                "--container", "/nonexistent/enn.sqsh", cwd=work, env={"SLURM_CONF": "/dev/null"})
+    assert train.returncode == 2  # this Slurm client has no cluster: refused, nothing left
+    assert runs.is_dir() and list(runs.iterdir()) == []  # made there, then removed
+    assert not (work / "runs").exists()
