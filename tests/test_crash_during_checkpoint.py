@@ -15,7 +15,7 @@ import pytest
 from enn_cluster import checkpoint_store as store
 from helpers import ROOT, cli, metrics, small_config, write_config
 
-TRIALS = int(os.environ.get("ENN_FAULT_TRIALS", "3"))
+TRIALS = int(os.environ.get("ENN_FAULT_TRIALS", "2"))
 
 
 def _start(cfg):

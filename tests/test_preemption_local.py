@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ROOT, cli, full_params, metrics, small_config, write_config
 
-STEPS = 120
+STEPS = 60
 
 
 @pytest.fixture(scope="module")

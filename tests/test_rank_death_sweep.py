@@ -15,7 +15,7 @@ import pytest
 
 from helpers import ROOT, full_params, metrics, small_config, write_config, cli
 
-TRIALS = int(os.environ.get("ENN_FAULT_TRIALS", "2"))
+TRIALS = int(os.environ.get("ENN_FAULT_TRIALS", "1"))
 STEPS = 150
 
 

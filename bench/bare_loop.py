@@ -1,0 +1,63 @@
+"""The baseline for the runtime-overhead benchmark: a bare, hand-written FSDP2 HSDP loop.
+
+No enn_cluster code runs here: plain `init_process_group`, a 2-D DeviceMesh, the same
+MLP architecture (Linear + GELU + Dropout blocks, a linear head), `fully_shard` per block
+and on the root, AdamW, gradient clipping, and the same .npy data read through a memmap.
+Rank 0 returns the wall-clock time at the end of every step.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+
+def _model(n_features: int, hidden: list[int], n_outputs: int):
+    from torch import nn
+
+    sizes = [n_features, *hidden]
+    blocks = [nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Dropout(0.0))
+              for a, b in zip(sizes[:-1], sizes[1:])]
+    return nn.Sequential(*blocks, nn.Linear(sizes[-1], n_outputs)), blocks
+
+
+def train(x_path: str, y_path: str, hidden: list[int], replicate: int, shard: int,
+          batch: int, steps: int, lr: float, seed: int) -> list[float]:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    x = np.load(x_path, mmap_mode="r")
+    y = np.load(y_path, mmap_mode="r")
+    torch.manual_seed(seed)
+    model, blocks = _model(x.shape[1], hidden, y.shape[1])
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    gbatch = batch * world
+    perm, epoch, pos = None, -1, 0
+    stamps = []
+    for _ in range(steps):
+        if perm is None or pos + gbatch > len(x):
+            epoch, pos = epoch + 1, 0
+            perm = np.random.default_rng([seed, epoch]).permutation(len(x))
+        rows = perm[pos + rank * batch: pos + (rank + 1) * batch]
+        pos += gbatch
+        xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32))
+        yb = torch.from_numpy(np.ascontiguousarray(y[rows], dtype=np.float32))
+        loss = F.mse_loss(model(xb), yb)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append(time.time())
+    dist.barrier()
+    dist.destroy_process_group()
+    return stamps if rank == 0 else []

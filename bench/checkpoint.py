@@ -1,0 +1,247 @@
+"""Checkpoint I/O (save/load vs raw disk) and async checkpoint blocking (vs sync save).
+
+One group of 2 ranks (torch's elastic launcher, gloo, a 1x2 HSDP mesh) builds the real
+`Trainer` on a staged run directory, trains two steps so AdamW has its state, then:
+
+- `checkpoint`: per repeat, each rank writes as many random bytes as it owns in a
+  checkpoint with numpy `tofile` + fsync (the raw baseline), and the group runs
+  `enn_cluster.checkpoint.save` (DCP save + per-rank checksums + commit record). Both
+  sets of files are fsynced and their pages evicted with posix_fadvise(DONTNEED); then
+  each rank `readinto`s its raw file into a warm buffer (baseline) and the group runs
+  `enn_cluster.checkpoint.load`. Repeats alternate which side goes first.
+- `async`: `Trainer.save(async_save=False)` (the blocking time of a sync save) against
+  the time the loop is blocked by `Trainer.save(async_save=True)` plus the later
+  `Trainer.finish_pending()` (commit), with training steps running in between as in
+  `Trainer.fit`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+from pathlib import Path
+
+from .group import max_over_ranks, run_group
+from .measure import BenchContext, Result, Series, drop_cache, files_under, ratios, timed
+
+MB = 1e6
+
+
+def _run_config(ctx: BenchContext):
+    from enn_cluster.config import config_from_dict
+
+    width, depth = (1024, 5) if ctx.quick else (2048, 9)
+    return config_from_dict({
+        "run_name": "ckpt", "runs_root": str(ctx.workdir / "runs"),
+        "model": {"name": "mlp", "hidden_sizes": [width] * depth},
+        "data": {"synthetic": {"n_samples": 1024, "n_features": 16}},
+        "training": {"max_steps": 100000, "per_device_train_batch_size": 8, "seed": 0},
+        "checkpoint": {"keep_last": 1},
+        "parallel": {"nodes": 1, "procs_per_node": 2},
+    })
+
+
+def run(ctx: BenchContext, parts: list[str]) -> list[Result]:
+    from enn_cluster.launch import LaunchShape, prepare_run
+
+    run_dir = prepare_run(_run_config(ctx), LaunchShape(1, 2))
+    io_root = ctx.workdir / "ckpt-io"
+    io_root.mkdir()
+    ctx.log(f"checkpoint: 2 ranks, parts {parts}, {ctx.repeats} repeats")
+    out = run_group(_worker, 2, str(run_dir.path), parts, ctx.repeats, str(io_root))[0]
+    results = []
+    if "checkpoint" in parts:
+        results += _io_results(out)
+    if "async" in parts:
+        results += _async_results(out)
+    shutil.rmtree(run_dir.path, ignore_errors=True)
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# Inside the ranks
+
+
+def _worker(run_dir: str, parts: list[str], repeats: int, io_root: str) -> dict:
+    import torch
+
+    from enn_cluster.environment import discover
+    from enn_cluster.lanes import close_lanes, open_lanes
+    from enn_cluster.rundir import RunDir
+    from enn_cluster.sampler import epoch_permutation
+    from enn_cluster.trainer import Trainer
+
+    torch.set_num_threads(1)
+    env = discover(os.environ)
+    lanes = open_lanes(env, 600.0)
+    run = RunDir(Path(run_dir))
+    cfg = run.load_config()
+    trainer = Trainer(cfg, run, env, lanes)
+    try:
+        perm = epoch_permutation(trainer.n_rows, cfg.training.seed, 0)
+        for _ in range(2):
+            trainer.train_step(perm)  # AdamW state now exists: a real checkpoint's contents
+        out: dict = {}
+        if "checkpoint" in parts:
+            out.update(_save_load(trainer, lanes, Path(io_root), repeats))
+        if "async" in parts:
+            out.update(_async(trainer, lanes, perm, repeats))
+        return out
+    finally:
+        trainer.close()
+        close_lanes()
+
+
+def _owned_bytes(path: Path, lanes) -> int:
+    from enn_cluster import checkpoint_store as store
+
+    names = store.files_for_rank(path, lanes.rank)
+    if lanes.rank == 0:
+        names += store.unowned_files(path, lanes.world_size) + [store.COMMIT]
+    return sum((path / n).stat().st_size for n in names)
+
+
+def _save_load(trainer, lanes, root: Path, repeats: int) -> dict:
+    import numpy as np
+
+    from enn_cluster import checkpoint as ckpt
+    from enn_cluster import checkpoint_store as store
+
+    model, opt = trainer.sm.model, trainer.optimizer
+
+    def save(step: int) -> None:
+        ckpt.save(root, step, model, opt, trainer.state_dict(), lanes)
+
+    save(1)  # warm-up, and how many bytes each rank owns
+    mine = _owned_bytes(store.step_dir(root, 1), lanes)
+    total = sum(lanes.gather_objects(mine))
+    if lanes.rank == 0:
+        shutil.rmtree(store.step_dir(root, 1))
+    payload = np.random.default_rng(lanes.rank).integers(0, 255, mine, dtype=np.uint8)
+    readback = np.empty_like(payload)
+    rec = {k: [] for k in ("raw_write", "save", "raw_read", "load", "resume")}
+
+    def raw_write(path: Path) -> None:
+        with open(path, "wb") as fh:
+            payload.tofile(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def raw_read(path: Path) -> None:
+        with open(path, "rb", buffering=0) as fh:
+            fh.readinto(memoryview(readback))
+
+    def evict(dirs) -> None:
+        if lanes.rank == 0:
+            drop_cache([f for d in dirs for f in files_under(d)])
+        lanes.barrier()
+
+    for i in range(repeats):
+        step, raw_dir = 100 + i, root / f"raw-{i}"
+        raw_file = raw_dir / f"rank-{lanes.rank}.bin"
+        if lanes.rank == 0:
+            raw_dir.mkdir()
+        lanes.barrier()
+        writes = [("raw_write", lambda: raw_write(raw_file)), ("save", lambda: save(step))]
+        for key, fn in (writes if i % 2 == 0 else writes[::-1]):
+            lanes.barrier()
+            rec[key].append(max_over_ranks(lanes, timed(fn)))
+        evict([raw_dir, store.step_dir(root, step)])
+        reads = [("raw_read", lambda: raw_read(raw_file)),
+                 ("load", lambda: ckpt.load(root, step, model, opt, lanes))]
+        for key, fn in (reads if i % 2 == 0 else reads[::-1]):
+            lanes.barrier()
+            rec[key].append(max_over_ranks(lanes, timed(fn)))
+        evict([store.step_dir(root, step)])
+
+        def resume() -> None:
+            chosen = ckpt.choose_resume(root, lanes, step)
+            ckpt.load(root, chosen, model, opt, lanes)
+
+        lanes.barrier()
+        rec["resume"].append(max_over_ranks(lanes, timed(resume)))
+        lanes.barrier()
+        if lanes.rank == 0:
+            shutil.rmtree(raw_dir)
+            shutil.rmtree(store.step_dir(root, step))
+        lanes.barrier()
+    return {"io": rec, "io_bytes": total}
+
+
+def _async(trainer, lanes, perm, repeats: int) -> dict:
+    base_steps = [timed(lambda: trainer.train_step(perm)) for _ in range(5)]
+    base_step = statistics.median(base_steps)
+    rec = {k: [] for k in ("sync", "async_blocked", "async_save_call", "async_commit",
+                           "steps_in_flight", "extra_step_time")}
+    for i in range(repeats):
+        trainer.step = 1000 + 2 * i
+        lanes.barrier()
+        rec["sync"].append(max_over_ranks(lanes, timed(lambda: trainer.save(async_save=False))))
+        trainer.step += 1
+        lanes.barrier()
+        call = timed(lambda: trainer.save(async_save=True))
+        in_flight = []
+        while True:  # what Trainer.fit does between steps while a save is open
+            in_flight.append(timed(lambda: trainer.train_step(perm)))
+            pending_open = 0.0 if trainer.pending.future.done() else 1.0
+            _, still_open = lanes.all_max([0.0, pending_open])
+            if not still_open:
+                break
+        commit = timed(trainer.finish_pending)
+        rec["async_save_call"].append(max_over_ranks(lanes, call))
+        rec["async_commit"].append(max_over_ranks(lanes, commit))
+        rec["async_blocked"].append(max_over_ranks(lanes, call + commit))
+        rec["steps_in_flight"].append(len(in_flight))
+        extra = sum(in_flight) - len(in_flight) * base_step
+        rec["extra_step_time"].append(max_over_ranks(lanes, extra))
+    rec["base_step"] = base_step
+    return {"async": rec}
+
+
+# ---------------------------------------------------------------------------------------
+# Results
+
+
+def _io_results(out: dict) -> list[Result]:
+    rec, total = out["io"], out["io_bytes"]
+    mbps = lambda secs: [total / MB / s for s in secs]  # noqa: E731
+    size = f"{total / MB:.0f} MB (model + AdamW state, world 2)"
+    save = Result(
+        "checkpoint", "checkpoint save throughput vs raw write", ">=", 0.8,
+        samples=ratios(rec["raw_write"], rec["save"]),
+        ours=Series("checkpoint.save (DCP + checksums + commit)", "MB/s", mbps(rec["save"])),
+        baseline=Series("numpy tofile + fsync, same bytes per rank", "MB/s", mbps(rec["raw_write"])),
+        note=f"{size}; both fsynced; repeats alternate order")
+    load = Result(
+        "checkpoint", "checkpoint load throughput vs raw read", ">=", 0.8,
+        samples=ratios(rec["raw_read"], rec["load"]),
+        ours=Series("checkpoint.load (DCP load + set_state_dict + RNG)", "MB/s", mbps(rec["load"])),
+        baseline=Series("readinto a warm buffer, same bytes per rank", "MB/s", mbps(rec["raw_read"])),
+        note=f"{size}; cold: pages evicted with posix_fadvise(DONTNEED) after fsync")
+    resume = Result(
+        "checkpoint", "resume read (choose_resume + load) vs raw read", None, None,
+        samples=ratios(rec["raw_read"], rec["resume"]),
+        ours=Series("choose_resume (verify checksums) + load", "MB/s", mbps(rec["resume"])),
+        baseline=Series("readinto a warm buffer (cold pages)", "MB/s", mbps(rec["raw_read"])),
+        note="what a restart pays: every byte is read to verify, then again to load")
+    return [save, load, resume]
+
+
+def _async_results(out: dict) -> list[Result]:
+    rec = out["async"]
+    blocked = Result(
+        "async", "async checkpoint: loop blocked vs sync save", "<=", 0.1,
+        samples=ratios(rec["async_blocked"], rec["sync"]),
+        ours=Series("Trainer.save(async) + finish_pending()", "s", rec["async_blocked"]),
+        baseline=Series("Trainer.save(sync)", "s", rec["sync"]),
+        note=(f"save call median {statistics.median(rec['async_save_call']):.3f} s, "
+              f"commit median {statistics.median(rec['async_commit']):.3f} s; "
+              f"{statistics.median(rec['steps_in_flight']):.0f} steps ran while writing"))
+    slowdown = Result(
+        "async", "async checkpoint: extra step time while writing vs sync save", None, None,
+        samples=ratios(rec["extra_step_time"], rec["sync"]),
+        ours=Series("sum of step time above the quiet step time", "s", rec["extra_step_time"]),
+        baseline=Series("Trainer.save(sync)", "s", rec["sync"]),
+        note=(f"quiet step {rec['base_step'] * 1e3:.1f} ms; the writer thread shares the "
+              "2 cores with training"))
+    return [blocked, slowdown]

@@ -1,0 +1,146 @@
+"""Results of a benchmark: per-repeat samples, their summary, the target and the verdict.
+
+A `Result` holds what the target is judged on (`samples`: per-repeat ratios, or seconds
+for an absolute target), the two series it came from (ours and the baseline, each with
+its unit), and a note saying how it was measured. The median decides pass/miss.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b,
+       "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+
+
+def summary(values: Iterable[float]) -> dict:
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"n": 0, "min": None, "median": None, "max": None}
+    return {"n": len(vals), "min": min(vals), "median": statistics.median(vals), "max": max(vals)}
+
+
+@dataclass
+class Series:
+    label: str  # what was measured, e.g. "raw tofile+fsync"
+    unit: str  # "s", "MB/s", "steps/s"
+    values: list = field(default_factory=list)
+
+    def median(self) -> Optional[float]:
+        return summary(self.values)["median"]
+
+
+@dataclass
+class Result:
+    bench: str  # the --only name that produces it
+    name: str
+    op: Optional[str] = None  # ">=", "<=", "<" or None (informational)
+    target: Optional[float] = None
+    unit: str = "x"  # unit of samples and target: "x" (a ratio) or "s"
+    samples: list = field(default_factory=list)
+    ours: Optional[Series] = None
+    baseline: Optional[Series] = None
+    note: str = ""
+    skipped: str = ""  # why it was not measured
+    check_failed: str = ""  # a non-timing check that failed (counts as a miss)
+
+    @property
+    def verdict(self) -> str:
+        if self.skipped:
+            return "not measured"
+        if self.check_failed:
+            return "miss"
+        if self.op is None:
+            return "info"
+        med = summary(self.samples)["median"]
+        if med is None:
+            return "not measured"
+        return "pass" if OPS[self.op](med, self.target) else "miss"
+
+    def target_text(self) -> str:
+        if self.op is None:
+            return "info"
+        unit = " s" if self.unit == "s" else ""
+        return f"{self.op} {self.target:g}{unit}"
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["summary"] = summary(self.samples)
+        out["verdict"] = self.verdict
+        out["target_text"] = self.target_text()
+        for key in ("ours", "baseline"):
+            if out[key] is not None:
+                out[key]["summary"] = summary(out[key]["values"])
+        return out
+
+
+def ratios(numerators: list[float], denominators: list[float]) -> list[float]:
+    """Per-repeat ratios of paired samples (each pair measured back to back)."""
+    return [n / d for n, d in zip(numerators, denominators) if d]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def drop_cache(paths: Iterable[Path]) -> None:
+    """Evict the files' clean pages from the page cache (posix_fadvise DONTNEED).
+
+    Needs no root and touches nothing but these files; pages must be clean (fsynced).
+    """
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, IsADirectoryError):
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in Path(root).rglob("*") if p.is_file())
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in files_under(root))
+
+
+@dataclass
+class BenchContext:
+    """What every benchmark gets: the mode, a scratch directory, the repository root."""
+
+    quick: bool
+    workdir: Path  # scratch space on the disk under test; removed at the end
+    root: Path  # the repository (PYTHONPATH for subprocesses)
+    python: str  # the interpreter that runs the CLI and workers
+    repeats: int
+
+    def log(self, message: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    def subprocess_env(self, **extra) -> dict:
+        env = dict(os.environ, PYTHONPATH=str(self.root), OMP_NUM_THREADS="1")
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+
+def regression_arrays(base: Path, rows: int, features: int, seed: int) -> tuple[Path, Path]:
+    """x.npy / y.npy of a smooth regression task, the data both sides of a benchmark train on."""
+    import numpy as np
+
+    base.mkdir(exist_ok=True)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, features), dtype=np.float32)
+    y = np.tanh(x[:, :8]).sum(axis=1, keepdims=True).astype(np.float32)
+    np.save(base / "x.npy", x)
+    np.save(base / "y.npy", y)
+    return base / "x.npy", base / "y.npy"

@@ -1,0 +1,136 @@
+"""`python -m bench.run [--quick] [--only NAME[,NAME]]`: run benchmarks, print and write the table.
+
+Names: checkpoint, async, staging, collect, overhead, cli, gpu (the default set) and scale
+(only when named, and never with --quick). Results go to bench/results.json and bench/results.md
+(or --out DIR); a selection that includes scale writes results-scale.json/.md instead, so
+the long scale run never overwrites the default set's results. Exit code 1 when a benchmark failed to run; a missed target is not an error.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from . import report
+from .measure import BenchContext, Result
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ("checkpoint", "async", "staging", "collect", "overhead", "cli", "gpu")
+ALL = DEFAULT + ("scale",)
+
+
+def _run_checkpoint(ctx: BenchContext, names: list[str]) -> list[Result]:
+    from . import checkpoint
+
+    return checkpoint.run(ctx, [n for n in names if n in ("checkpoint", "async")])
+
+
+def _run_staging(ctx: BenchContext, names: list[str]) -> list[Result]:
+    from . import staging
+
+    return staging.run(ctx)
+
+
+def _run_collect(ctx: BenchContext, names: list[str]) -> list[Result]:
+    from . import staging
+
+    return [staging.collect_result(ctx)]
+
+
+def _run_overhead(ctx: BenchContext, names: list[str]) -> list[Result]:
+    from . import overhead
+
+    return overhead.run(ctx)
+
+
+def _run_cli(ctx: BenchContext, names: list[str]) -> list[Result]:
+    from . import cli_latency
+
+    return cli_latency.run(ctx)
+
+
+def _run_gpu(ctx: BenchContext, names: list[str]) -> list[Result]:
+    """GPU MFU needs a GPU; this project's machines have none (CPU + gloo only)."""
+    import shutil as _shutil
+
+    if _shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
+        reason = "skipped: no GPU is lent to this project (CPU-only machine)"
+    else:
+        reason = "skipped: a GPU is present but no MFU benchmark is implemented yet"
+    return [Result("gpu", "GPU MFU (model FLOPs utilisation)", skipped=reason)]
+
+
+def _run_scale(ctx: BenchContext, names: list[str]) -> list[Result]:
+    from . import scale
+
+    return scale.run(ctx)
+
+
+# one runner may serve several names (checkpoint and async share one process group)
+RUNNERS = [(("checkpoint", "async"), _run_checkpoint), (("staging",), _run_staging),
+           (("collect",), _run_collect), (("overhead",), _run_overhead), (("cli",), _run_cli),
+           (("gpu",), _run_gpu), (("scale",), _run_scale)]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 min)")
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help=f"run only these ({', '.join(ALL)}); repeatable or comma-separated")
+    p.add_argument("--repeats", type=int, default=None, help="repeats per figure")
+    p.add_argument("--out", type=Path, default=ROOT / "bench", help="where results go")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="scratch directory (default: a new one under the system temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    args = p.parse_args(argv)
+    names = [n.strip() for item in args.only for n in item.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        p.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(ALL)}")
+    args.names = names or list(DEFAULT)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="enn-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = BenchContext(quick=args.quick, workdir=workdir, root=ROOT, python=sys.executable,
+                       repeats=args.repeats or (3 if args.quick else 5))
+    started = time.perf_counter()
+    results: list[Result] = []
+    failed = False
+    try:
+        for names, runner in RUNNERS:
+            chosen = [n for n in names if n in args.names]
+            if not chosen:
+                continue
+            if chosen == ["scale"] and args.quick:
+                results.append(Result("scale", "scale", skipped="not run with --quick"))
+                continue
+            t0 = time.perf_counter()
+            try:
+                results += runner(ctx, chosen)
+            except Exception as exc:  # keep going: one broken benchmark must not hide the rest
+                traceback.print_exc()
+                failed = True
+                results.append(Result(chosen[0], ", ".join(chosen),
+                                      skipped=f"failed: {type(exc).__name__}: {exc}"[:200]))
+            ctx.log(f"{', '.join(chosen)} took {time.perf_counter() - t0:.1f} s")
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    stem = "results-scale" if "scale" in args.names else "results"
+    text = report.write(results, args.out, args.quick, time.perf_counter() - started, stem=stem)
+    print()
+    print(text)
+    print(f"written: {args.out / (stem + '.md')}, {args.out / (stem + '.json')}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

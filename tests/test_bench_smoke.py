@@ -1,0 +1,114 @@
+"""Cheap checks of the `make bench` machinery (bench/): argument parsing, verdicts, the
+report files and the pure parts of the scale and collect benchmarks. Nothing is timed
+and no worker process starts; the benchmarks themselves run only under `make bench`."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench import report, run  # noqa: E402
+from bench.measure import Result, Series, ratios, summary  # noqa: E402
+
+
+def test_parse_args_default_set_excludes_scale():
+    args = run.parse_args([])
+    assert args.names == list(run.DEFAULT)
+    assert "scale" not in args.names and not args.quick
+
+
+def test_parse_args_only_is_repeatable_and_comma_separated():
+    args = run.parse_args(["--quick", "--only", "checkpoint,cli", "--only", "async"])
+    assert args.quick and args.names == ["checkpoint", "cli", "async"]
+    assert run.parse_args(["--only", "scale"]).names == ["scale"]
+
+
+def test_parse_args_rejects_unknown_names(capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--only", "checkpoint,nope"])
+    assert "nope" in capsys.readouterr().err
+
+
+def test_verdicts_follow_the_median():
+    assert Result("x", "a", ">=", 0.8, samples=[0.7, 0.9, 0.85]).verdict == "pass"
+    assert Result("x", "b", "<=", 0.1, samples=[0.2, 0.05, 0.3]).verdict == "miss"
+    assert Result("x", "c", samples=[1.0]).verdict == "info"
+    assert Result("x", "d", ">=", 0.8, skipped="no GPU").verdict == "not measured"
+    assert Result("x", "e", "<", 0.5, unit="s", samples=[0.1],
+                  check_failed="torch imported").verdict == "miss"
+    assert ratios([1.0, 2.0], [2.0, 0.0]) == [0.5]
+    assert summary([]) == {"n": 0, "min": None, "median": None, "max": None}
+
+
+def test_report_write_on_fake_results(tmp_path):
+    results = [
+        Result("checkpoint", "save vs raw", ">=", 0.8, samples=[0.9, 0.85, 0.95],
+               ours=Series("ours", "MB/s", [900.0, 850.0, 950.0]),
+               baseline=Series("raw", "MB/s", [1000.0] * 3), note="fake"),
+        Result("cli", "CLI --help", "<", 0.5, unit="s", samples=[0.05, 0.06],
+               ours=Series("enn-submit --help", "s", [0.05, 0.06])),
+        Result("gpu", "GPU MFU", skipped="skipped: no GPU"),
+    ]
+    text = report.write(results, tmp_path, quick=True, elapsed=1.0)
+    md = (tmp_path / "results.md").read_text()
+    assert md == text
+    assert "| save vs raw | >= 0.8 | 0.900 [0.850 - 0.950] (n=3) |" in md
+    assert "**pass**" in md and "**not measured**" in md and "skipped: no GPU" in md
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["quick"] is True
+    assert [r["verdict"] for r in doc["results"]] == ["pass", "pass", "not measured"]
+    assert doc["results"][0]["summary"]["median"] == pytest.approx(0.9)
+    assert doc["results"][0]["ours"]["summary"]["n"] == 3
+
+
+def test_main_runs_the_gpu_entry_end_to_end(tmp_path, capsys):
+    assert run.main(["--only", "gpu", "--out", str(tmp_path / "out"),
+                     "--workdir", str(tmp_path / "work")]) == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["bench"] for r in doc["results"]] == ["gpu"]
+    assert doc["results"][0]["skipped"].startswith("skipped:")
+    assert not (tmp_path / "work").exists()  # scratch removed without --keep
+
+
+def test_scale_results_from_fake_timelines():
+    from bench import scale
+
+    def timeline(world, ttfs, resume=False):
+        out = {"ttfs": ttfs, "launch": 0.5, "ranks_up": ttfs / 2, "setup": ttfs / 3,
+               "step1": 0.1, "step_time": 0.01 * world,
+               "stamps": [100.0 + i * 0.02 * world for i in range(20)], "save": 0.1 * world}
+        if resume:
+            out["resume"] = {"step": 20, "from_world": 32, "world_size": 16}
+        return out
+
+    ours = {w: [timeline(w, 2.0 * w)] for w in scale.WORLDS}
+    bare = {w: [timeline(w, 1.5 * w)] for w in scale.WORLDS}
+    resumed = [timeline(16, 40.0, resume=True)]
+    s = {"hidden": [64, 64], "features": 16, "batch": 8, "steps": 20, "skip": 5}
+    results = scale._results(s, ours, bare, resumed)
+    by_name = {r.name: r for r in results}
+    assert by_name["scale: time to first step growth, 4 -> 32 ranks"].samples == [8.0]
+    assert by_name["scale: time to first step, 32 ranks, vs bare FSDP2"].samples == \
+        [pytest.approx(4 / 3)]
+    assert "from world 32 to 16" in by_name[
+        "scale: resume 32 -> 16 ranks, time to first step vs a fresh 16-rank start"].note
+    assert all(r.verdict == "info" for r in results)
+    assert "| scale: checkpoint save, 32 vs 4 ranks |" in report.table(results)
+
+
+def test_collect_baseline_concatenates_chunk_data(tmp_path):
+    from bench.collect import raw_concatenate
+
+    parts = [np.arange(i * 12, (i + 1) * 12, dtype=np.float32).reshape(4, 3) for i in range(3)]
+    files = []
+    for i, part in enumerate(parts):
+        files.append(tmp_path / f"chunk-{i}.npy")
+        np.save(files[-1], part)
+    out = tmp_path / "all.npy"
+    raw_concatenate(files, out, (12, 3), "<f4")
+    np.testing.assert_array_equal(np.load(out), np.concatenate(parts))
