@@ -187,6 +187,8 @@ def test_hostile_names_never_reach_slurm(slurm_cluster, tmp_path, hostile, flags
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(small_config(tmp_path, "never")))
     p = hostile.sentinels[-1]
     args = [f.format(p=p, tmp=tmp_path) for f in flags]
+    if "--container" not in args:  # bare metal: no image to look up
+        args += ["--container", "none"]
     before = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout
     env = {**slurm_cluster.env, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "enn_cluster.cli", "train", "--config",
