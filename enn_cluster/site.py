@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from . import job_spec, nccl, pyxis
+from . import nccl, pyxis, slurm_values
 from .errors import UserError
 
 ENV_VAR = "ENN_SITE_CONFIG"
@@ -100,7 +100,7 @@ def _check_values(site: SiteConfig) -> None:
     where = _where(site.source)
     try:
         for flag in ("partition", "account", "qos"):
-            job_spec.check_word(getattr(site, flag), f"site.{flag}")
+            slurm_values.check_word(getattr(site, flag), f"site.{flag}")
         for i, mount in enumerate(site.mounts or ()):
             pyxis.parse_mount(mount, f"site.mounts[{i}]")
         for key in ("runs_root", "image_cache"):
@@ -111,17 +111,17 @@ def _check_values(site: SiteConfig) -> None:
         if site.nccl_profile is not None:
             nccl.check_profile(site.nccl_profile, "site.nccl_profile")
         if site.time is not None:
-            job_spec.time_minutes(site.time, "site.time")
+            slurm_values.time_minutes(site.time, "site.time")
         if site.signal_grace_s is not None and site.signal_grace_s < 1:
             raise UserError(f"site.signal_grace_s: {site.signal_grace_s} must be >= 1 second")
         if site.gpus_per_node is not None and site.gpus_per_node < 0:
             raise UserError(f"site.gpus_per_node: {site.gpus_per_node} must be >= 0")
         for i, arg in enumerate(site.extra_sbatch_args or ()):
-            job_spec.parse_sbatch_arg(arg, f"site.extra_sbatch_args[{i}]")
+            slurm_values.parse_sbatch_arg(arg, f"site.extra_sbatch_args[{i}]")
         for i, arg in enumerate(site.extra_srun_args or ()):
-            job_spec.check_srun_arg(arg, f"site.extra_srun_args[{i}]")
+            slurm_values.check_srun_arg(arg, f"site.extra_srun_args[{i}]")
         for i, line in enumerate(site.setup_lines or ()):
-            job_spec.check_line(line, f"site.setup_lines[{i}]")
+            slurm_values.check_line(line, f"site.setup_lines[{i}]")
     except UserError as exc:
         raise UserError(f"{exc}{where}") from None
 
