@@ -76,7 +76,7 @@ def verify_files(path: Path, names: Iterable[str], record: dict) -> list[str]:
     for name in names:
         info = record["files"][name]
         try:
-            size, checksum = file_checksum(Path(path) / name)
+            size, checksum = file_checksum(Path(path) / name, like=info["checksum"])
         except FileNotFoundError:
             problems.append(f"{name}: missing")
             continue

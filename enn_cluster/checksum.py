@@ -1,45 +1,85 @@
-"""File checksums for commit records and manifests.
+"""File checksums for commit records, staged inputs and prediction chunks.
 
-CRC32 (zlib, about 4 GB/s here) catches torn writes and bit rot, which is what a commit
-record guards against; it is not a defence against tampering.
+XXH3-64 (xxhash, about 25 GB/s here against zlib CRC32's 3 GB/s) catches torn writes and
+bit rot, which is what these records guard against; it is not a defence against
+tampering. Each checksum names its algorithm ("xxh3:<hex>"), so records written with
+the earlier "crc32:<hex>" still verify.
 """
 from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from typing import Optional
 
-ALGORITHM = "crc32"
+import xxhash
+
+ALGORITHM = "xxh3"
 _BLOCK = 8 << 20
 
 
-class RunningChecksum:
-    """Checksum of a stream fed in pieces (staging copies, chunk writes)."""
+class _Crc32:
+    """zlib.crc32 behind hashlib's update/intdigest, for records written before xxh3."""
 
     def __init__(self) -> None:
         self.value = 0
-        self.size = 0
 
     def update(self, data) -> None:
         self.value = zlib.crc32(data, self.value)
-        self.size += len(memoryview(data).cast("B"))
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+_ALGORITHMS = {"xxh3": (xxhash.xxh3_64, 16), "crc32": (_Crc32, 8)}
+
+
+def algorithm_of(checksum: Optional[str]) -> str:
+    """The algorithm a recorded checksum was made with (the default for None)."""
+    if checksum is None:
+        return ALGORITHM
+    name = checksum.split(":", 1)[0]
+    if name not in _ALGORITHMS:
+        raise ValueError(f"unknown checksum algorithm {name!r} in {checksum!r}")
+    return name
+
+
+class RunningChecksum:
+    """Checksum of a stream fed in pieces (checkpoint writes, staging copies, chunks)."""
+
+    def __init__(self, algorithm: str = ALGORITHM) -> None:
+        factory, self._width = _ALGORITHMS[algorithm]
+        self.algorithm = algorithm
+        self._state = factory()
+        self.size = 0
+
+    def update(self, data) -> None:
+        view = memoryview(data)
+        if not view.contiguous:
+            raise ValueError("checksum input must be contiguous")
+        view = view.cast("B")
+        self._state.update(view)
+        self.size += len(view)
 
     def hexdigest(self) -> str:
-        return f"{ALGORITHM}:{self.value:08x}"
+        return f"{self.algorithm}:{self._state.intdigest():0{self._width}x}"
 
 
-def file_checksum(path: Path) -> tuple[int, str]:
-    """(size, checksum) of a file, read in 8 MiB blocks."""
-    running = RunningChecksum()
-    with open(path, "rb") as fh:
+def file_checksum(path: Path, like: Optional[str] = None) -> tuple[int, str]:
+    """(size, checksum) of a file, read in 8 MiB blocks, with the algorithm of `like`
+    (a recorded checksum to compare against) or the default."""
+    running = RunningChecksum(algorithm_of(like))
+    buf = bytearray(_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
         while True:
-            block = fh.read(_BLOCK)
-            if not block:
+            n = fh.readinto(buf)
+            if not n:
                 break
-            running.update(block)
+            running.update(view[:n])
     return running.size, running.hexdigest()
 
 
-def bytes_checksum(data) -> str:
-    running = RunningChecksum()
+def bytes_checksum(data, like: Optional[str] = None) -> str:
+    running = RunningChecksum(algorithm_of(like))
     running.update(data)
     return running.hexdigest()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
@@ -19,7 +18,7 @@ from typing import Optional, TextIO
 import numpy as np
 
 from . import prediction_manifest as pm
-from .checksum import ALGORITHM, file_checksum
+from .checksum import RunningChecksum, algorithm_of, file_checksum
 from .errors import UserError
 from .progress import ProgressBar
 from .rundir import RunDir, fsync_dir
@@ -70,7 +69,7 @@ def verify_chunks(pdir: Path, manifest: dict) -> list[str]:
     problems = pm.coverage_problems(manifest["chunks"], manifest["n_rows"])
     for rec in manifest["chunks"]:
         try:
-            size, checksum = file_checksum(pdir / rec["file"])
+            size, checksum = file_checksum(pdir / rec["file"], like=rec["checksum"])
         except FileNotFoundError:
             problems.append(f"{rec['file']}: missing")
             continue
@@ -94,20 +93,21 @@ def _copy_chunk(path: Path, rec: dict, dest: np.ndarray, bar: ProgressBar) -> Op
             return f"{rec['file']}: holds {shape} {dtype}, its record says {rec['shape']} {rec['dtype']}"
         offset = fh.tell()
         fh.seek(0)
-        crc = zlib.crc32(fh.read(offset))
+        running = RunningChecksum(algorithm_of(rec["checksum"]))
+        running.update(fh.read(offset))
         bar.update(offset)
         flat, pos = dest.reshape(-1).view(np.uint8), 0
         while True:
             block = fh.read(_BLOCK)
             if not block:
                 break
-            crc = zlib.crc32(block, crc)
+            running.update(block)
             end = min(pos + len(block), flat.size)
             flat[pos:end] = np.frombuffer(block, np.uint8)[:end - pos]
             pos += len(block)
             bar.update(len(block))
         size = offset + pos
-    if size != rec["nbytes"] or f"{ALGORITHM}:{crc:08x}" != rec["checksum"]:
+    if size != rec["nbytes"] or running.hexdigest() != rec["checksum"]:
         return (f"{rec['file']}: {'size' if size != rec['nbytes'] else 'checksum'} "
                 "does not match its record (corrupt or truncated)")
     return None

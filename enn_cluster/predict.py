@@ -78,7 +78,7 @@ class ChunkWriter:
         """A record that matches its file (size and checksum): never redo that chunk."""
         try:
             rec = json.loads((self.pdir / f"{spec.stem}.json").read_text())
-            size, checksum = file_checksum(self.pdir / rec["file"])
+            size, checksum = file_checksum(self.pdir / rec["file"], like=rec["checksum"])
         except (FileNotFoundError, ValueError, KeyError):
             return False
         return size == rec["nbytes"] and checksum == rec["checksum"] and \

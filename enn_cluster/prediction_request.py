@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from . import checkpoint_store as store
 from . import prediction_manifest as pm
+from .checksum import algorithm_of, bytes_checksum
 from .errors import UserError
 from .rundir import DIR_MODE, RunDir, atomic_write_text, fsync_dir
 from .staging import read_manifest, stage_array
@@ -155,9 +158,19 @@ def _request(run: RunDir, request: dict) -> PredictionRequest:
     return PredictionRequest(request["name"], path, request["step"], True)
 
 
+def _input_checksum(run: RunDir, request: dict, like: str) -> str:
+    """The recorded input checksum, recomputed from the staged input when it was made
+    with another algorithm (a prediction staged before checksums moved to xxh3)."""
+    recorded = request["input"]["checksum"]
+    if algorithm_of(recorded) == algorithm_of(like):
+        return recorded
+    staged = np.load(run.predictions / request["name"] / pm.INPUT, mmap_mode="r")
+    return bytes_checksum(staged.reshape(-1).view(np.uint8), like=like)
+
+
 def _reuse(run: RunDir, existing: dict, entry: dict, step: int) -> PredictionRequest:
     name = existing["name"]
-    if entry["checksum"] != existing["input"]["checksum"] or \
+    if entry["checksum"] != _input_checksum(run, existing, like=entry["checksum"]) or \
             entry["shape"] != existing["input"]["shape"]:
         raise UserError(f"--name: prediction {name!r} already holds another input; pick "
                         f"another --name or remove {run.predictions / name}")
