@@ -8,8 +8,9 @@ records (`prediction_manifest.chunk_record` with `predict.chunk_stats`) and the 
 Per repeat, with the chunks' pages evicted (posix_fadvise DONTNEED) before each side and
 the order alternating:
 
-- ours: `collect(run, name, out)`: verify coverage, checksum every chunk while copying it
-  into an output memmap, fsync, rename.
+- ours: `collect(run, name, out)`: verify coverage, copy each chunk's data into the
+  output .npy in the kernel (copy_file_range), checksum the whole chunk file (xxh3) from
+  the page cache, fsync, rename.
 - baseline: the same chunks' data bytes concatenated into one .npy (header written once,
   then `os.sendfile` from each chunk past its header) + fsync: no verification.
 """
@@ -125,8 +126,8 @@ def run(ctx: BenchContext) -> Result:
     return Result(
         "collect", "collect vs raw concatenation", ">=", 0.8,
         samples=ratios(raw_s, ours_s),
-        ours=Series("collect: verify + checksum + copy into a memmap + fsync + rename",
-                    "MB/s", mbps(ours_s)),
+        ours=Series("collect: verify + copy_file_range + xxh3 of each chunk + fsync + "
+                    "rename", "MB/s", mbps(ours_s)),
         baseline=Series("sendfile each chunk's data after one header + fsync", "MB/s",
                         mbps(raw_s)),
         note=(f"{nbytes / MB:.0f} MB float32 ({shape[0]} x {shape[1]}) in {len(chunks)} "

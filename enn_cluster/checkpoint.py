@@ -11,103 +11,41 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
-import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
 from . import checkpoint_store as store
+from .dcp_io import ChecksummingWriter, safe_load
 from .lanes import Lanes
-from .rundir import atomic_write_text
+from .rundir import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger("enn_cluster.checkpoint")
 TRAINER_STATE = "trainer.json"
 
 
-# -- loading without unpickling arbitrary objects ------------------------------------------
-# DCP's FileSystemReader reads `.metadata` with plain pickle.load, and its DefaultLoadPlanner
-# reads non-tensor entries (optimizer param_groups) with torch.load(weights_only=False):
-# whoever can write a checkpoint directory could run code in every process that loads it.
-# Tensor shards DCP already reads with weights_only=True. These two close the other paths.
-
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                     ("torch.serialization", "_get_layout"), ("torch", "Size"),
-                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                     ("collections", "OrderedDict"), ("builtins", "set"),
-                     ("builtins", "frozenset"), ("builtins", "slice")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only what a DCP `.metadata` holds: its dataclasses, dtypes, layouts, Size, paths."""
-
-    def find_class(self, module: str, name: str):
-        obj = super().find_class(module, name) if module.split(".")[0] in (
-            "torch", "pathlib", "collections", "builtins") else None
-        if module == _METADATA_MODULE and isinstance(obj, type) \
-                and obj.__module__ == _METADATA_MODULE:
-            return obj
-        if (module, name) in _METADATA_GLOBALS:
-            return obj
-        if module == "torch" and isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-            return obj
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a "
-                                     "DCP checkpoint never holds; refusing to load it")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` goes through an allow-list unpickler."""
-
-    def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(os.path.join(str(self.path), name), "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner whose non-tensor entries must load with weights_only=True (plain
-    data and tensors); only bytes that passed that are handed to DCP's own loader."""
-
-    def load_bytes(self, read_item, value) -> None:
-        data = value.read()
-        torch.load(io.BytesIO(data), weights_only=True)  # raises on any other object
-        super().load_bytes(read_item, io.BytesIO(data))
-
-
-def safe_load(state: dict, path, process_group=None) -> None:
-    """dcp.load that never unpickles arbitrary objects from the checkpoint."""
-    import torch.distributed as dist
-
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-             process_group=process_group,
-             no_dist=process_group is None and not dist.is_initialized())
-
-
 @dataclass
-class PendingSave:
-    step: int
-    path: Path
-    future: Any
-    started: float
-    contents: tuple
+class Snapshot:
+    """What a checkpoint holds besides tensors, taken when the save is asked for: an async
+    write finishes steps later, when the RNG and trainer state have moved on."""
+    trainer_state: dict
+    rng: dict
 
 
-def _state(model, optimizer) -> dict:
+def snapshot(trainer_state: dict) -> Snapshot:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return Snapshot(json.loads(json.dumps(trainer_state)), rng)
+
+
+def state_of(model, optimizer) -> dict:
     if optimizer is None:
         msd, _ = get_state_dict(model, [])
         return {"model": msd}
@@ -115,15 +53,14 @@ def _state(model, optimizer) -> dict:
     return {"model": msd, "optim": osd}
 
 
-def _write_side_files(path: Path, lanes: Lanes, trainer_state: dict) -> None:
+def _write_side_files(path: Path, lanes: Lanes, snap: Snapshot) -> None:
     rng_dir = path / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, rng_dir / f"rank-{lanes.rank}.pt")
+    buf = io.BytesIO()
+    torch.save(snap.rng, buf)
+    atomic_write_bytes(rng_dir / f"rank-{lanes.rank}.pt", buf.getvalue())  # durable before commit
     if lanes.rank == 0:
-        atomic_write_text(path / TRAINER_STATE, json.dumps(trainer_state, sort_keys=True))
+        atomic_write_text(path / TRAINER_STATE, json.dumps(snap.trainer_state, sort_keys=True))
 
 
 def _agreed(lanes: Lanes, action) -> None:
@@ -140,8 +77,15 @@ def _agreed(lanes: Lanes, action) -> None:
 
 
 def save(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: Lanes,
-         async_save: bool = False) -> Optional[PendingSave]:
-    """Write step-N; sync saves are committed before returning, async ones return a handle."""
+         keep_last: Optional[int] = None) -> None:
+    """Write and commit step-N from the live state (blocking); then prune to `keep_last`."""
+    write(root, step, state_of(model, optimizer), snapshot(trainer_state), lanes, keep_last)
+
+
+def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
+          keep_last: Optional[int] = None) -> None:
+    """Collective over `lanes`: fresh step directory, side files, DCP files, commit record,
+    prune. Async saves run this in their own thread on the checkpoint lane."""
     path = store.step_dir(root, step)
 
     def make_dir() -> None:
@@ -150,26 +94,20 @@ def save(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: La
                 path.rename(path.with_name(f"{path.name}.torn-{time.time_ns()}"))
             path.mkdir(parents=True)
 
-    _agreed(lanes, make_dir)
-    state = _state(model, optimizer)
-    contents = tuple(state)
-    writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    _agreed(lanes, lambda: _write_side_files(path, lanes, trainer_state))
     started = time.perf_counter()
-    if async_save:
-        future = dcp.async_save(state, storage_writer=writer, process_group=lanes.checkpoint)
-        return PendingSave(step, path, future, started, contents)
+    _agreed(lanes, make_dir)
+    _agreed(lanes, lambda: _write_side_files(path, lanes, snap))
+    writer = ChecksummingWriter(path)
     dcp.save(state, storage_writer=writer, process_group=lanes.control)
-    commit(PendingSave(step, path, None, started, contents), lanes)
-    return None
+    _commit(path, step, writer.checksums, tuple(state), started, lanes)
+    if keep_last is not None and lanes.rank == 0:
+        store.prune(root, keep_last, protect=[step])
 
 
-def commit(pending: PendingSave, lanes: Lanes) -> None:
-    """Collective: wait for this rank's writes, checksum them, rank 0 writes commit.json."""
-    if pending.future is not None:
-        pending.future.result()
-    mine = store.checksum_files(pending.path, store.files_for_rank(pending.path, lanes.rank))
-    gathered = lanes.gather_objects(mine)
+def _commit(path: Path, step: int, written: dict, contents: tuple, started: float,
+            lanes: Lanes) -> None:
+    """Collective: gather every rank's checksums, rank 0 writes commit.json last."""
+    gathered = lanes.gather_objects(_my_checksums(path, written, lanes.rank))
 
     def write_record() -> None:
         if lanes.rank != 0:
@@ -177,16 +115,30 @@ def commit(pending: PendingSave, lanes: Lanes) -> None:
         files: dict = {}
         for part in gathered:
             files.update(part)
-        rest = [n for n in store.unowned_files(pending.path, lanes.world_size) if n not in files]
-        files.update(store.checksum_files(pending.path, rest))
+        rest = [n for n in store.unowned_files(path, lanes.world_size) if n not in files]
+        files.update(store.checksum_files(path, rest))
         if store.METADATA not in files:
-            raise OSError(f"DCP wrote no {store.METADATA} in {pending.path}; not committing")
-        store.write_commit(pending.path, pending.step, files, world_size=lanes.world_size,
-                           contents=list(pending.contents), time=time.time(),
-                           save_seconds=round(time.perf_counter() - pending.started, 3))
-        log.info("checkpoint step-%d committed (%d files)", pending.step, len(files))
+            raise OSError(f"DCP wrote no {store.METADATA} in {path}; not committing")
+        store.write_commit(path, step, files, world_size=lanes.world_size,
+                           contents=list(contents), time=time.time(),
+                           save_seconds=round(time.perf_counter() - started, 3))
+        log.info("checkpoint step-%d committed (%d files)", step, len(files))
 
     _agreed(lanes, write_record)  # also the barrier: nobody runs ahead of the commit
+
+
+def _my_checksums(path: Path, written: dict, rank: int) -> dict:
+    """This rank's files: DCP's as the writer checksummed them (when their size still
+    agrees), the rest (RNG state) read back."""
+    out, rest = {}, []
+    for name in store.files_for_rank(path, rank):
+        made = written.get(name)
+        if made and (path / name).stat().st_size == made["size"]:
+            out[name] = made
+        else:
+            rest.append(name)
+    out.update(store.checksum_files(path, rest))
+    return out
 
 
 def choose_resume(root: Path, lanes: Lanes, step: Optional[int] = None) -> Optional[int]:
@@ -216,7 +168,7 @@ def load(root: Path, step: int, model, optimizer, lanes: Lanes) -> dict:
     path = store.step_dir(root, step)
     record = store.read_commit(path) or {}
     with_optim = optimizer is not None and "optim" in record.get("contents", ["model", "optim"])
-    state = _state(model, optimizer if with_optim else None)
+    state = state_of(model, optimizer if with_optim else None)
     safe_load(state, path, process_group=lanes.control)
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=state["model"],

@@ -47,6 +47,11 @@ class Lanes:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return t.tolist()
 
+    def all_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.control)
+        return t.tolist()
+
     def all_min(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)

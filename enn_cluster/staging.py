@@ -2,13 +2,16 @@
 
 Workers then open the same files read-only with `np.load(mmap_mode="r")`: no task holds
 the data set in memory, and every task of every restart reads identical bytes. Sources
-are numpy arrays, `.npy`/`.npz` paths or any fsspec URL; `.npy` sources are streamed.
+are numpy arrays, `.npy`/`.npz` paths or any fsspec URL: a local `.npy` is copied in
+the kernel (copy_file_range), anything else is streamed.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
@@ -75,7 +78,7 @@ def check_data_sources(data: DataConfig) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Streaming copy into a memmap
+# Copying into a memmap: in the kernel from a local .npy, streamed from anything else
 
 
 def read_npy_header(fh) -> tuple[tuple, bool, np.dtype]:
@@ -83,6 +86,54 @@ def read_npy_header(fh) -> tuple[tuple, bool, np.dtype]:
     if version == (1, 0):
         return np.lib.format.read_array_header_1_0(fh)
     return np.lib.format.read_array_header_2_0(fh)
+
+
+def _layout(fh, source: str) -> tuple[tuple, np.dtype]:
+    shape, fortran, dtype = read_npy_header(fh)
+    if fortran:
+        raise UserError(f"{source}: Fortran-ordered arrays are not supported; "
+                        "save with np.ascontiguousarray")
+    return tuple(shape), np.dtype(dtype)
+
+
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _copy_block(src: int, dst: int, src_off: int, dst_off: int, count: int) -> int:
+    try:
+        return os.copy_file_range(src, dst, count, src_off, dst_off)
+    except OSError as exc:  # e.g. across file systems: sendfile copies in the kernel too
+        if exc.errno not in _NO_COPY_RANGE:
+            raise
+    os.lseek(dst, dst_off, os.SEEK_SET)
+    return os.sendfile(dst, src, src_off, count)
+
+
+def kernel_copy(src: int, dst: int, src_off: int, dst_off: int, count: int,
+                on_block: Optional[Callable[[int, int], None]] = None) -> int:
+    """Copy up to `count` bytes between open files in the kernel (copy_file_range, or
+    sendfile), in blocks; `on_block(pos, n)` sees each block after it lands. Returns the
+    bytes copied: fewer where the source ends early."""
+    pos = 0
+    while pos < count:
+        n = _copy_block(src, dst, src_off + pos, dst_off + pos, min(_BLOCK, count - pos))
+        if not n:
+            break
+        if on_block is not None:
+            on_block(pos, n)
+        pos += n
+    return pos
+
+
+def _local_path(source: str) -> Optional[str]:
+    """The file behind a plain path or file:// URL; None for other fsspec URLs."""
+    if "://" not in source and "::" not in source:  # a plain path: no fsspec import
+        return os.path.expanduser(source)
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = fsspec.core.url_to_fs(source)
+    return path if isinstance(fs, LocalFileSystem) else None
 
 
 def _open_npy_stream(source: str, key: Optional[str]):
@@ -116,8 +167,10 @@ class _Tracked(RunningChecksum):
 
 
 def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
-                  fill: Callable[[np.ndarray, RunningChecksum], None],
+                  fill: Callable[[np.memmap, RunningChecksum], None],
                   progress: Optional[TextIO] = None) -> dict:
+    """`fill(out, running)` writes the data into `out` (the new .npy under a temporary
+    name) and checksums it; then fsync and rename to `dest`."""
     if dtype.hasobject:
         raise UserError(f"{dest.name}: object arrays cannot be staged; convert to a numeric dtype")
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
@@ -127,7 +180,7 @@ def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
     try:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
         if out.size:
-            fill(out.reshape(-1).view(np.uint8), running)
+            fill(out, running)
         if bar is not None:
             bar.close()
         out.flush()
@@ -142,35 +195,50 @@ def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
             "checksum": running.hexdigest(), "nbytes": running.size}
 
 
-def stage_array(source: Any, dest: Path, key: Optional[str] = None,
-                progress: Optional[TextIO] = None) -> dict:
-    """Copy one array (ndarray, tensor, .npy/.npz path or URL) to `dest` as a memmap;
-    `progress` (a stream such as stderr) gets a progress bar."""
-    if hasattr(source, "detach"):  # torch tensor, without importing torch here
-        source = source.detach().cpu().numpy()
-    if isinstance(source, np.ndarray):
-        arr = np.ascontiguousarray(source)
+def _bytes(out: np.ndarray) -> np.ndarray:
+    return out.reshape(-1).view(np.uint8)
 
-        def fill(flat: np.ndarray, running: RunningChecksum) -> None:
-            src = arr.reshape(-1).view(np.uint8)
-            for start in range(0, src.size, _BLOCK):
-                block = src[start:start + _BLOCK]
-                flat[start:start + block.size] = block
-                running.update(block)
 
-        entry = _write_memmap(dest, arr.shape, arr.dtype, fill, progress)
-        entry["source"] = "<array>"
-        return entry
-    source = str(source)
-    stream, closers = _open_npy_stream(source, key if source.endswith(".npz") else None)
+def _stage_ndarray(arr: np.ndarray, dest: Path, progress: Optional[TextIO]) -> dict:
+    def fill(out: np.memmap, running: RunningChecksum) -> None:
+        src, flat = _bytes(arr), _bytes(out)
+        for start in range(0, src.size, _BLOCK):
+            block = src[start:start + _BLOCK]
+            flat[start:start + block.size] = block
+            running.update(block)
+
+    return _write_memmap(dest, arr.shape, arr.dtype, fill, progress)
+
+
+def _stage_local_npy(source: str, path: str, dest: Path, progress: Optional[TextIO]) -> dict:
+    """Data bytes copied in the kernel; each block is checksummed from the destination's
+    pages on one helper thread (in order) while the kernel copies the next."""
+    with open(path, "rb") as fh:
+        shape, dtype = _layout(fh, source)
+        start = fh.tell()
+
+        def fill(out: np.memmap, running: RunningChecksum) -> None:
+            flat, pending = _bytes(out), []
+            with open(out.filename, "rb+") as fo, ThreadPoolExecutor(1) as hasher:
+                done = kernel_copy(fh.fileno(), fo.fileno(), start, out.offset, flat.size,
+                                   lambda pos, n: pending.append(
+                                       hasher.submit(running.update, flat[pos:pos + n])))
+                for job in pending:
+                    job.result()
+            if done < flat.size:
+                raise UserError(f"{source}: file is truncated ({done} of {flat.size} bytes)")
+
+        return _write_memmap(dest, shape, dtype, fill, progress)
+
+
+def _stage_stream(source: str, key: Optional[str], dest: Path,
+                  progress: Optional[TextIO]) -> dict:
+    stream, closers = _open_npy_stream(source, key)
     try:
-        shape, fortran, dtype = read_npy_header(stream)
-        if fortran:
-            raise UserError(f"{source}: Fortran-ordered arrays are not supported; "
-                            "save with np.ascontiguousarray")
+        shape, dtype = _layout(stream, source)
 
-        def fill(flat: np.ndarray, running: RunningChecksum) -> None:
-            pos = 0
+        def fill(out: np.memmap, running: RunningChecksum) -> None:
+            flat, pos = _bytes(out), 0
             while pos < flat.size:
                 block = stream.read(min(_BLOCK, flat.size - pos))
                 if not block:
@@ -179,11 +247,34 @@ def stage_array(source: Any, dest: Path, key: Optional[str] = None,
                 running.update(block)
                 pos += len(block)
 
-        entry = _write_memmap(dest, tuple(shape), np.dtype(dtype), fill, progress)
+        return _write_memmap(dest, shape, dtype, fill, progress)
     finally:
         for c in closers:
             c.close()
-    entry["source"] = source + (f"#{key}" if source.endswith(".npz") else "")
+
+
+def stage_array(source: Any, dest: Path, key: Optional[str] = None,
+                progress: Optional[TextIO] = None) -> dict:
+    """Copy one array (ndarray, tensor, .npy/.npz path or URL) to `dest` as a memmap;
+    `progress` (a stream such as stderr) gets a progress bar. The entry's checksum
+    covers the data bytes only, whichever way they came."""
+    if hasattr(source, "detach"):  # torch tensor, without importing torch here
+        source = source.detach().cpu().numpy()
+    if isinstance(source, np.ndarray):
+        entry = _stage_ndarray(np.ascontiguousarray(source), dest, progress)
+        entry["source"] = "<array>"
+        return entry
+    source = str(source)
+    if source.endswith(".npz"):
+        entry = _stage_stream(source, key, dest, progress)
+        entry["source"] = f"{source}#{key}"
+        return entry
+    local = _local_path(source)
+    if local is not None:
+        entry = _stage_local_npy(source, local, dest, progress)
+    else:
+        entry = _stage_stream(source, None, dest, progress)
+    entry["source"] = source
     return entry
 
 

@@ -2,7 +2,9 @@
 validation, a non-finite guard, metrics, checkpoints and agreed stops.
 
 Every decision that must be the same on all ranks (stop now, commit an async save, skip
-a non-finite step) is taken from a collective, never from local state alone.
+a non-finite step) is taken from a collective, never from local state alone. A step has
+two small collectives beyond FSDP's own: the gradient norm (accelerator lane) and one
+control-lane all-reduce carrying the loss and the stop/save flags together.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import checkpoint as ckpt
+from .checkpoint_async import new_stager, save_async
 from . import checkpoint_store as store
 from .config import RunConfig
 from .environment import WorkerEnv
@@ -39,9 +42,15 @@ class TrainingAborted(RuntimeError):
     """Training cannot go on (non-finite losses); the message says what to check."""
 
 
-def _full_norm(norm) -> float:
+def clip_and_norm(parameters, max_norm: float) -> float:
+    """Global gradient norm, clipped to `max_norm`, in one all-reduce: the sharded norm is
+    completed once and the clip then uses it (clip_grad_norm_ on DTensors reduces twice)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
+    if math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
     return float(norm)
 
 
@@ -66,6 +75,8 @@ class Trainer:
         self.step, self.pos, self.nonfinite_in_row, self.skipped = 0, DataPosition(), 0, 0
         self.stop_requested, self.stop_signal = 0, None
         self.pending = None
+        self.stager = None  # async saves' CPU buffers, reused from save to save
+        self.staging_wait_s = 0.0  # time optimizer steps waited for an async save's copy
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
                                   sink=worker_sink(cfg, run, lanes.rank))
 
@@ -135,7 +146,9 @@ class Trainer:
         log.error("fault injection: rank %d exits hard at step %d", self.lanes.rank, self.step)
         os._exit(13)
 
-    def train_step(self, perm: np.ndarray) -> dict:
+    def train_step(self, perm: np.ndarray, flags: tuple = ()) -> dict:
+        """One optimizer step. `flags` (0/1 per rank) ride on the step's one control-lane
+        all-reduce with the loss; stats["agreed"] says which any rank raised."""
         t, sm, dev = self.cfg.training, self.sm, self.lanes.device
         started = time.perf_counter()
         lr = lr_at(self.step, self.total_steps, t.lr, t.warmup_ratio)
@@ -151,10 +164,16 @@ class Trainer:
                 loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
                 (loss / accum).backward()
             loss_sum += loss.detach().double()
-        dist.all_reduce(loss_sum)  # accelerator lane: every rank sees the same mean loss
-        mean_loss = float(loss_sum) / (accum * sm.dp_size)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = _full_norm(torch.nn.utils.clip_grad_norm_(sm.model.parameters(), max_norm))
+        grad_norm = clip_and_norm(sm.model.parameters(), max_norm)
+        totals = self.lanes.all_sum([float(loss_sum), *map(float, flags)])
+        mean_loss = totals[0] / (accum * sm.dp_size)
+        waited = 0.0
+        if self.pending is not None:  # an async save may still be copying the parameters
+            waited = time.perf_counter()
+            self.pending.wait_staged()
+            waited = time.perf_counter() - waited
+            self.staging_wait_s += waited
         if math.isfinite(mean_loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             self.nonfinite_in_row = 0
@@ -170,7 +189,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         return {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": elapsed,
-                "samples_per_s": self.global_batch / elapsed, "skipped": self.skipped}
+                "samples_per_s": self.global_batch / elapsed, "skipped": self.skipped,
+                "agreed": [v > 0 for v in totals[1:]],
+                **({"checkpoint_wait_s": round(waited, 4)} if waited > 1e-3 else {})}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -200,14 +221,16 @@ class Trainer:
 
     def save(self, async_save: bool) -> None:
         self.finish_pending()
+        args = (self.run.checkpoints, self.step, self.sm.model, self.optimizer,
+                self.state_dict(), self.lanes)
         try:
-            self.pending = ckpt.save(self.run.checkpoints, self.step, self.sm.model,
-                                     self.optimizer, self.state_dict(), self.lanes,
-                                     async_save=async_save)
+            if async_save:
+                self.stager = self.stager or new_stager()
+                self.pending = save_async(*args, self.stager, self.cfg.checkpoint.keep_last)
+            else:
+                ckpt.save(*args, keep_last=self.cfg.checkpoint.keep_last)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             raise self._save_failed(exc) from exc
-        if self.pending is None:
-            self._after_commit(self.step)
         self.metrics.write("checkpoint", step=self.step, async_save=async_save)
 
     def _save_failed(self, exc: Exception) -> TrainingAborted:
@@ -221,20 +244,13 @@ class Trainer:
             f"continues from step-{last}, which is intact")
 
     def finish_pending(self) -> None:
+        """Wait for the async save in flight (usually long done) and surface its error."""
         if self.pending is not None:
-            step = self.pending.step
+            pending, self.pending = self.pending, None
             try:
-                ckpt.commit(self.pending, self.lanes)
+                pending.result()
             except (Exception, CheckpointException) as exc:
-                self.pending = None
                 raise self._save_failed(exc) from exc
-            self.pending = None
-            self._after_commit(step)
-
-    def _after_commit(self, step: int) -> None:
-        if self.lanes.rank == 0:
-            store.prune(self.run.checkpoints, self.cfg.checkpoint.keep_last, protect=[step])
-        self.lanes.barrier()
 
     def resume(self) -> None:
         step = ckpt.choose_resume(self.run.checkpoints, self.lanes)
@@ -261,7 +277,9 @@ class Trainer:
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
-            stats = self.train_step(perm)
+            pending_open = self.pending is not None and not self.pending.done()
+            stats = self.train_step(perm, (self.stop_requested, pending_open))
+            stop, still_open = stats.pop("agreed")
             epoch_before = self.pos.epoch
             self.step += 1
             self.pos = advance(self.pos, self.n_rows, self.global_batch)
@@ -271,8 +289,6 @@ class Trainer:
             if self.pos.epoch != epoch_before and self.eval_x is not None:
                 self.metrics.write("eval", step=self.step, epoch=epoch_before,
                                    eval_loss=self.evaluate())
-            pending_open = 0.0 if self.pending is None or self.pending.future.done() else 1.0
-            stop, still_open = self.lanes.all_max([float(self.stop_requested), pending_open])
             if self.pending is not None and not still_open:
                 self.finish_pending()
             if stop:
@@ -288,3 +304,5 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        if self.stager is not None:
+            self.stager.close()

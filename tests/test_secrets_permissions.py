@@ -269,7 +269,7 @@ def _planted_checkpoint(src: Path, dst: Path, sentinel: Path) -> Path:
 def test_dcp_metadata_payload_runs_in_torch_and_not_in_ours(real_run, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from enn_cluster.checkpoint import SafeFileSystemReader
+    from enn_cluster.dcp_io import SafeFileSystemReader
 
     run, _, _ = real_run
     sentinel = tmp_path / "PWNED_metadata"
@@ -285,7 +285,7 @@ def test_dcp_metadata_payload_runs_in_torch_and_not_in_ours(real_run, tmp_path):
 def test_dcp_bytes_entries_load_only_plain_data(tmp_path):
     import torch
 
-    from enn_cluster.checkpoint import SafeLoadPlanner
+    from enn_cluster.dcp_io import SafeLoadPlanner
 
     sentinel = tmp_path / "PWNED_bytes"
     buf = io.BytesIO()
@@ -305,7 +305,7 @@ def test_safe_load_reads_a_real_checkpoint_like_dcp(real_run):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from enn_cluster.checkpoint import SafeFileSystemReader, safe_load
+    from enn_cluster.dcp_io import SafeFileSystemReader, safe_load
 
     run, _, _ = real_run
     step = run / "checkpoints" / "step-3"

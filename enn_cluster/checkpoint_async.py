@@ -1,0 +1,83 @@
+"""Async checkpoints: the training loop pays for taking the state dict, nothing more.
+
+A save hands the live (sharded) state dict to one background thread, which copies it
+into reused CPU buffers, then writes, commits and prunes exactly like a blocking save,
+on the checkpoint lane (a gloo group only this thread uses). Forward and backward only
+read the parameters, so the copy overlaps them; the trainer calls `wait_staged()` before
+the optimizer step that would change them. Errors surface in `result()` on every rank,
+because each collective step of the write agrees on failure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from . import checkpoint as ckpt
+from .lanes import Lanes
+
+SLOW_STAGING = "ENN_FAULT_SLOW_STAGING_S"  # tests: the copy starts this late (seconds)
+
+
+def new_stager() -> DefaultStager:
+    """Staging buffers live as long as the trainer: a second save copies into the first's
+    memory instead of faulting in fresh pages (pinned on GPU hosts)."""
+    pinned = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+class PendingSave:
+    """One checkpoint being written in the background."""
+
+    def __init__(self, step: int, root: Path, state: dict, snap: ckpt.Snapshot,
+                 lanes: Lanes, stager: DefaultStager, keep_last: Optional[int]) -> None:
+        self.step = step
+        self.started = time.perf_counter()
+        self.staged_at: Optional[float] = None
+        self.error: Optional[BaseException] = None
+        self._staged = threading.Event()
+        lanes_bg = dataclasses.replace(lanes, control=lanes.checkpoint)
+        self._thread = threading.Thread(
+            target=self._run, args=(root, state, snap, lanes_bg, stager, keep_last),
+            name=f"enn-checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, root, state, snap, lanes, stager, keep_last) -> None:
+        try:
+            try:
+                time.sleep(float(os.environ.get(SLOW_STAGING, "0")))
+                staged = stager.stage(state)
+            finally:
+                self.staged_at = time.perf_counter()
+                self._staged.set()
+            ckpt.write(root, self.step, staged, snap, lanes, keep_last)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            self.error = exc
+
+    def wait_staged(self) -> None:
+        """Block until the parameters may change again (before an optimizer step)."""
+        self._staged.wait()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> None:
+        """Wait for the commit; re-raise the background error, if any."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def save_async(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: Lanes,
+               stager: DefaultStager, keep_last: Optional[int] = None) -> PendingSave:
+    """Start writing step-N; the state dict is taken now, between steps, while FSDP's
+    parameters are sharded (a forward would swap in the unsharded ones)."""
+    return PendingSave(step, root, ckpt.state_of(model, optimizer), ckpt.snapshot(trainer_state),
+                       lanes, stager, keep_last)
