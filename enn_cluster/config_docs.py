@@ -101,8 +101,12 @@ DESCRIPTIONS = {
                               "the end (and on a requested stop).",
     "checkpoint.keep_last": "Committed checkpoints to keep (> 0); older ones, and torn ones "
                             "older than the newest committed, are deleted.",
-    "checkpoint.async_save": "Write periodic checkpoints in the background (DCP async save "
-                             "on its own gloo group); the final one is always synchronous.",
+    "checkpoint.async_save": "Write periodic checkpoints in the background: a thread copies "
+                             "this rank's shard of model + optimizer state into reused host "
+                             "memory (one extra copy, pinned on GPU nodes), then writes and "
+                             "commits on its own gloo group; the next optimizer step waits "
+                             "only while that copy runs. The final checkpoint is always "
+                             "synchronous.",
     # parallel
     "parallel.strategy": "`hsdp` (shard inside a node, replicate across nodes), `fsdp` "
                          "(shard over all ranks) or `ddp`.",

@@ -40,3 +40,23 @@ def test_unknown_algorithm_is_named():
     with pytest.raises(ValueError, match="md5"):
         algorithm_of("md5:abc")
     assert json.dumps(algorithm_of(None)) == '"xxh3"'
+
+
+def test_a_prediction_staged_with_crc32_is_still_recognised(tmp_path):
+    """Re-asking for a prediction made before xxh3 compares inputs by recomputing the
+    staged input's checksum with the new algorithm."""
+    from enn_cluster import prediction_manifest as pm
+    from enn_cluster.prediction_request import _input_checksum
+    from enn_cluster.rundir import RunDir
+    from enn_cluster.staging import stage_array
+
+    x = np.random.default_rng(1).standard_normal((50, 3)).astype(np.float32)
+    run = RunDir(tmp_path / "run")
+    (run.predictions / "old").mkdir(parents=True)
+    entry = stage_array(x, run.predictions / "old" / pm.INPUT)
+    old = {"name": "old", "input": {"checksum": f"crc32:{zlib.crc32(x.tobytes()):08x}"}}
+    assert _input_checksum(run, old, like=entry["checksum"]) == entry["checksum"]
+    other = stage_array(x + 1, tmp_path / "other.npy")
+    assert _input_checksum(run, old, like=other["checksum"]) != other["checksum"]
+    same_algo = {"name": "old", "input": {"checksum": entry["checksum"]}}
+    assert _input_checksum(run, same_algo, like=other["checksum"]) == entry["checksum"]

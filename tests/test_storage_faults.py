@@ -41,13 +41,15 @@ def _checkpoints_on(run, mnt):
     (run / "checkpoints").symlink_to(mnt)
 
 
-def test_full_filesystem(tmp_path, small_fs):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_full_filesystem(tmp_path, small_fs, async_save):
     cfg = _config(tmp_path, "full", max_steps=1)
     assert cli("train", "--config", cfg).returncode == 0  # makes the run (step-1 on disk)
     run = tmp_path / "runs" / "full"
     shutil.rmtree(run / "checkpoints")
     (run / "checkpoints").symlink_to(small_fs)
-    res = cli("resume", run, "--set", "training.max_steps=30")
+    res = cli("resume", run, "--set", "training.max_steps=30",
+              "--set", f"checkpoint.async_save={str(async_save).lower()}")
     assert res.returncode != 0
     line = [ln for ln in res.stderr.splitlines() if "training aborted" in ln]
     assert line and "could not be written" in line[0] and "No space left" in line[0], res.stderr[-2000:]
