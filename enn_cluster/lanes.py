@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,10 +47,16 @@ class Lanes:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return t.tolist()
 
-    def all_sum(self, values: list[float]) -> list[float]:
+    def start_sum(self, values: list[float]) -> Callable[[], list[float]]:
+        """Start a SUM all-reduce in the background; call the result to wait for it (the
+        trainer overlaps it with the gradient-norm reduction)."""
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.control)
-        return t.tolist()
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.control, async_op=True)
+
+        def result() -> list[float]:
+            work.wait()
+            return t.tolist()
+        return result
 
     def all_min(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)

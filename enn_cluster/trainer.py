@@ -4,7 +4,7 @@ validation, a non-finite guard, metrics, checkpoints and agreed stops.
 Every decision that must be the same on all ranks (stop now, commit an async save, skip
 a non-finite step) is taken from a collective, never from local state alone. A step has
 two small collectives beyond FSDP's own: the gradient norm (accelerator lane) and one
-control-lane all-reduce carrying the loss and the stop/save flags together.
+control-lane all-reduce carrying the loss and the stop/save flags, run alongside it.
 """
 from __future__ import annotations
 
@@ -164,9 +164,10 @@ class Trainer:
                 loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
                 (loss / accum).backward()
             loss_sum += loss.detach().double()
+        totals = self.lanes.start_sum([float(loss_sum), *map(float, flags)])
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = clip_and_norm(sm.model.parameters(), max_norm)
-        totals = self.lanes.all_sum([float(loss_sum), *map(float, flags)])
+        totals = totals()
         mean_loss = totals[0] / (accum * sm.dp_size)
         waited = 0.0
         if self.pending is not None:  # an async save may still be copying the parameters
