@@ -8,11 +8,13 @@ control-lane all-reduce carrying the loss and the stop/save flags, run alongside
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import numpy as np
@@ -42,15 +44,35 @@ class TrainingAborted(RuntimeError):
     """Training cannot go on (non-finite losses); the message says what to check."""
 
 
+GC_EVERY_STEPS = 100
+
+
+@contextmanager
+def scheduled_gc():
+    """Python's collector at fixed steps only, on every rank alike: a full collection
+    walks every object the model and data loader hold, and a rank paused in one stalls
+    all the others at the next collective. What exists before training (modules,
+    optimizer state) is frozen out of collections; cycles made while training are
+    collected every GC_EVERY_STEPS steps."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def clip_and_norm(parameters, max_norm: float) -> float:
     """Global gradient norm, clipped to `max_norm`, in one all-reduce: the sharded norm is
     completed once and the clip then uses it (clip_grad_norm_ on DTensors reduces twice)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     if math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes parameters
     return float(norm)
 
 
@@ -266,8 +288,12 @@ class Trainer:
 
     def fit(self) -> str:
         """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
-        cfg = self.cfg
         self.resume()
+        with scheduled_gc():
+            return self._loop()
+
+    def _loop(self) -> str:
+        cfg = self.cfg
         self.metrics.write("start", step=self.step, total_steps=self.total_steps,
                            world_size=self.env.world_size, pid=os.getpid())
         every = cfg.checkpoint.every_steps
@@ -275,6 +301,8 @@ class Trainer:
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
         while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
             self._maybe_inject_fault()
+            if self.step % GC_EVERY_STEPS == 0:
+                gc.collect()
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
