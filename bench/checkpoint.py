@@ -26,7 +26,8 @@ import statistics
 from pathlib import Path
 
 from .group import max_over_ranks, run_group
-from .measure import BenchContext, Result, Series, drop_cache, files_under, ratios, timed
+from .measure import (BenchContext, Result, Series, drop_cache, files_under, ratios, settle,
+                      timed)
 
 MB = 1e6
 
@@ -164,10 +165,8 @@ def _save_load(trainer, lanes, root: Path, repeats: int) -> dict:
             drop_cache([f for d in dirs for f in files_under(d)])
         lanes.barrier()
 
-    def settle() -> None:
-        """No side pays for the other's writeback (or a deleted repeat's): the disk of
-        this VM swings 4x otherwise."""
-        os.sync()
+    def settle_all() -> None:
+        settle()
         lanes.barrier()
 
     for i in range(repeats):
@@ -178,13 +177,13 @@ def _save_load(trainer, lanes, root: Path, repeats: int) -> dict:
         lanes.barrier()
         writes = [("raw_write", lambda: raw_write(raw_file)), ("save", lambda: save(step))]
         for key, fn in (writes if i % 2 == 0 else writes[::-1]):
-            settle()
+            settle_all()
             rec[key].append(max_over_ranks(lanes, timed(fn)))
         evict([raw_dir, store.step_dir(root, step)])
         reads = [("raw_read", lambda: raw_read(raw_file)),
                  ("load", lambda: ckpt.load(root, step, model, opt, lanes))]
         for key, fn in (reads if i % 2 == 0 else reads[::-1]):
-            settle()
+            settle_all()
             rec[key].append(max_over_ranks(lanes, timed(fn)))
         evict([store.step_dir(root, step)])
 

@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from .measure import BenchContext, Result, Series, drop_cache, ratios, timed
+from .measure import BenchContext, Result, Series, drop_cache, ratios, settle, timed
 
 MB = 1e6
 NAME = "bench"
@@ -116,6 +116,7 @@ def run(ctx: BenchContext) -> Result:
 
         for fn in ((raw, ours) if i % 2 == 0 else (ours, raw)):
             drop_cache(chunks)
+            settle()
             fn()
         if i == 0 and not np.array_equal(np.load(ours_out, mmap_mode="r"),
                                          np.load(raw_out, mmap_mode="r")):

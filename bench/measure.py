@@ -89,6 +89,12 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
+def settle() -> None:
+    """Flush every dirty page before a timed side: on this VM the previous side's (or a
+    previous benchmark's) writeback otherwise lands on whoever runs next."""
+    os.sync()
+
+
 def drop_cache(paths: Iterable[Path]) -> None:
     """Evict the files' clean pages from the page cache (posix_fadvise DONTNEED).
 

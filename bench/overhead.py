@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from .group import run_group
-from .measure import regression_arrays, BenchContext, Result, Series, ratios
+from .measure import regression_arrays, BenchContext, Result, Series, ratios, settle
 
 SHAPE = {"nodes": 2, "procs_per_node": 2}
 
@@ -77,6 +77,7 @@ def run(ctx: BenchContext) -> list[Result]:
     for i in range(s["pairs"]):
         order = ("enn", "bare") if i % 2 == 0 else ("bare", "enn")
         for side in order:
+            settle()
             if side == "enn":
                 stamps, step_times = _enn(ctx, s, x, y, i)
                 enn_sps.append(steps_per_s(stamps, s["skip"]))

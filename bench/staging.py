@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .measure import BenchContext, Result, Series, drop_cache, ratios, timed
+from .measure import BenchContext, Result, Series, drop_cache, ratios, settle, timed
 
 MB = 1e6
 
@@ -52,6 +52,7 @@ def stage_result(ctx: BenchContext) -> Result:
 
         for fn in ((raw, ours) if i % 2 == 0 else (ours, raw)):
             drop_cache([src])
+            settle()
             fn()
         raw_dst.unlink()
         ours_dst.unlink()
