@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .group import max_over_ranks, run_group
 from .measure import (BenchContext, Result, Series, drop_cache, files_under, ratios, settle,
-                      timed)
+                      throughput, timed)
 
 MB = 1e6
 
@@ -240,27 +240,19 @@ def _async(trainer, lanes, perm, repeats: int) -> dict:
 
 def _io_results(out: dict) -> list[Result]:
     rec, total = out["io"], out["io_bytes"]
-    mbps = lambda secs: [total / MB / s for s in secs]  # noqa: E731
     size = f"{total / MB:.0f} MB (model + AdamW state, world 2)"
-    save = Result(
-        "checkpoint", "checkpoint save throughput vs raw write", ">=", 0.8,
-        samples=ratios(rec["raw_write"], rec["save"]),
-        ours=Series("checkpoint.save (DCP + checksums + commit)", "MB/s", mbps(rec["save"])),
-        baseline=Series("numpy tofile + fsync, same bytes per rank", "MB/s", mbps(rec["raw_write"])),
-        note=f"{size}; both fsynced; repeats alternate order")
-    load = Result(
-        "checkpoint", "checkpoint load throughput vs raw read", ">=", 0.8,
-        samples=ratios(rec["raw_read"], rec["load"]),
-        ours=Series("checkpoint.load (DCP load + set_state_dict + RNG)", "MB/s", mbps(rec["load"])),
-        baseline=Series("readinto a warm buffer, same bytes per rank", "MB/s", mbps(rec["raw_read"])),
-        note=f"{size}; cold: pages evicted with posix_fadvise(DONTNEED) after fsync")
-    resume = Result(
-        "checkpoint", "resume read (choose_resume + load) vs raw read", None, None,
-        samples=ratios(rec["raw_read"], rec["resume"]),
-        ours=Series("choose_resume (verify checksums) + load", "MB/s", mbps(rec["resume"])),
-        baseline=Series("readinto a warm buffer (cold pages)", "MB/s", mbps(rec["raw_read"])),
-        note="what a restart pays: every byte is read to verify, then again to load")
-    return [save, load, resume]
+    raw_read = ("readinto a warm buffer, same bytes per rank", rec["raw_read"])
+    return [
+        throughput("checkpoint", "checkpoint save throughput vs raw write", ">=", 0.8, total,
+                   ("checkpoint.save (DCP + checksums + commit)", rec["save"]),
+                   ("numpy tofile + fsync, same bytes per rank", rec["raw_write"]),
+                   f"{size}; both fsynced; repeats alternate order"),
+        throughput("checkpoint", "checkpoint load throughput vs raw read", ">=", 0.8, total,
+                   ("checkpoint.load (DCP load + set_state_dict + RNG)", rec["load"]), raw_read,
+                   f"{size}; cold: pages evicted with posix_fadvise(DONTNEED) after fsync"),
+        throughput("checkpoint", "resume read (choose_resume + load) vs raw read", None, None,
+                   total, ("choose_resume (verify checksums) + load", rec["resume"]), raw_read,
+                   "what a restart pays: every byte is read to verify, then again to load")]
 
 
 def _async_results(out: dict) -> list[Result]:

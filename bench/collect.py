@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from .measure import BenchContext, Result, Series, drop_cache, ratios, settle, timed
+from .measure import BenchContext, Result, drop_cache, settle, throughput, timed
 
 MB = 1e6
 NAME = "bench"
@@ -123,13 +123,9 @@ def run(ctx: BenchContext) -> Result:
             raise RuntimeError("collect and the raw concatenation disagree")
         ours_out.unlink()
         raw_out.unlink()
-    mbps = lambda secs: [nbytes / MB / t for t in secs]  # noqa: E731
-    return Result(
-        "collect", "collect vs raw concatenation", ">=", 0.8,
-        samples=ratios(raw_s, ours_s),
-        ours=Series("collect: verify + copy_file_range + xxh3 of each chunk + fsync + "
-                    "rename", "MB/s", mbps(ours_s)),
-        baseline=Series("sendfile each chunk's data after one header + fsync", "MB/s",
-                        mbps(raw_s)),
-        note=(f"{nbytes / MB:.0f} MB float32 ({shape[0]} x {shape[1]}) in {len(chunks)} "
-              "chunks; chunk pages evicted before each side; repeats alternate order"))
+    return throughput(
+        "collect", "collect vs raw concatenation", ">=", 0.8, nbytes,
+        ("collect: verify + copy_file_range + xxh3 of each chunk + fsync + rename", ours_s),
+        ("sendfile each chunk's data after one header + fsync", raw_s),
+        f"{nbytes / MB:.0f} MB float32 ({shape[0]} x {shape[1]}) in {len(chunks)} chunks; "
+        "chunk pages evicted before each side; repeats alternate order")

@@ -89,6 +89,16 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
+def throughput(bench: str, name: str, op: Optional[str], target: Optional[float], nbytes: int,
+               ours: tuple, baseline: tuple, note: str) -> Result:
+    """A ratio of throughputs: `ours`/`baseline` are (label, seconds per repeat) moving
+    the same `nbytes`; samples are baseline time / our time, series in MB/s."""
+    mbps = lambda secs: [nbytes / 1e6 / s for s in secs]  # noqa: E731
+    return Result(bench, name, op, target, samples=ratios(baseline[1], ours[1]),
+                  ours=Series(ours[0], "MB/s", mbps(ours[1])),
+                  baseline=Series(baseline[0], "MB/s", mbps(baseline[1])), note=note)
+
+
 def settle() -> None:
     """Flush every dirty page before a timed side: on this VM the previous side's (or a
     previous benchmark's) writeback otherwise lands on whoever runs next."""

@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .measure import BenchContext, Result, Series, drop_cache, ratios, settle, timed
+from .measure import BenchContext, Result, drop_cache, settle, throughput, timed
 
 MB = 1e6
 
@@ -57,14 +57,11 @@ def stage_result(ctx: BenchContext) -> Result:
         raw_dst.unlink()
         ours_dst.unlink()
     shutil.rmtree(base)
-    mbps = lambda secs: [nbytes / MB / s for s in secs]  # noqa: E731
-    return Result(
-        "staging", "staging (stage_array from .npy) vs copyfile", ">=", 0.8,
-        samples=ratios(raw_s, ours_s),
-        ours=Series("stage_array: copy_file_range + xxh3 of the copied data + fsync + "
-                    "rename", "MB/s", mbps(ours_s)),
-        baseline=Series("shutil.copyfile + fsync", "MB/s", mbps(raw_s)),
-        note=f"{nbytes / MB:.0f} MB float32 array; source pages evicted before each side")
+    return throughput(
+        "staging", "staging (stage_array from .npy) vs copyfile", ">=", 0.8, nbytes,
+        ("stage_array: copy_file_range + xxh3 of the copied data + fsync + rename", ours_s),
+        ("shutil.copyfile + fsync", raw_s),
+        f"{nbytes / MB:.0f} MB float32 array; source pages evicted before each side")
 
 
 def collect_result(ctx: BenchContext) -> Result:

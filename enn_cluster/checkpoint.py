@@ -42,7 +42,7 @@ def snapshot(trainer_state: dict) -> Snapshot:
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    return Snapshot(json.loads(json.dumps(trainer_state)), rng)
+    return Snapshot(dict(trainer_state), rng)  # Trainer.state_dict() builds fresh values
 
 
 def state_of(model, optimizer) -> dict:

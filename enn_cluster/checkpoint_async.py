@@ -39,8 +39,6 @@ class PendingSave:
     def __init__(self, step: int, root: Path, state: dict, snap: ckpt.Snapshot,
                  lanes: Lanes, stager: DefaultStager, keep_last: Optional[int]) -> None:
         self.step = step
-        self.started = time.perf_counter()
-        self.staged_at: Optional[float] = None
         self.error: Optional[BaseException] = None
         self._staged = threading.Event()
         lanes_bg = dataclasses.replace(lanes, control=lanes.checkpoint)
@@ -55,7 +53,6 @@ class PendingSave:
                 time.sleep(float(os.environ.get(SLOW_STAGING, "0")))
                 staged = stager.stage(state)
             finally:
-                self.staged_at = time.perf_counter()
                 self._staged.set()
             ckpt.write(root, self.step, staged, snap, lanes, keep_last)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException

@@ -23,7 +23,8 @@ from .checksum import RunningChecksum, algorithm_of, file_checksum
 from .errors import UserError
 from .progress import ProgressBar
 from .rundir import RunDir, fsync_dir
-from .staging import kernel_copy, read_npy_header
+from .file_copy import kernel_copy
+from .staging import read_npy_header
 
 
 @dataclass

@@ -100,7 +100,7 @@ class _HashingFileSystem(FileSystem):
 
 class ChecksummingWriter(FileSystemWriter):
     """FileSystemWriter (one fsynced file per rank) that records each file's checksum in
-    `checksums` as it writes it; usable from DCP's async writer thread."""
+    `checksums` as it writes it; safe from the async checkpoint thread."""
 
     def __init__(self, path) -> None:
         super().__init__(str(path), single_file_per_rank=True, sync_files=True)

@@ -7,7 +7,6 @@ the kernel (copy_file_range), anything else is streamed.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import zipfile
@@ -20,6 +19,7 @@ import numpy as np
 from .checksum import RunningChecksum
 from .config import DataConfig, ModelConfig, SyntheticConfig
 from .errors import UserError
+from .file_copy import kernel_copy
 from .progress import ProgressBar
 from .rundir import atomic_write_text, fsync_dir
 
@@ -94,35 +94,6 @@ def _layout(fh, source: str) -> tuple[tuple, np.dtype]:
         raise UserError(f"{source}: Fortran-ordered arrays are not supported; "
                         "save with np.ascontiguousarray")
     return tuple(shape), np.dtype(dtype)
-
-
-_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
-
-
-def _copy_block(src: int, dst: int, src_off: int, dst_off: int, count: int) -> int:
-    try:
-        return os.copy_file_range(src, dst, count, src_off, dst_off)
-    except OSError as exc:  # e.g. across file systems: sendfile copies in the kernel too
-        if exc.errno not in _NO_COPY_RANGE:
-            raise
-    os.lseek(dst, dst_off, os.SEEK_SET)
-    return os.sendfile(dst, src, src_off, count)
-
-
-def kernel_copy(src: int, dst: int, src_off: int, dst_off: int, count: int,
-                on_block: Optional[Callable[[int, int], None]] = None) -> int:
-    """Copy up to `count` bytes between open files in the kernel (copy_file_range, or
-    sendfile), in blocks; `on_block(pos, n)` sees each block after it lands. Returns the
-    bytes copied: fewer where the source ends early."""
-    pos = 0
-    while pos < count:
-        n = _copy_block(src, dst, src_off + pos, dst_off + pos, min(_BLOCK, count - pos))
-        if not n:
-            break
-        if on_block is not None:
-            on_block(pos, n)
-        pos += n
-    return pos
 
 
 def _local_path(source: str) -> Optional[str]:

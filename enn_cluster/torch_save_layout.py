@@ -33,20 +33,13 @@ class TensorLayout:
     little_endian: bool
 
 
-def _locals(head: bytes):
-    """(name, data_start, flags, method) of consecutive local headers from offset 0; the
-    caller says where each record's data ends (via `send`)."""
-    pos = 0
-    while pos + _LOCAL.size <= len(head):
-        sig, _, flags, method, _, _, _, _, _, nlen, elen = _LOCAL.unpack_from(head, pos)
-        if sig != _LOCAL_SIG:
-            return
-        name = head[pos + _LOCAL.size:pos + _LOCAL.size + nlen].decode("utf-8", "replace")
-        start = pos + _LOCAL.size + nlen + elen
-        end = yield name, start, flags, method
-        if end is None:
-            return
-        pos = end
+def _local_header(head: bytes, pos: int) -> tuple[str, int, int, int]:
+    """(name, data start, flags, compression method) of the zip local header at `pos`."""
+    sig, _, flags, method, _, _, _, _, _, nlen, elen = _LOCAL.unpack_from(head, pos)
+    if sig != _LOCAL_SIG:
+        raise ValueError(f"no local header at {pos}")
+    name = head[pos + _LOCAL.size:pos + _LOCAL.size + nlen].decode("utf-8", "replace")
+    return name, pos + _LOCAL.size + nlen + elen, flags, method
 
 
 def _descriptor_end(head: bytes, start: int, data_end: int) -> Optional[int]:
@@ -108,35 +101,26 @@ def parse(head: bytes) -> Optional[TensorLayout]:
 
 
 def _parse(head: bytes) -> Optional[TensorLayout]:
-    records = _locals(head)
-    item = next(records, None)
-    saved, little = None, None
-    while item is not None:
-        name, start, flags, method = item
+    pos, saved, little = 0, None, None
+    while pos is not None:
+        name, start, flags, method = _local_header(head, pos)
         if method != 0 or not flags & _HAS_DESCRIPTOR:
             return None  # compressed, or sizes elsewhere: not what torch.save writes today
-        leaf = name.rsplit("/", 1)[-1]
+        if name.endswith("/data/0"):
+            if saved is None or little is None:
+                return None
+            return TensorLayout(saved, start, saved.untyped_storage().nbytes(), little)
         if name.endswith("/data.pkl"):
             pkl = io.BytesIO(head[start:])
             saved = _meta_tensor(pkl)
             if saved is None:
                 return None
-            end = _descriptor_end(head, start, start + pkl.tell())
-        elif name.endswith("/data/0"):
-            if saved is None or little is None:
-                return None
-            nbytes = saved.untyped_storage().nbytes()
-            return TensorLayout(saved, start, nbytes, little)
-        else:
+            data_end = start + pkl.tell()
+        else:  # a small text record: .format_version, .storage_alignment, byteorder
             data_end = head.find(_DESC_SIG, start)
-            if data_end < 0:
-                return None
-            if leaf == "byteorder":
+            if name.endswith("/byteorder"):
                 little = head[start:data_end] == b"little"
-            end = _descriptor_end(head, start, data_end)
-        if end is None:
-            return None
-        item = records.send(end)
+        pos = _descriptor_end(head, start, data_end) if data_end >= 0 else None
     return None
 
 

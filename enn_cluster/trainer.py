@@ -301,8 +301,6 @@ class Trainer:
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
         while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
             self._maybe_inject_fault()
-            if self.step % GC_EVERY_STEPS == 0:
-                gc.collect()
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
@@ -311,6 +309,8 @@ class Trainer:
             stop, still_open = stats.pop("agreed")
             epoch_before = self.pos.epoch
             self.step += 1
+            if self.step % GC_EVERY_STEPS == 0:
+                gc.collect()
             self.pos = advance(self.pos, self.n_rows, self.global_batch)
             if self.step % cfg.logging.every_steps == 0:
                 self.metrics.write("train", step=self.step, epoch=epoch_before,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from enn_cluster import collect as col
+from enn_cluster import file_copy
 from enn_cluster import prediction_manifest as pm
 from enn_cluster import staging
 from enn_cluster.checksum import file_checksum
@@ -26,6 +27,7 @@ class _Tty(io.StringIO):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 4 KiB, so a small array crosses many of them."""
+    monkeypatch.setattr(file_copy, "BLOCK", 4096)
     monkeypatch.setattr(staging, "_BLOCK", 4096)
 
 
