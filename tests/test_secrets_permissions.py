@@ -85,7 +85,7 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     from enn_cluster.cli_ops import check_slurm_spec
     from enn_cluster.config import config_from_dict
     from enn_cluster.launch import LaunchShape
-    from test_pyxis_and_render import make_submitit_script
+    from render_support import make_submitit_script
 
     tokens = secrets()
     for name, value in tokens.items():

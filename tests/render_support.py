@@ -1,0 +1,67 @@
+"""Shared by the render and run-the-script tests: paths, a hostile string, shellcheck,
+the golden JobSpecs and submitit's own rendering of them."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from enn_cluster import job_spec
+from enn_cluster.job_spec import JobSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden"
+TEMPLATES = ROOT / "enn_cluster" / "templates"
+HOSTILE = "a b 'c' \"d\" $(touch CANARY1) `touch CANARY2`; touch CANARY3 & ünï ✓ $PATH \\ *"
+
+
+def shellcheck(path: Path) -> None:
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("shellcheck is missing; CI must install it (apt-get install -y shellcheck)")
+        pytest.skip("shellcheck not installed (apt-get install -y shellcheck); CI=true makes this fail")
+    done = subprocess.run([exe, "-s", "bash", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def golden_specs():
+    return {
+        "train_2x2_container": JobSpec(
+            job_name="enn-demo", run_dir="/shared/runs/demo", nodes=2, gpus_per_node=2,
+            time="02:00:00", partition="gpu", exclusive=True, mem_gb=0, nccl_profile="efa",
+            container_image="/shared/images/enn.sqsh",
+            container_mounts=("/shared/datasets:/datasets:ro",)),
+        "predict_bare_metal_cpu": JobSpec(
+            job_name="enn-predict", run_dir="/shared/runs/demo", task="predict",
+            predict_name="holdout", gpus_per_node=0, procs_per_node=4, cpus_per_task=2,
+            time=30, nccl_profile="socket", python="/opt/venv/bin/python",
+            setup_lines=("module load python/3.11",)),
+        "train_elastic_registry_ib": JobSpec(
+            job_name="enn-big", run_dir="/shared/runs/big", nodes="2-4", gpus_per_node=8,
+            time="1-00:00:00", account="ml", qos="high", mem_gb=480, nccl_profile="ib",
+            container_image="nvcr.io#nvidia/pytorch:24.05-py3", container_workdir="/workspace",
+            container_mounts=("/shared/datasets:/datasets:ro+rprivate", "/scratch:/scratch"),
+            env={"HF_HOME": "/shared/hf cache"}, extra_sbatch_args=("--constraint=a100",),
+            extra_srun_args=("--cpu-bind=none",), max_restarts=5),
+    }
+
+
+def make_submitit_script(spec: JobSpec, folder: str) -> str:
+    """submitit 1.5.4's own rendering of our parameters, through the real executor."""
+    from submitit import AutoExecutor
+    from submitit.slurm.slurm import SlurmExecutor
+
+    original = SlurmExecutor.affinity
+    SlurmExecutor.affinity = classmethod(lambda cls: 2)  # no srun needed to build a script
+    try:
+        executor = AutoExecutor(folder=folder, cluster="slurm",
+                                **job_spec.submitit_executor_kwargs(spec))
+    finally:
+        SlurmExecutor.affinity = original
+    executor.update_parameters(**job_spec.submitit_parameters(spec))  # rejects unknown names
+    inner = executor._executor
+    return inner._make_submission_file_text(inner._submitit_command_str, "uid")

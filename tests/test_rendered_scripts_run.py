@@ -1,0 +1,238 @@
+"""Rendered batch scripts run for real under bash with stub `srun`/`scontrol` on PATH:
+the argv srun receives proves the quoting (hostile strings arrive intact, nothing
+executes) and that the template path and the submitit path launch the same worker with
+the same flags; the host side requeues and retries as configured."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from enn_cluster import job_spec, nccl
+from enn_cluster.job_spec import JobSpec
+from render_support import HOSTILE, TEMPLATES, golden_specs, make_submitit_script, shellcheck
+
+SRUN_STUB = """#!/bin/bash
+printf '%s\\0' "$@" > "$STUB_ARGV"
+env -0 > "$STUB_ENV"
+if [ -n "${STUB_MARKER:-}" ]; then mkdir -p "${STUB_MARKER%/*}" && : > "$STUB_MARKER"; fi
+exit "${STUB_RC:-0}"
+"""
+SCONTROL_STUB = """#!/bin/bash
+printf '%s\\n' "$*" >> "$STUB_SCONTROL"
+"""
+
+
+class Stubbed:
+    """Runs a batch script under bash with stub srun/scontrol; records what they saw."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.bin = tmp / "stub-bin"
+        self.bin.mkdir()
+        for name, text in (("srun", SRUN_STUB), ("scontrol", SCONTROL_STUB)):
+            (self.bin / name).write_text(text)
+            (self.bin / name).chmod(0o755)
+        self.cwd = tmp / "cwd"
+        self.cwd.mkdir()
+
+    def run(self, script: str, restart=None, marker=None, rc=0, **env):
+        path = self.tmp / "job.sbatch"
+        path.write_text(script)
+        full = {"PATH": f"{self.bin}:/usr/bin:/bin", "HOME": str(self.tmp),
+                "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-2]",
+                "STUB_ARGV": str(self.tmp / "argv"), "STUB_ENV": str(self.tmp / "env"),
+                "STUB_SCONTROL": str(self.tmp / "scontrol.log"), "STUB_RC": str(rc), **env}
+        if restart is not None:
+            full["SLURM_RESTART_COUNT"] = str(restart)
+        if marker:
+            full["STUB_MARKER"] = str(marker)
+        for f in ("argv", "env", "scontrol.log"):
+            (self.tmp / f).unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(path)], cwd=self.cwd, env=full, capture_output=True,
+                              text=True, timeout=30)
+        canaries = sorted(p.name for p in self.cwd.iterdir() if p.name.startswith("CANARY"))
+        assert not canaries, f"the script executed a hostile string: {canaries}"
+        return done
+
+    @property
+    def argv(self) -> list[str]:
+        return (self.tmp / "argv").read_text().split("\0")[:-1]
+
+    @property
+    def env(self) -> dict[str, str]:
+        items = (self.tmp / "env").read_text().split("\0")[:-1]
+        return dict(item.split("=", 1) for item in items)
+
+    @property
+    def scontrol(self) -> list[str]:
+        log = self.tmp / "scontrol.log"
+        return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.fixture
+def stub(tmp_path):
+    return Stubbed(tmp_path)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    path = tmp_path / "runs" / "träning-λ"  # unicode is fine: quoted, and legal in #SBATCH
+    path.mkdir(parents=True)
+    return str(path)
+
+
+@pytest.fixture
+def image(tmp_path):
+    path = tmp_path / "images" / "enn.sqsh"
+    path.parent.mkdir()
+    path.write_bytes(b"hsqs")
+    return str(path)
+
+
+# -- running the scripts ------------------------------------------------------------------
+
+
+def test_rendered_script_launches_the_worker_with_the_submitit_flags(stub, run_dir, image):
+    spec = JobSpec(job_name="enn-demo", run_dir=run_dir, nodes=2, gpus_per_node=2, time=120,
+                   container_image=image, container_mounts=("/shared/data:/data:ro",),
+                   nccl_profile="efa")
+    done = stub.run(job_spec.render_batch_script(spec), LD_LIBRARY_PATH="/usr/lib/x")
+    assert done.returncode == 0, done.stderr
+    log = f"--output={run_dir}/logs/%x-%j-r0.log"
+    assert stub.argv == ["--kill-on-bad-exit=1", log, *job_spec.srun_args(spec)[1:],
+                         "python3", "-m", "enn_cluster.worker", run_dir, "--task", "train"]
+    assert f"--container-mounts=/shared/data:/data:ro,{run_dir}:{run_dir}" in stub.argv
+    env = stub.env
+    assert env["FI_PROVIDER"] == "efa" and env["ENN_NCCL_PROFILE"] == "efa"
+    assert env["MASTER_PORT"] == str(20000 + 4242 % 20000)
+    assert env["LD_LIBRARY_PATH"] == "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib:/usr/lib/x"
+    assert stub.scontrol == []
+
+
+def test_rendered_script_keeps_user_nccl_settings(stub, run_dir):
+    spec = JobSpec(job_name="j", run_dir=run_dir, nccl_profile="socket")
+    stub.run(job_spec.render_batch_script(spec), NCCL_SOCKET_IFNAME="eth7", NCCL_IB_DISABLE="")
+    assert stub.env["NCCL_SOCKET_IFNAME"] == "eth7" and stub.env["NCCL_IB_DISABLE"] == ""
+    assert stub.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_hostile_strings_arrive_intact(stub, run_dir, image):
+    spec = JobSpec(job_name="j", run_dir=run_dir, task="predict", predict_name="täst.v1",
+                   python=f"/opt/py {HOSTILE}", env={"ENN_NOTE": HOSTILE, "EMPTY": ""},
+                   extra_srun_args=(f"--comment={HOSTILE}", "--cpu-bind=none"),
+                   container_image=image, nccl_profile="none")
+    text = job_spec.render_batch_script(spec)
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    done = stub.run(text)
+    assert done.returncode == 0, done.stderr
+    argv = stub.argv
+    assert f"--comment={HOSTILE}" in argv and "--cpu-bind=none" in argv
+    assert argv[argv.index("-m") - 1:] == [f"/opt/py {HOSTILE}", "-m", "enn_cluster.worker",
+                                           run_dir, "--task", "predict", "--name", "täst.v1"]
+    assert stub.env["ENN_NOTE"] == HOSTILE and stub.env["EMPTY"] == ""
+    assert "--container-env=" + ",".join((*nccl.CONTAINER_ENV_NAMES, "ENN_NOTE", "EMPTY")) in argv
+
+
+def test_hostile_strings_in_submitit_script(stub, run_dir, tmp_path):
+    spec = JobSpec(job_name="j", run_dir=run_dir, python=f"/opt/py {HOSTILE}",
+                   env={"ENN_NOTE": HOSTILE}, extra_srun_args=(f"--comment={HOSTILE}",))
+    text = make_submitit_script(spec, str(tmp_path / "submitit"))
+    done = stub.run(text)
+    assert done.returncode == 0, done.stderr
+    assert f"--comment={HOSTILE}" in stub.argv and f"/opt/py {HOSTILE}" in stub.argv
+    assert stub.env["ENN_NOTE"] == HOSTILE
+
+
+@pytest.mark.parametrize("restart", [None, 4, 50])
+def test_host_side_requeue_after_a_checkpointed_stop(stub, run_dir, restart):
+    """A stop with a checkpoint (marker) is always requeued: preemption is not a failure."""
+    spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=0)
+    marker = Path(run_dir) / "requeue" / "4242"
+    done = stub.run(job_spec.render_batch_script(spec), restart=restart, marker=marker, rc=75)
+    assert done.returncode == 75
+    assert stub.scontrol == ["requeue 4242"] and not marker.exists()
+    assert "stopped with a checkpoint" in done.stderr
+
+
+def test_host_side_retry_after_failures_up_to_max_restarts(stub, run_dir):
+    """A failed step (a rank died) is retried at most max_restarts times; bad input never."""
+    spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=2)
+    (Path(run_dir) / "requeue").mkdir()
+    script = job_spec.render_batch_script(spec)
+    seen = []
+    for _ in range(3):
+        done = stub.run(script, rc=1)
+        seen.append(stub.scontrol)
+    assert seen == [["requeue 4242"], ["requeue 4242"], []]
+    assert "after 2 retries (limit 2)" in done.stderr
+    (Path(run_dir) / "requeue" / "failures-4242").unlink()
+    stub.run(script, rc=2)
+    assert stub.scontrol == []
+
+
+def test_submitit_script_requeues_on_the_host_too(stub, run_dir, image, tmp_path):
+    spec = JobSpec(job_name="j", run_dir=run_dir, container_image=image, nodes=2,
+                   gpus_per_node=2, nccl_profile="ib")
+    text = make_submitit_script(spec, str(tmp_path / "submitit"))
+    path = tmp_path / "submitit.sbatch"
+    path.write_text(text)
+    shellcheck(path)
+    marker = Path(run_dir) / "requeue" / "4242"
+    done = stub.run(text, marker=marker, rc=75)
+    assert stub.scontrol == ["requeue 4242"] and not marker.exists(), done.stderr
+    argv = stub.argv
+    python = argv.index(job_spec.submitit_executor_kwargs(spec)["slurm_python"])
+    pyxis_at = [i for i, a in enumerate(argv) if a.startswith(("--container-", "--no-container"))]
+    assert pyxis_at and max(pyxis_at) < python
+    assert argv[python + 1:python + 4] == ["-u", "-m", "submitit.core._submit"]
+    assert "--kill-on-bad-exit=1" in argv[:python]
+    assert stub.env["NCCL_IB_TIMEOUT"] == "22" and stub.env["ENN_NCCL_PROFILE"] == "ib"
+
+
+def test_submitit_parameters_through_make_sbatch_string(tmp_path):
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    spec = golden_specs()["train_elastic_registry_ib"]
+    params = job_spec.submitit_parameters(spec)
+    renamed = {"name": "job_name", "timeout_min": "time", "tasks_per_node": "ntasks_per_node",
+               "mem_gb": "mem"}
+    kwargs = {renamed.get(k, k).removeprefix("slurm_"): v for k, v in params.items()}
+    kwargs["mem"] = f"{kwargs['mem']}GB"
+    text = _make_sbatch_string(command="python3 -u -m submitit.core._submit /f",
+                               folder=str(tmp_path), **kwargs)
+    for line in ("#SBATCH --nodes=2-4", "#SBATCH --requeue", "#SBATCH --signal=USR2@90",
+                 "#SBATCH --ntasks-per-node=8", "#SBATCH --constraint=a100",
+                 "#SBATCH --open-mode=append", "#SBATCH --account=ml"):
+        assert line in text
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert srun.index("--container-image=") < srun.index("python3 -u -m submitit")
+    path = tmp_path / "s.sbatch"
+    path.write_text(text)
+    shellcheck(path)
+
+
+def test_admin_template_runs_from_environment_variables(stub, run_dir, image):
+    template = (TEMPLATES / "predict.sbatch").read_text()
+    done = stub.run(template)
+    assert done.returncode == 2 and "enn: ENN_RUN_DIR is not set" in done.stderr
+    done = stub.run(template, ENN_RUN_DIR=run_dir)
+    assert done.returncode == 2 and "ENN_PREDICT_NAME is not set" in done.stderr
+    done = stub.run(template, ENN_RUN_DIR=run_dir, ENN_PREDICT_NAME="p", SLURM_JOB_ID="")
+    assert done.returncode == 2 and "not inside a Slurm job" in done.stderr
+    done = stub.run(template, ENN_RUN_DIR="relative/run", ENN_PREDICT_NAME="p")
+    assert done.returncode == 2 and "must be an absolute path" in done.stderr
+    done = stub.run(template, ENN_RUN_DIR=run_dir, ENN_PREDICT_NAME="p", ENN_IMAGE="x.sqsh")
+    assert done.returncode == 2 and "absolute or ./ path" in done.stderr
+    done = stub.run(template, ENN_RUN_DIR=run_dir, ENN_PREDICT_NAME="p", ENN_IMAGE=image,
+                    ENN_MOUNTS="/d:/d:ro", ENN_SRUN_ARGS="--cpu-bind=none --label",
+                    ENN_GPUS_PER_NODE="4", ENN_PYTHON="/opt/conda/bin/python")
+    assert done.returncode == 0, done.stderr
+    spec = JobSpec(job_name="j", run_dir=run_dir, task="predict", predict_name="p",
+                   container_image=image, container_mounts=("/d:/d:ro",),
+                   extra_srun_args=("--cpu-bind=none", "--label"), python="/opt/conda/bin/python")
+    assert stub.argv == ["--kill-on-bad-exit=1", f"--output={run_dir}/logs/%x-%j-r0.log",
+                         "--ntasks-per-node=4", *job_spec.srun_args(spec)[1:],
+                         *job_spec.worker_command(spec)]
+    assert stub.env["ENN_NCCL_PROFILE"] == "auto"
