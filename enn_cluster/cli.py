@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-root", default=None, help="shortcut for --set runs_root=DIR")
     _add_shape_flags(p)
 
+    p = sub.add_parser("prepare", help="make a run directory and stage data, without launching "
+                       "(for torchrun or a site's own srun line)")
+    p.add_argument("--config", required=False, default=None, help="run YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--run-name", default=None, help="shortcut for --set run_name=NAME")
+    p.add_argument("--runs-root", default=None, help="shortcut for --set runs_root=DIR")
+    _add_shape_flags(p)
+
     p = sub.add_parser("resume", help="continue a run from its newest complete checkpoint")
     p.add_argument("run_dir")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -178,6 +186,24 @@ def cmd_train(args) -> int:
         raise
     print(f"run directory: {run.path}", file=sys.stderr)
     return code
+
+
+def cmd_prepare(args) -> int:
+    """The run directory an external launcher then starts workers in; the shape given
+    here fixes the run's global batch, as a first launch would."""
+    import shlex
+
+    from .launch import prepare_run, shape_from_flags
+
+    cfg = _load_train_config(args)
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    run = prepare_run(cfg, shape)
+    path = shlex.quote(str(run.path))
+    print(run.path)
+    print(f"start every task with: python -m enn_cluster.worker {path} --task train\n"
+          f"  e.g. torchrun --nnodes {shape.nodes} --nproc-per-node {shape.procs_per_node} "
+          f"-m enn_cluster.worker {path} --task train", file=sys.stderr)
+    return 0
 
 
 def cmd_resume(args) -> int:
@@ -304,7 +330,7 @@ def cmd_plot(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "resume": cmd_resume, "verify": cmd_verify,
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "resume": cmd_resume, "verify": cmd_verify,
             "status": cmd_status, "build": cmd_build, "plot": cmd_plot}
 
 

@@ -100,6 +100,7 @@ class TrainingConfig:
     max_steps: int = 0  # 0: the epochs decide
     per_device_train_batch_size: int = 32
     gradient_accumulation_steps: int = 1
+    global_batch_size: int = 0  # rows per optimizer step; 0: frozen at the first launch
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_ratio: float = 0.0
@@ -115,6 +116,7 @@ class TrainingConfig:
         _non_negative("training.max_steps", self.max_steps)
         _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
         _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _non_negative("training.global_batch_size", self.global_batch_size)
         _positive("training.max_nonfinite_steps", self.max_nonfinite_steps)
         _seed("training.seed", self.seed)
         _non_negative("training.fail_at_step", self.fail_at_step)

@@ -79,10 +79,19 @@ DESCRIPTIONS = {
     "training.epochs": "Passes over the training rows (> 0); used when "
                        "`training.max_steps` is 0.",
     "training.max_steps": "Total optimizer steps; 0 lets `training.epochs` decide.",
-    "training.per_device_train_batch_size": "Rows per micro-batch per process (> 0); "
-                                            "global batch = this x accumulation x world size.",
-    "training.gradient_accumulation_steps": "Micro-batches per optimizer step (> 0); "
-                                            "gradients sync only on the last one.",
+    "training.per_device_train_batch_size": "Largest micro-batch per process (> 0). At the "
+                                            "first launch the global batch is this x "
+                                            "accumulation x data-parallel size.",
+    "training.gradient_accumulation_steps": "Micro-batches per optimizer step at the first "
+                                            "launch (> 0); later starts derive it from the "
+                                            "global batch. Gradients all-reduce only on the "
+                                            "last one.",
+    "training.global_batch_size": "Rows per optimizer step, frozen into the run at its first "
+                                  "launch (0 there: computed). Every start at another world "
+                                  "size splits it into micro-batch x accumulation x ranks, so "
+                                  "steps, learning rates and row order match an "
+                                  "uninterrupted run. Setting it on resume re-plans the "
+                                  "schedule from the current step.",
     "training.lr": "Peak AdamW learning rate (> 0).",
     "training.weight_decay": "AdamW weight decay (>= 0).",
     "training.warmup_ratio": "Fraction of the total steps spent in linear warmup, then "

@@ -16,7 +16,7 @@ from .errors import UserError
 from .rundir import (RunDir, acquire_lock, create_run_dir, lock_owner, release_lock,
                      run_umask, update_config)
 from .staging import check_data_sources, read_manifest, stage_run_data
-from .schedule import total_steps
+from .schedule import plan_batch, total_steps
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,15 @@ class LaunchShape:
     nodes: int
     procs_per_node: int
     gpus_per_node: int = 0
+    max_nodes: int = 0  # --nodes MIN-MAX on Slurm: any count up to this may be granted
 
     @property
     def world(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def node_counts(self) -> tuple:
+        return tuple(range(self.nodes, max(self.max_nodes, self.nodes) + 1))
 
 
 def parse_nodes(value) -> tuple[int, int]:
@@ -47,7 +52,7 @@ def parse_nodes(value) -> tuple[int, int]:
 
 def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],
                      procs_per_node: Optional[int]) -> LaunchShape:
-    nodes = parse_nodes(nodes)[0] if nodes is not None else cfg.parallel.nodes
+    nodes, max_nodes = parse_nodes(nodes) if nodes is not None else (cfg.parallel.nodes,) * 2
     gpus = gpus_per_node or 0
     procs = procs_per_node if procs_per_node is not None else (gpus or cfg.parallel.procs_per_node)
     if procs < 1:
@@ -57,14 +62,29 @@ def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],
     if gpus and procs != gpus:
         raise UserError(f"--procs-per-node: {procs} differs from --gpus-per-node {gpus}; "
                         "GPU runs use one process per GPU")
-    return LaunchShape(nodes, procs, gpus)
+    return LaunchShape(nodes, procs, gpus, max_nodes)
 
 
 def check_shape(cfg: RunConfig, shape: LaunchShape, n_rows: Optional[int] = None) -> None:
-    """Everything that would make workers fail at start, checked before launch."""
-    plan = plan_mesh(cfg.parallel, shape.world, shape.procs_per_node)
-    if n_rows is not None:
-        total_steps(cfg.training, n_rows, plan.world)
+    """Everything that would make workers fail at start, checked before launch: the mesh
+    and the split of the run's global batch at every node count the job may get."""
+    for nodes in shape.node_counts:
+        world = nodes * shape.procs_per_node
+        plan = plan_mesh(cfg.parallel, world, shape.procs_per_node)
+        batch = plan_batch(cfg.training, plan.world, shape.procs_per_node)
+        if n_rows is not None:
+            total_steps(cfg.training, n_rows, batch.global_batch)
+
+
+def freeze_global_batch(cfg: RunConfig, shape: LaunchShape) -> RunConfig:
+    """The first launch fixes the run's global batch (per-device x accumulation x ranks),
+    at the most nodes it may get: fewer nodes then accumulate more, never a bigger micro-batch."""
+    if cfg.training.global_batch_size:
+        return cfg
+    nodes = shape.node_counts[-1]
+    world = plan_mesh(cfg.parallel, nodes * shape.procs_per_node, shape.procs_per_node).world
+    gb = cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps * world
+    return replace(cfg, training=replace(cfg.training, global_batch_size=gb))
 
 
 def check_model_importable(name: str) -> None:
@@ -93,6 +113,8 @@ def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = Non
     """Validate, then create the run directory with staged data (all or nothing)."""
     cfg = with_shape(replace(cfg, runs_root=str(Path(cfg.runs_root).expanduser().resolve())),
                      shape)
+    plan_mesh(cfg.parallel, shape.world, shape.procs_per_node)  # the mesh before the batch
+    cfg = freeze_global_batch(cfg, shape)
     check_shape(cfg, shape)
     check_model_importable(cfg.model.name)
     if not arrays:
@@ -136,6 +158,7 @@ def run_local(run: RunDir, task: str, shape: LaunchShape, max_restarts: int,
         with run_umask():  # the workers inherit it: checkpoints, logs, metrics
             return launch_local(str(run.path), task, nodes=shape.nodes,
                                 procs_per_node=shape.procs_per_node,
-                                max_restarts=max_restarts, name=name, step=step)
+                                max_restarts=max_restarts, name=name, step=step,
+                                launch_id=f"local-{len(run.jobs())}")
     finally:
         release_lock(run, owner)

@@ -17,9 +17,9 @@ from .rundir import RunDir, acquire_lock, run_umask
 def worker_entry(run_dir: str, task: str, name: Optional[str], step: Optional[int]) -> int:
     """What submitit runs on every task. A non-zero code must reach srun (kill-on-bad-exit,
     the host-side requeue trap), so it leaves through sys.exit rather than a return value."""
-    from .worker import run_task
+    from .worker import run_entry
 
-    code = run_task(run_dir, task, name, step)
+    code = run_entry(run_dir, task, name, step)
     if code:
         sys.stdout.flush()
         sys.exit(code)
@@ -109,7 +109,8 @@ def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
     except subprocess_errors() as exc:
         raise UserError(f"sbatch refused the job: {str(exc).strip().splitlines()[-1]}")
     job_id = str(job.job_id)
-    acquire_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0},
+    acquire_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
+                       "submitted_by": "enn-submit"},
                  slurm_job_alive=job_alive)
     run.record_job(kind="slurm", job_id=job_id, task=spec.task, name=spec.predict_name,
                    nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,

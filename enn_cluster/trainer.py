@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from .model_setup import autocast, build_sharded_model, gradient_sync
 from .models import compute_loss
 from .rundir import RunDir
 from .sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows, shard_rows)
-from .schedule import global_batch, lr_at, total_steps
+from .schedule import lr_at, plan_batch, replanned_total, total_steps
 from .staging import open_array, read_manifest
 from .tracking import worker_sink
 
@@ -76,6 +76,17 @@ def clip_and_norm(parameters, max_norm: float) -> float:
     return float(norm)
 
 
+def _saved_global_batch(state: dict, t) -> "int | None":
+    """The global batch a checkpoint was trained with (older ones: from their mesh)."""
+    if state.get("global_batch"):
+        return int(state["global_batch"])
+    mesh = state.get("mesh") or {}
+    if mesh.get("replicate") and mesh.get("shard"):
+        return (t.per_device_train_batch_size * t.gradient_accumulation_steps
+                * int(mesh["replicate"]) * int(mesh["shard"]))
+    return None
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, run: RunDir, env: WorkerEnv, lanes: Lanes):
         self.cfg, self.run, self.env, self.lanes = cfg, run, env, lanes
@@ -92,8 +103,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.sm.model.parameters(), lr=t.lr,
                                            weight_decay=t.weight_decay)
         self.n_rows = self.rows[1] - self.rows[0]
-        self.global_batch = global_batch(t, self.sm.dp_size)
-        self.total_steps = total_steps(t, self.n_rows, self.sm.dp_size)
+        self.batch = plan_batch(t, self.sm.dp_size, env.local_world_size)
+        self.total_steps = total_steps(t, self.n_rows, self.batch.global_batch)
         self.step, self.pos, self.nonfinite_in_row, self.skipped = 0, DataPosition(), 0, 0
         self.stop_requested, self.stop_signal = 0, None
         self.pending = None
@@ -107,16 +118,33 @@ class Trainer:
         return {"step": self.step, "epoch": self.pos.epoch, "consumed": self.pos.consumed,
                 "nonfinite_in_row": self.nonfinite_in_row, "skipped": self.skipped,
                 "world_size": self.env.world_size, "seed": self.cfg.training.seed,
+                "global_batch": self.batch.global_batch, "total_steps": self.total_steps,
                 "target_scaler": self.manifest.get("target_scaler"),
                 "mesh": asdict(self.sm.plan)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> dict:
+        """Restore the loop's position and the step budget from it: for an unchanged batch
+        the steps done plus the steps left is the uninterrupted run's budget, and after an
+        explicit change of the batch (or of training.epochs) the rest is re-planned from
+        here. Returns what changed about the batch, for the resume record."""
+        t = self.cfg.training
         self.step = int(state.get("step", 0))
         self.pos = DataPosition(int(state.get("epoch", 0)), int(state.get("consumed", 0)))
-        if self.pos.consumed and (self.n_rows - self.pos.consumed) // self.global_batch == 0:
-            self.pos = DataPosition(self.pos.epoch + 1, 0)  # world grew: tail too short
         self.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
         self.skipped = int(state.get("skipped", 0))
+        saved = _saved_global_batch(state, t)
+        changed = {}
+        if saved is not None and saved != self.batch.global_batch:
+            if t.global_batch_size:  # changed on purpose: --set training.global_batch_size
+                changed = {"global_batch_changed": [saved, self.batch.global_batch]}
+            else:  # a run from before the batch was frozen keeps the one it had
+                self.batch = plan_batch(replace(t, global_batch_size=saved), self.batch.dp_size)
+        gb = self.batch.global_batch
+        if self.pos.consumed and (self.n_rows - self.pos.consumed) // gb == 0:
+            self.pos = DataPosition(self.pos.epoch + 1, 0)  # the batch grew: tail too short
+        self.total_steps = replanned_total(t, self.n_rows, gb, self.step, self.pos.epoch,
+                                           self.pos.consumed)
+        return changed
 
     # -- data ----------------------------------------------------------------------------
     def _eval_arrays(self):
@@ -137,23 +165,23 @@ class Trainer:
         return xb.to(dev, non_blocking=True), torch.from_numpy(np.ascontiguousarray(yb)).to(dev)
 
     # -- signals -------------------------------------------------------------------------
-    def install_signal_handlers(self) -> None:
-        """USR2 (Slurm's warning before the time limit) and TERM (preemption, scancel, a
-        local launcher stopping) ask for an agreed checkpoint-and-exit at the next step
-        boundary; the handler only sets a flag. After TERM a hard exit follows if that
-        boundary is not reached within parallel.stop_grace_s (a peer may be dead)."""
-        def request_stop(signum, frame):
-            self.stop_requested = 1
-            self.stop_signal = signum
-            log.warning("signal %d received: checkpoint at the next step boundary", signum)
-
-        def term(signum, frame):
-            request_stop(signum, frame)
-            signal.signal(signal.SIGALRM, lambda *_: os._exit(143))
+    def request_stop(self, signum: int) -> None:
+        """Ask for an agreed checkpoint-and-exit at the next step boundary. After TERM or
+        INT a hard exit follows if that boundary is not reached within
+        parallel.stop_grace_s (a peer may be dead)."""
+        self.stop_requested = 1
+        self.stop_signal = signum
+        log.warning("signal %d received: checkpoint at the next step boundary", signum)
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signal.SIGALRM, lambda *_: os._exit(128 + signum))
             signal.alarm(max(int(self.cfg.parallel.stop_grace_s), 1))
 
-        signal.signal(signal.SIGUSR2, request_stop)
-        signal.signal(signal.SIGTERM, term)
+    def install_signal_handlers(self) -> None:
+        """USR2 (Slurm's warning before the time limit), TERM (preemption, scancel, a
+        launcher stopping) and INT (Ctrl-C reaching the workers through a launcher) all
+        mean the same: checkpoint at the next step boundary and exit 75."""
+        for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.request_stop(signum))
 
     # -- loop ----------------------------------------------------------------------------
     def _maybe_inject_fault(self) -> None:
@@ -177,10 +205,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
-        accum = t.gradient_accumulation_steps
+        accum = self.batch.accumulation
         for k in range(accum):
             rows = micro_batch_rows(perm, self.pos.consumed, self.lanes.rank, sm.dp_size,
-                                    t.per_device_train_batch_size, k) + self.rows[0]
+                                    self.batch.micro_batch, k) + self.rows[0]
             xb, yb = self._batch(self.x, self.y, rows)
             with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
                 loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
@@ -212,7 +240,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         return {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": elapsed,
-                "samples_per_s": self.global_batch / elapsed, "skipped": self.skipped,
+                "samples_per_s": self.batch.global_batch / elapsed, "skipped": self.skipped,
                 "agreed": [v > 0 for v in totals[1:]],
                 **({"checkpoint_wait_s": round(waited, 4)} if waited > 1e-3 else {})}
 
@@ -280,11 +308,16 @@ class Trainer:
         if step is None:
             return
         state = ckpt.load(self.run.checkpoints, step, self.sm.model, self.optimizer, self.lanes)
-        self.load_state_dict(state)
+        changed = self.load_state_dict(state)
+        b = self.batch
         self.metrics.write("resume", step=self.step, epoch=self.pos.epoch,
-                           world_size=self.env.world_size, from_world=state.get("world_size"))
-        log.info("resumed from step-%d (saved at world %s, now %d)", step,
-                 state.get("world_size"), self.env.world_size)
+                           world_size=self.env.world_size, from_world=state.get("world_size"),
+                           global_batch=b.global_batch, micro_batch=b.micro_batch,
+                           accumulation=b.accumulation, **changed)
+        log.info("resumed from step-%d (saved at world %s, now %d): global batch %d = "
+                 "%d micro x %d accumulation x %d ranks%s", step, state.get("world_size"),
+                 self.env.world_size, b.global_batch, b.micro_batch, b.accumulation, b.dp_size,
+                 f"; changed on purpose {changed}" if changed else "")
 
     def fit(self) -> str:
         """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
@@ -294,8 +327,11 @@ class Trainer:
 
     def _loop(self) -> str:
         cfg = self.cfg
+        b = self.batch
         self.metrics.write("start", step=self.step, total_steps=self.total_steps,
-                           world_size=self.env.world_size, pid=os.getpid())
+                           world_size=self.env.world_size, pid=os.getpid(),
+                           global_batch=b.global_batch, micro_batch=b.micro_batch,
+                           accumulation=b.accumulation)
         every = cfg.checkpoint.every_steps
         perm_epoch, perm = -1, None
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
@@ -311,7 +347,7 @@ class Trainer:
             self.step += 1
             if self.step % GC_EVERY_STEPS == 0:
                 gc.collect()
-            self.pos = advance(self.pos, self.n_rows, self.global_batch)
+            self.pos = advance(self.pos, self.n_rows, self.batch.global_batch)
             if self.step % cfg.logging.every_steps == 0:
                 self.metrics.write("train", step=self.step, epoch=epoch_before,
                                    peak_mem_mb=round(peak_memory_mb(), 1), **stats)

@@ -22,12 +22,25 @@ from .errors import UserError
 from .rundir import RunDir
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 log = logging.getLogger("enn_cluster.worker")
+_early_signals: list[int] = []  # stop signals that came before the trainer's handlers
+
+
+def install_early_stop_handlers() -> None:
+    """First thing in a task: a stop signal that arrives while torch imports or the
+    groups form is remembered, and the trainer honours it at its first step boundary
+    (Python's defaults would end the task with no checkpoint, or a traceback)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: _early_signals.append(signum))
 
 
 def _attempt_tag(env) -> str:
+    """logs/<attempt>/: one folder per launch and restart, so no attempt appends to another's."""
     if os.environ.get("ENN_ATTEMPT_TAG"):
         return os.environ["ENN_ATTEMPT_TAG"]
+    if os.environ.get("ENN_LAUNCH_ID"):
+        return f"{os.environ['ENN_LAUNCH_ID']}-r{env.restart_count}"
     if env.launcher == "slurm":
         return f"slurm-{env.job_id}-r{env.restart_count}"
     return f"{env.launcher}-r{env.restart_count}"
@@ -88,14 +101,17 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     _setup_logging(run, env)
     _configure_nccl(env)
+    from .worker_lock import hold_run_lock
+
     lanes = open_lanes(env, cfg.parallel.timeout_s)
     try:
-        if task == "train":
-            return _train(run, cfg, env, lanes)
-        from .predict import run_prediction
+        with hold_run_lock(run, env, lanes, task):
+            if task == "train":
+                return _train(run, cfg, env, lanes)
+            from .predict import run_prediction
 
-        run_prediction(run, cfg, env, lanes, name=name, step=step)
-        return EXIT_OK
+            run_prediction(run, cfg, env, lanes, name=name, step=step)
+            return EXIT_OK
     finally:
         close_lanes()
 
@@ -107,6 +123,8 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
 
     trainer = Trainer(cfg, run, env, lanes)
     trainer.install_signal_handlers()
+    if _early_signals:
+        trainer.request_stop(_early_signals[-1])
     try:
         outcome = trainer.fit()
     except TrainingAborted as exc:
@@ -124,17 +142,25 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
         marker.write_text(str(trainer.step))
         log.warning("stopped at step %d with a committed checkpoint: requeue to continue",
                     trainer.step)
-        if trainer.stop_signal == signal.SIGTERM and env.launcher in ("local", "torchrun"):
-            # the elastic agent is shutting down and will never collect a return value;
-            # its workers would wait for it until SIGKILL
-            logging.shutdown()
-            os._exit(EXIT_REQUEUE)
         return EXIT_REQUEUE
     log.info("training done at step %d", trainer.step)
     return EXIT_OK
 
 
+def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
+              step: Optional[int] = None) -> int:
+    """Every launcher's way in (the module's main, Slurm's submitit entry): the same
+    signal handling and the same exit codes, 2 for bad input (never retried)."""
+    install_early_stop_handlers()
+    try:
+        return run_task(run_dir, task, name, step)
+    except UserError as exc:
+        print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    install_early_stop_handlers()
     parser = argparse.ArgumentParser(prog="python -m enn_cluster.worker",
                                      description="enn_cluster worker (same on every task)")
     parser.add_argument("run_dir")
@@ -142,12 +168,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--name", default=None, help="prediction name (predict task)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (predict task)")
     args = parser.parse_args(argv)
-    try:
-        return run_task(args.run_dir, args.task, args.name, args.step)
-    except UserError as exc:
-        print(f"enn_cluster worker: {exc}", file=sys.stderr)
-        return EXIT_USER
+    return run_entry(args.run_dir, args.task, args.name, args.step)
+
+
+def exit_now(code: int) -> None:
+    """Leave without interpreter finalisation: the process groups and our threads are
+    closed by then, and a native thread (gloo, NCCL's watchdog) still winding down at
+    finalisation aborts the process ("terminate called without an active exception"),
+    turning a finished task into a failed one."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

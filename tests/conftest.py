@@ -6,3 +6,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 pytest_plugins = ["slurm_fixture"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory):
+    """One uninterrupted 2x2 HSDP run of helpers.small_config, shared read-only by the
+    tests that compare a faulted or moved run with it (copy it before changing it)."""
+    from helpers import cli, small_config, write_config
+
+    tmp = tmp_path_factory.mktemp("baseline")
+    cfg = write_config(tmp / "run.yaml", **small_config(tmp, "base"))
+    res = cli("train", "--config", cfg)
+    assert res.returncode == 0, res.stderr
+    return tmp / "runs" / "base"

@@ -79,3 +79,34 @@ def test_main_module_class_is_refused():
     cls = type("Notebook", (torch.nn.Module,), {"forward": lambda self, x: x, "__module__": "__main__"})
     with pytest.raises(UserError, match="defined in __main__"):
         check_shippable(cls())
+
+
+PLAIN_SCRIPT = """
+import numpy as np, torch, enn_cluster
+x = np.random.default_rng(0).standard_normal((256, 8)).astype(np.float32)
+y = x[:, :1] ** 2
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+run = enn_cluster.train(model, x, y, run_dir=RUN_DIR, training={"epochs": 1},
+                        parallel={"nodes": 1, "procs_per_node": 2})
+pred = enn_cluster.predict(run, x[:40])
+print("RESULT", run.latest_checkpoint, pred.shape)
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "-c"])
+def test_api_works_from_a_plain_script_without_a_main_guard(tmp_path, how):
+    """Workers are fresh `python -m enn_cluster.worker` processes: the caller's script
+    (no `if __name__ == "__main__":`) runs once, not once per worker."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    code = f"RUN_DIR = {str(tmp_path / 'runs' / 'plain')!r}\n" + PLAIN_SCRIPT
+    script = tmp_path / "plain.py"
+    script.write_text(code)
+    argv = [sys.executable, str(script)] if how == "script" else [sys.executable, "-c", code]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("RESULT") == 1 and "RESULT 4 (40, 1)" in res.stdout, res.stdout

@@ -1,5 +1,6 @@
-"""Preemption on the embedded default: USR2 or TERM to the launcher checkpoints at the next
-step boundary and exits 75; resuming loses no step and ends bit-identical."""
+"""Preemption on the embedded default: USR2, TERM or INT (Ctrl-C) to the launcher
+checkpoints at the next step boundary and exits 75; resuming loses no step and ends
+bit-identical, and no step directory is left torn."""
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ def uninterrupted(tmp_path_factory):
     return full_params(tmp / "runs" / "whole" / "checkpoints" / f"step-{STEPS}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
 def test_signal_checkpoints_and_resume_is_exact(uninterrupted, tmp_path, sig):
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "pre", training={"max_steps": STEPS}, checkpoint={"every_steps": 1000}))
@@ -46,6 +47,8 @@ def test_signal_checkpoints_and_resume_is_exact(uninterrupted, tmp_path, sig):
     assert 15 <= stop < STEPS
     assert metrics(run, "train")[-1]["step"] == stop  # nothing past the step boundary is lost
     assert cli("verify", run).returncode == 0
+    assert not list((run / "checkpoints").glob("*.torn-*"))
+    assert all((p / "commit.json").exists() for p in (run / "checkpoints").glob("step-*"))
     res = cli("resume", run)
     assert res.returncode == 0, res.stderr
     assert [r["step"] for r in metrics(run, "resume")] == [stop]

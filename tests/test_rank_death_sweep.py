@@ -33,7 +33,7 @@ def reference(tmp_path_factory):
 
 def _worker_pids(run):
     pids = {}
-    for log in (run / "logs").glob("local-r0/rank-*.log"):
+    for log in (run / "logs").glob("local-*-r0/rank-*.log"):
         m = re.search(r"worker rank (\d+)/\d+ .* pid (\d+)", log.read_text())
         if m:
             pids[int(m.group(1))] = int(m.group(2))

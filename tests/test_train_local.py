@@ -1,6 +1,6 @@
 """The core runtime end to end on the embedded default: real worker processes, gloo, DCP.
 
-One baseline run (2x2 HSDP) is shared by the module; each test starts its own processes.
+One baseline run (2x2 HSDP, the `baseline` fixture in conftest.py) is shared; each test starts its own processes.
 """
 from __future__ import annotations
 
@@ -10,15 +10,6 @@ import shutil
 import pytest
 
 from helpers import cli, full_params, metrics, small_config, write_config
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("baseline")
-    cfg = write_config(tmp / "run.yaml", **small_config(tmp, "base"))
-    res = cli("train", "--config", cfg)
-    assert res.returncode == 0, res.stderr
-    return tmp / "runs" / "base"
 
 
 def test_baseline_trains_checkpoints_and_learns(baseline):
