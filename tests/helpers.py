@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,3 +58,27 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     recs = [json.loads(line) for line in lines if line.strip()]
     return [r for r in recs if kind is None or r["kind"] == kind]
+
+
+def assert_same_run(run, reference, resumed_at_world: int, final: int = 42) -> None:
+    """`run` was stopped and resumed at `resumed_at_world` ranks; `reference` ran through
+    (small_config: 3 epochs of 448 rows in global batches of 32 = 42 steps). Same steps,
+    exact LR, same epochs, losses and final weights within float tolerance."""
+    def per_step(path) -> dict:  # the newest attempt's record wins (steps redone)
+        return {r["step"]: r for r in metrics(path, "train")}
+
+    ours, theirs = per_step(run), per_step(reference)
+    assert sorted(ours) == sorted(theirs) == list(range(1, final + 1))
+    for step in theirs:
+        assert ours[step]["lr"] == theirs[step]["lr"], step  # exact: a pure function of the step
+        assert ours[step]["epoch"] == theirs[step]["epoch"], step
+        assert math.isclose(ours[step]["loss"], theirs[step]["loss"], rel_tol=2e-3, abs_tol=1e-5), \
+            (step, ours[step]["loss"], theirs[step]["loss"])
+    assert [r["epoch"] for r in metrics(run, "eval")][-3:] == [0, 1, 2]
+    resume = metrics(run, "resume")[-1]
+    assert (resume["step"], resume["world_size"], resume["global_batch"]) == (8, resumed_at_world, 32)
+    assert metrics(run, "start")[-1]["total_steps"] == final
+    mine, base = full_params(run / "checkpoints" / f"step-{final}"), \
+        full_params(reference / "checkpoints" / f"step-{final}")
+    for key in base:
+        assert (mine[key] - base[key]).abs().max() < 1e-3, key

@@ -6,23 +6,14 @@ same epochs and final step, and final weights within tolerance.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from helpers import cli, full_params, metrics, small_config, write_config
-
-FINAL = 42  # 3 epochs of 448 training rows in global batches of 32
+from helpers import assert_same_run, cli, metrics, small_config, write_config
 
 
 @pytest.fixture
 def uninterrupted(baseline):
     return baseline
-
-
-def _per_step(run, kind="train") -> dict:
-    """Step -> record, the newest attempt's record winning (steps redone after a restart)."""
-    return {r["step"]: r for r in metrics(run, kind)}
 
 
 def _crash_then_resume(tmp_path, first: tuple, then: tuple, **training):
@@ -39,28 +30,10 @@ def _crash_then_resume(tmp_path, first: tuple, then: tuple, **training):
     return run
 
 
-def _assert_same_run(run, reference, resumed_at_world: int) -> None:
-    ours, theirs = _per_step(run), _per_step(reference)
-    assert sorted(ours) == sorted(theirs) == list(range(1, FINAL + 1))
-    for step in theirs:
-        assert ours[step]["lr"] == theirs[step]["lr"], step  # exact: a pure function of the step
-        assert ours[step]["epoch"] == theirs[step]["epoch"], step
-        assert math.isclose(ours[step]["loss"], theirs[step]["loss"], rel_tol=2e-3, abs_tol=1e-5), \
-            (step, ours[step]["loss"], theirs[step]["loss"])
-    assert [r["epoch"] for r in metrics(run, "eval")][-3:] == [0, 1, 2]
-    resume = metrics(run, "resume")[-1]
-    assert (resume["step"], resume["world_size"], resume["global_batch"]) == (8, resumed_at_world, 32)
-    assert metrics(run, "start")[-1]["total_steps"] == FINAL
-    mine, base = full_params(run / "checkpoints" / f"step-{FINAL}"), \
-        full_params(reference / "checkpoints" / f"step-{FINAL}")
-    for key in base:
-        assert (mine[key] - base[key]).abs().max() < 1e-3, key
-
-
 @pytest.mark.parametrize("then", [(1, 2), (1, 1)], ids=["4->2", "4->1"])
 def test_resume_at_a_smaller_world_matches_the_uninterrupted_run(uninterrupted, tmp_path, then):
     run = _crash_then_resume(tmp_path, (2, 2), then)
-    _assert_same_run(run, uninterrupted, then[0] * then[1])
+    assert_same_run(run, uninterrupted, then[0] * then[1])
     micro = {r["micro_batch"] for r in metrics(run, "resume")}
     assert micro == {8}  # per_device_train_batch_size stays the largest micro-batch
 
@@ -68,7 +41,7 @@ def test_resume_at_a_smaller_world_matches_the_uninterrupted_run(uninterrupted, 
 def test_resume_at_a_larger_world_matches_the_uninterrupted_run(uninterrupted, tmp_path):
     """2 -> 4: a run first launched on 2 processes with the reference's global batch."""
     run = _crash_then_resume(tmp_path, (1, 2), (2, 2), global_batch_size=32)
-    _assert_same_run(run, uninterrupted, 4)
+    assert_same_run(run, uninterrupted, 4)
     first = metrics(run, "start")[0]
     assert (first["micro_batch"], first["accumulation"]) == (8, 2)
 
@@ -100,5 +73,5 @@ def test_changing_the_global_batch_on_purpose_replans_and_is_recorded(uninterrup
     resume = metrics(run, "resume")[-1]
     assert resume["global_batch_changed"] == [32, 64]
     start = metrics(run, "start")[-1]
-    assert start["total_steps"] == FINAL + 448 // 64  # one more epoch at the new batch
-    assert metrics(run, "train")[-1]["step"] == FINAL + 7
+    assert start["total_steps"] == 42 + 448 // 64  # one more epoch at the new batch
+    assert metrics(run, "train")[-1]["step"] == 42 + 7

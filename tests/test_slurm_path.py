@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli, metrics, small_config, write_config
+from helpers import assert_same_run, cli, metrics, small_config, write_config
 
 pytestmark = pytest.mark.slurm
 SLURM = ("--cluster", "slurm", "--container", "none", "--time", "10")
@@ -55,8 +55,30 @@ def test_train_2x2_across_two_nodes_then_resume_on_one(slurm_cluster, tmp_path):
     slurm_cluster.wait_job(job2, ("COMPLETED",), timeout=120)
     resume = metrics(run, "resume")[-1]
     assert (resume["step"], resume["from_world"], resume["world_size"]) == (28, 4, 2)
-    assert metrics(run, "train")[-1]["step"] == 28 + 28
+    assert metrics(run, "train")[-1]["step"] == 28 + 14  # the run's global batch: 32 rows
     assert cli("verify", run).returncode == 0
+
+
+def test_a_node_range_resumes_exactly_on_the_nodes_granted(slurm_cluster, baseline, tmp_path):
+    """--nodes 1-2: the first job gets both nodes (world 4) and a rank dies at step 13;
+    with n2 drained the same request gets one node (world 2), and the run ends as the
+    uninterrupted local 2x2 run did: same steps, exact LR, losses within tolerance."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "range", training={"fail_at_step": 13, "fail_rank": 3}))
+    shape = ("--nodes", "1-2", "--gpus-per-node", "2", "--wait")
+    first = cli("train", "--config", cfg, *SLURM, *shape, timeout=240)
+    assert first.returncode not in (0, 2), first.stderr
+    run = tmp_path / "runs" / "range"
+    assert metrics(run, "start")[0]["world_size"] == 4
+    drained = slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=DRAIN",
+                                 "Reason=enn-test"])
+    assert drained.returncode == 0, drained.stderr
+    try:
+        job = _submit("resume", run, *SLURM, *shape)
+        slurm_cluster.wait_job(job, ("COMPLETED",), timeout=180)
+    finally:
+        slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=RESUME"])
+    assert_same_run(run, baseline, resumed_at_world=2)
 
 
 def test_usr2_checkpoints_requeues_on_the_host_and_resumes(slurm_cluster, tmp_path):
