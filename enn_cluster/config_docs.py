@@ -101,7 +101,8 @@ DESCRIPTIONS = {
     "training.bf16": "`auto` (bf16 on GPU only), `true` or `false`; FSDP keeps fp32 "
                      "gradient reduction.",
     "training.max_nonfinite_steps": "Abort after this many non-finite losses/gradient norms "
-                                    "in a row (each such step is skipped).",
+                                    "in a row (each such step is skipped on the device); "
+                                    "checked on `logging.every_steps` steps.",
     "training.fail_at_step": "Fault injection for tests: rank `fail_rank` exits hard at this "
                              "step (once per run); 0 disables it.",
     "training.fail_rank": "The rank that `training.fail_at_step` kills.",
@@ -133,7 +134,8 @@ DESCRIPTIONS = {
                              "reached within this many seconds.",
     # logging
     "logging.metrics_path": "Metrics file, relative to the run directory.",
-    "logging.every_steps": "Write a `train` metrics record every N steps (> 0).",
+    "logging.every_steps": "Write a `train` metrics record every N steps (> 0); the only "
+                           "steps whose loss and norm are read back from the device.",
     "logging.mlflow_tracking_uri": "MLflow tracking URI; empty: no MLflow. Rank 0 logs into "
     "one MLflow run across restarts (needs the `mlflow` extra). No credentials in the URI: "
     "use MLFLOW_TRACKING_TOKEN in the environment.",

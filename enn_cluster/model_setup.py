@@ -5,6 +5,7 @@ module structure, whatever the world size.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ def output_size(cfg: RunConfig, manifest: dict) -> int:
     if cfg.model.task == "classification":
         return int(manifest.get("n_classes", 2))
     shape = manifest["entries"]["train_y"]["shape"]
-    return int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1
+    return math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1
 
 
 def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
@@ -43,13 +44,29 @@ def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
 
 def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: Lanes,
                         input_shape: tuple) -> ShardedModel:
-    """Same seed on every rank -> identical full weights before sharding."""
-    torch.manual_seed(cfg.training.seed)
-    model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
-    model.to(lanes.device)
+    """Built on the meta device, sharded, then only the local shards materialised (see
+    meta_init); a model that must be built whole (a user factory without init_weights)
+    is built with the same seed on every rank, so the full weights agree before sharding."""
+    from . import meta_init
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
+    how = meta_init.init_plan(model)
+    if how == meta_init.FULL_INIT:
+        torch.manual_seed(cfg.training.seed)
+        model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
+        model.to(lanes.device)
     plan = plan_mesh(cfg.parallel, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, lanes.device)
     bf16 = use_bf16(cfg, lanes.device)
+    if how != meta_init.FULL_INIT:
+        tmpls = meta_init.templates(model)
+        if plan.strategy == "ddp":  # DDP replicates whole weights: materialise, then wrap
+            meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+            return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16), plan, mesh, bf16)
+        model = wrap_model(model, plan, mesh, lanes.device, bf16)
+        meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+        return ShardedModel(model, plan, mesh, bf16)
     return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16), plan, mesh, bf16)
 
 

@@ -6,6 +6,7 @@ A model exposes `blocks()`, the submodules FSDP shards one by one, and may defin
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Callable
 
 import torch
@@ -78,8 +79,8 @@ def import_factory(path: str) -> Callable:
 
 
 def build_model(cfg: ModelConfig, input_shape: tuple, n_outputs: int) -> nn.Module:
-    """Build on the current default device (meta on GPU, CPU otherwise)."""
-    n_features = int(torch.tensor(input_shape).prod()) if input_shape else 1
+    """Build on the current default device (meta_init builds under torch.device("meta"))."""
+    n_features = math.prod(int(d) for d in input_shape) if input_shape else 1
     if cfg.name == "mlp":
         return MLP(n_features, n_outputs, tuple(cfg.hidden_sizes), cfg.dropout)
     if cfg.name == "transformer":

@@ -64,16 +64,30 @@ def scheduled_gc():
         gc.unfreeze()
 
 
-def clip_and_norm(parameters, max_norm: float) -> float:
-    """Global gradient norm, clipped to `max_norm`, in one all-reduce: the sharded norm is
-    completed once and the clip then uses it (clip_grad_norm_ on DTensors reduces twice)."""
+def clip_and_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Global gradient norm (a device tensor: nothing waits for it), clipped to `max_norm`,
+    in one all-reduce: the sharded norm is completed once and the clip then uses it
+    (clip_grad_norm_ on DTensors reduces twice)."""
     params = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     if math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes parameters
-    return float(norm)
+    return norm
+
+
+def new_optimizer(params, t) -> torch.optim.Optimizer:
+    """AdamW's fused kernel, whose `found_inf` input skips a step on the device itself
+    (parameters, moments and step count untouched): the non-finite guard needs no
+    device-to-host read per step."""
+    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
+
+
+def keep_fused(optimizer: torch.optim.Optimizer) -> None:
+    """A loaded optimizer state (an older checkpoint) may carry fused=False in its groups."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
 
 
 def _saved_global_batch(state: dict, t) -> "int | None":
@@ -100,12 +114,15 @@ class Trainer:
                        if scaler else None)
         self.sm = build_sharded_model(cfg, self.manifest, env, lanes, self.x.shape[1:])
         t = cfg.training
-        self.optimizer = torch.optim.AdamW(self.sm.model.parameters(), lr=t.lr,
-                                           weight_decay=t.weight_decay)
+        self.optimizer = new_optimizer(self.sm.model.parameters(), t)
         self.n_rows = self.rows[1] - self.rows[0]
         self.batch = plan_batch(t, self.sm.dp_size, env.local_world_size)
         self.total_steps = total_steps(t, self.n_rows, self.batch.global_batch)
-        self.step, self.pos, self.nonfinite_in_row, self.skipped = 0, DataPosition(), 0, 0
+        self.step, self.pos = 0, DataPosition()
+        dev = lanes.device  # non-finite counters live on the device, read at log steps
+        self.nonfinite_in_row = torch.zeros((), dtype=torch.int64, device=dev)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=dev)
+        self.skipped_seen = 0
         self.stop_requested, self.stop_signal = 0, None
         self.pending = None
         self.stager = None  # async saves' CPU buffers, reused from save to save
@@ -116,7 +133,7 @@ class Trainer:
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.pos.epoch, "consumed": self.pos.consumed,
-                "nonfinite_in_row": self.nonfinite_in_row, "skipped": self.skipped,
+                "nonfinite_in_row": int(self.nonfinite_in_row), "skipped": int(self.skipped),
                 "world_size": self.env.world_size, "seed": self.cfg.training.seed,
                 "global_batch": self.batch.global_batch, "total_steps": self.total_steps,
                 "target_scaler": self.manifest.get("target_scaler"),
@@ -130,8 +147,9 @@ class Trainer:
         t = self.cfg.training
         self.step = int(state.get("step", 0))
         self.pos = DataPosition(int(state.get("epoch", 0)), int(state.get("consumed", 0)))
-        self.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
-        self.skipped = int(state.get("skipped", 0))
+        self.nonfinite_in_row.fill_(int(state.get("nonfinite_in_row", 0)))
+        self.skipped.fill_(int(state.get("skipped", 0)))
+        self.skipped_seen = int(state.get("skipped", 0))
         saved = _saved_global_batch(state, t)
         changed = {}
         if saved is not None and saved != self.batch.global_batch:
@@ -196,9 +214,11 @@ class Trainer:
         log.error("fault injection: rank %d exits hard at step %d", self.lanes.rank, self.step)
         os._exit(13)
 
-    def train_step(self, perm: np.ndarray, flags: tuple = ()) -> dict:
-        """One optimizer step. `flags` (0/1 per rank) ride on the step's one control-lane
-        all-reduce with the loss; stats["agreed"] says which any rank raised."""
+    def train_step(self, perm: np.ndarray, flags: tuple = (), log_step: bool = True) -> dict:
+        """One optimizer step. `flags` (0/1 per rank, host values) ride on the step's one
+        control-lane all-reduce; stats["agreed"] says which any rank raised. Loss,
+        gradient norm and the non-finite decision stay on the device: they are read only
+        on a log step (`log_step`), the one device-to-host wait of a step."""
         t, sm, dev = self.cfg.training, self.sm, self.lanes.device
         started = time.perf_counter()
         lr = lr_at(self.step, self.total_steps, t.lr, t.warmup_ratio)
@@ -214,35 +234,47 @@ class Trainer:
                 loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
                 (loss / accum).backward()
             loss_sum += loss.detach().double()
-        totals = self.lanes.start_sum([float(loss_sum), *map(float, flags)])
+        decided = self.lanes.start_sum([float(f) for f in flags])
+        loss_work = dist.all_reduce(loss_sum, async_op=True)  # agreed finiteness, log value
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = clip_and_norm(sm.model.parameters(), max_norm)
-        totals = totals()
-        mean_loss = totals[0] / (accum * sm.dp_size)
+        loss_work.wait()
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
+        agreed = decided()
         waited = 0.0
         if self.pending is not None:  # an async save may still be copying the parameters
             waited = time.perf_counter()
             self.pending.wait_staged()
             waited = time.perf_counter() - waited
             self.staging_wait_s += waited
-        if math.isfinite(mean_loss) and math.isfinite(grad_norm):
-            self.optimizer.step()
-            self.nonfinite_in_row = 0
-        else:
-            self.nonfinite_in_row += 1
-            self.skipped += 1
-            log.warning("non-finite loss/grad at step %d: step skipped (%d in a row)",
-                        self.step, self.nonfinite_in_row)
-            if self.nonfinite_in_row >= t.max_nonfinite_steps:
-                raise TrainingAborted(
-                    f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}: "
-                    "check the data for NaN/Inf, lower training.lr, or enable grad clipping")
+        self.optimizer.found_inf = (~finite).to(torch.float32)  # fused AdamW skips on device
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_row = torch.where(finite, 0, self.nonfinite_in_row + 1)
+        self.skipped += (~finite).to(torch.int64)
+        stats = {"lr": lr, "agreed": [v > 0 for v in agreed],
+                 **({"checkpoint_wait_s": round(waited, 4)} if waited > 1e-3 else {})}
+        if log_step:
+            stats.update(self._read_step(loss_sum, grad_norm, accum))
         elapsed = time.perf_counter() - started
-        return {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": elapsed,
-                "samples_per_s": self.batch.global_batch / elapsed, "skipped": self.skipped,
-                "agreed": [v > 0 for v in totals[1:]],
-                **({"checkpoint_wait_s": round(waited, 4)} if waited > 1e-3 else {})}
+        stats.update(step_time_s=elapsed, samples_per_s=self.batch.global_batch / elapsed)
+        return stats
+
+    def _read_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, accum: int) -> dict:
+        """The log step's device-to-host read: loss, norm and the non-finite counters; too
+        many non-finite steps in a row abort here."""
+        t = self.cfg.training
+        in_row, skipped = int(self.nonfinite_in_row), int(self.skipped)
+        if skipped > self.skipped_seen:
+            log.warning("non-finite loss/grad: %d step(s) skipped up to step %d (%d in a row)",
+                        skipped - self.skipped_seen, self.step, in_row)
+            self.skipped_seen = skipped
+        if in_row >= t.max_nonfinite_steps:
+            raise TrainingAborted(
+                f"{in_row} non-finite losses in a row at step {self.step}: "
+                "check the data for NaN/Inf, lower training.lr, or enable grad clipping")
+        return {"loss": float(loss_sum) / (accum * self.sm.dp_size),
+                "grad_norm": float(grad_norm), "skipped": skipped}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -308,6 +340,7 @@ class Trainer:
         if step is None:
             return
         state = ckpt.load(self.run.checkpoints, step, self.sm.model, self.optimizer, self.lanes)
+        keep_fused(self.optimizer)
         changed = self.load_state_dict(state)
         b = self.batch
         self.metrics.write("resume", step=self.step, epoch=self.pos.epoch,
@@ -341,14 +374,15 @@ class Trainer:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
             pending_open = self.pending is not None and not self.pending.done()
-            stats = self.train_step(perm, (self.stop_requested, pending_open))
+            log_step = (self.step + 1) % cfg.logging.every_steps == 0
+            stats = self.train_step(perm, (self.stop_requested, pending_open), log_step)
             stop, still_open = stats.pop("agreed")
             epoch_before = self.pos.epoch
             self.step += 1
             if self.step % GC_EVERY_STEPS == 0:
                 gc.collect()
             self.pos = advance(self.pos, self.n_rows, self.batch.global_batch)
-            if self.step % cfg.logging.every_steps == 0:
+            if log_step:
                 self.metrics.write("train", step=self.step, epoch=epoch_before,
                                    peak_mem_mb=round(peak_memory_mb(), 1), **stats)
             if self.pos.epoch != epoch_before and self.eval_x is not None:

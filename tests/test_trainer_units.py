@@ -28,11 +28,11 @@ def test_clip_and_norm_matches_torch():
     for m in (ours, theirs):
         m(x).pow(2).sum().backward()
     expected = float(torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0))
-    assert clip_and_norm(list(ours.parameters()), 1.0) == pytest.approx(expected)
+    assert float(clip_and_norm(list(ours.parameters()), 1.0)) == pytest.approx(expected)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.allclose(a.grad, b.grad)
     before = [p.grad.clone() for p in ours.parameters()]
-    norm = clip_and_norm(list(ours.parameters()), float("inf"))  # no clipping, norm only
+    norm = float(clip_and_norm(list(ours.parameters()), float("inf")))  # no clipping, norm only
     assert norm == pytest.approx(1.0, rel=1e-4)
     assert all(torch.equal(a, p.grad) for a, p in zip(before, ours.parameters()))
 
@@ -60,8 +60,73 @@ def test_clip_and_norm_clips_fsdp2_gradients(tmp_path):
             m(x).pow(2).sum().backward()
         expected = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
         assert expected > 0.5
-        assert clip_and_norm(model.parameters(), 0.5) == pytest.approx(expected, rel=1e-5)
+        assert float(clip_and_norm(model.parameters(), 0.5)) == pytest.approx(expected, rel=1e-5)
         for a, b in zip(model.parameters(), ref.parameters()):
             assert torch.allclose(a.grad.full_tensor(), b.grad, rtol=1e-5, atol=1e-7)
     finally:
         dist.destroy_process_group()
+
+
+SYNC_COUNTER = r"""
+import inspect, json, os, sys
+import torch
+from enn_cluster import trainer as tr
+from enn_cluster.worker import run_task
+
+conversions = []
+def counting(name):
+    original = getattr(torch.Tensor, name)
+    def wrapper(self, *a, **k):
+        caller = inspect.currentframe().f_back.f_code.co_filename
+        if not caller.endswith("lanes.py"):  # the control lane's host tensors are no sync
+            conversions.append(name)
+        return original(self, *a, **k)
+    setattr(torch.Tensor, name, wrapper)
+for name in ("item", "__float__", "__int__", "__bool__", "tolist"):
+    counting(name)
+
+per_step = []
+original_step = tr.Trainer.train_step
+def train_step(self, perm, flags=(), log_step=True):
+    before = len(conversions)
+    out = original_step(self, perm, flags, log_step)
+    per_step.append((log_step, len(conversions) - before))
+    return out
+tr.Trainer.train_step = train_step
+code = run_task(sys.argv[1])
+print(json.dumps({"code": code, "per_step": per_step}))
+"""
+
+
+def test_no_device_to_host_read_in_steps_that_do_not_log(tmp_path):
+    """Loss, gradient norm and the non-finite decision stay on the device between log
+    steps: a step that does not log converts no tensor to a Python value."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT, cli, small_config, write_config
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "sync", training={"max_steps": 10}, logging={"every_steps": 5},
+        parallel={"nodes": 1, "procs_per_node": 1}))
+    assert cli("prepare", "--config", cfg).returncode == 0
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_PORT=str(_free_port()))
+    res = subprocess.run([sys.executable, "-c", SYNC_COUNTER, str(tmp_path / "runs" / "sync")],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["code"] == 0 and len(out["per_step"]) == 10
+    quiet = [n for log_step, n in out["per_step"] if not log_step]
+    loud = [n for log_step, n in out["per_step"] if log_step]
+    assert quiet == [0] * 8, out["per_step"]
+    assert len(loud) == 2 and all(0 < n <= 4 for n in loud), out["per_step"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,110 @@
+"""Built on the meta device, sharded, then only the local shards materialised: no rank
+ever holds the whole model, and the weights do not depend on the world size."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, cli, small_config, write_config
+
+PROBE = r"""
+import json, os, sys
+import torch
+from enn_cluster import model_setup, trainer as tr
+from enn_cluster.worker import run_task
+
+def rss_peak_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+
+record = {}
+build = model_setup.build_sharded_model
+def probed(*args, **kw):
+    import gc
+    warm = build(*args, **kw)  # first use pages in FSDP/DTensor code: not the model's bytes
+    del warm
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as fh:  # restart the peak-RSS count here
+        fh.write("5")
+    before = rss_peak_mb()
+    sm = build(*args, **kw)
+    record["build_peak_mb"] = rss_peak_mb() - before
+    return sm
+tr.build_sharded_model = probed
+
+fit = tr.Trainer.fit
+def fit_and_count(self):
+    out = fit(self)
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    record["param_mb"] = sum(local(p).numel() * 4 for p in self.sm.model.parameters()) / 2**20
+    record["optim_mb"] = sum(local(v).numel() * local(v).element_size()
+                             for s in self.optimizer.state.values() for v in s.values()
+                             if torch.is_tensor(v) and v.dim() > 0) / 2**20
+    return out
+tr.Trainer.fit = fit_and_count
+code = run_task(sys.argv[1])
+with open(os.path.join(sys.argv[2], f"rank-{os.environ['RANK']}.json"), "w") as fh:
+    json.dump({"code": code, **record}, fh)
+sys.exit(code)
+"""
+
+WIDTH = 3072  # three 3072x3072 layers: 108 MiB of fp32 parameters, 36 MiB a layer
+
+
+def test_no_rank_holds_the_whole_model(tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "big", model={"name": "mlp", "hidden_sizes": [WIDTH] * 4},
+        training={"max_steps": 2, "per_device_train_batch_size": 4},
+        checkpoint={"every_steps": 0}, parallel={"nodes": 1, "procs_per_node": 4,
+                                                 "strategy": "fsdp"}))
+    assert cli("prepare", "--config", cfg).returncode == 0
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(probe), str(tmp_path / "runs" / "big"), str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+    total_mb = sum(p.numel() for p in torch.nn.Sequential(
+        torch.nn.Linear(8, WIDTH), *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(3)],
+        torch.nn.Linear(WIDTH, 1)).parameters()) * 4 / 2**20
+    layer_mb = WIDTH * WIDTH * 4 / 2**20
+    for r in ranks:
+        assert r["code"] == 0
+        assert r["param_mb"] == pytest.approx(total_mb / 4, rel=0.05), r
+        assert r["optim_mb"] == pytest.approx(2 * total_mb / 4, rel=0.05), r  # AdamW moments
+        # building: this rank's share, plus at most one full layer at a time
+        assert r["build_peak_mb"] < total_mb / 4 + 1.5 * layer_mb, (r, total_mb)
+
+
+def test_weights_do_not_depend_on_the_world_size(tmp_path):
+    """The same run seed gives the same step-0 weights on 1, 2 (FSDP) and 4 (2x2 HSDP)
+    ranks, and under DDP; a different seed gives different weights."""
+    from helpers import full_params
+
+    params = {}
+    for label, par, seed in (("fsdp1", {"nodes": 1, "procs_per_node": 1, "strategy": "fsdp"}, 7),
+                             ("hsdp4", {"nodes": 2, "procs_per_node": 2}, 7),
+                             ("ddp2", {"nodes": 1, "procs_per_node": 2, "strategy": "ddp"}, 7),
+                             ("seed8", {"nodes": 1, "procs_per_node": 1, "strategy": "fsdp"}, 8)):
+        cfg = write_config(tmp_path / f"{label}.yaml", **small_config(
+            tmp_path, label, model={"name": "transformer", "d_model": 16, "n_heads": 2},
+            training={"max_steps": 0, "epochs": 1, "seed": seed, "lr": 1e-12},
+            checkpoint={"every_steps": 1}, parallel=par))
+        assert cli("train", "--config", cfg, "--set", "training.max_steps=1").returncode == 0
+        params[label] = full_params(tmp_path / "runs" / label / "checkpoints" / "step-1")
+    ref = params["fsdp1"]
+    for label in ("hsdp4", "ddp2"):
+        for key, value in ref.items():
+            assert torch.allclose(params[label][key], value, atol=1e-6), (label, key)
+    assert not torch.allclose(params["seed8"]["head.weight"], ref["head.weight"])
