@@ -199,10 +199,7 @@ def env_lines(spec: JobSpec) -> list[str]:
     lines = [line for k, v in spec.env for line in (*_literal(v), f"export {k}={_q(v)}")]
     lines.append(f"export {nccl.PROFILE_VAR}={_q(spec.nccl_profile)}")
     for name, value in nccl.script_env(spec.nccl_profile).items():
-        if name == "LD_LIBRARY_PATH":
-            lines.append(f'export LD_LIBRARY_PATH={_q(value)}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"')
-        else:
-            lines.append(f'[ -n "${{{name}+x}}" ] || export {name}={_q(value)}')
+        lines.append(f'[ -n "${{{name}+x}}" ] || export {name}={_q(value)}')
     return lines
 
 

@@ -22,7 +22,6 @@ PROFILE_VAR = "ENN_NCCL_PROFILE"  # the profile a job asks for (worker reads it)
 FABRIC_VAR = "ENN_FABRIC"  # overrides detection on a node (efa|ib|socket)
 
 DEFAULT_LIBFABRIC_PATHS = ("/opt/amazon/efa",)
-EFA_LIBRARY_DIRS = ("/opt/amazon/efa/lib", "/opt/aws-ofi-nccl/lib")
 SOCKET_IFNAME_EXCLUDE = ("lo", "docker", "veth")
 # Virtual interfaces that must never carry NCCL's bootstrap; excluded when present.
 VIRTUAL_IF_PREFIXES = ("virbr", "br-", "cni", "flannel", "cali", "vxlan", "tailscale")
@@ -42,13 +41,13 @@ IB_ENV = {"NCCL_IB_TIMEOUT": "22", "NCCL_IB_RETRY_CNT": "14"}
 SOCKET_ENV = {"NCCL_IB_DISABLE": "1"}
 
 NCCL_ENV_NAMES = tuple(sorted(
-    {*COMMON_ENV, *EFA_ENV, *IB_ENV, *SOCKET_ENV,
-     "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "LD_LIBRARY_PATH"}))
+    {*COMMON_ENV, *EFA_ENV, *IB_ENV, *SOCKET_ENV, "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"}))
 # Names Pyxis should take from the host (--container-env). Not LD_LIBRARY_PATH: Pyxis
-# would replace the image's whole value with the host's. Unset names are skipped by Pyxis.
+# would replace the image's whole value with the host's; the worker sets it at exec inside
+# the container (exec_env). Unset names are skipped by Pyxis.
 CONTAINER_ENV_NAMES = tuple(sorted(
     {*NCCL_ENV_NAMES, PROFILE_VAR, FABRIC_VAR, "MASTER_ADDR", "MASTER_PORT",
-     "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"} - {"LD_LIBRARY_PATH"}))
+     "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_NET_PLUGIN", "ENN_NCCL_PLUGIN_DIRS"}))
 
 
 @dataclass(frozen=True)
@@ -149,18 +148,10 @@ def _profile_values(fabric: str, interfaces: Optional[Interfaces]) -> dict[str, 
     return values
 
 
-def _library_path(environ: Mapping[str, str]) -> Optional[str]:
-    """EFA library dirs put in front; the user's entries are kept, in order."""
-    current = environ.get("LD_LIBRARY_PATH", "")
-    parts = [p for p in current.split(":") if p]
-    missing = [d for d in EFA_LIBRARY_DIRS if d not in parts]
-    return ":".join(missing + parts) if missing else None
-
-
 def nccl_env(profile: str, environ: Optional[Mapping[str, str]] = None,
              interfaces: Optional[Interfaces] = None) -> dict[str, str]:
-    """The profile's variables that `environ` does not set yet (LD_LIBRARY_PATH is only
-    ever extended). 'auto' resolves through the given interfaces, else `detect_fabric`."""
+    """The profile's variables that `environ` does not set yet (LD_LIBRARY_PATH is set at
+    exec, by exec_env, not here). 'auto' resolves through the given interfaces, else `detect_fabric`."""
     environ = {} if environ is None else environ
     check_profile(profile)
     if profile == "none":
@@ -170,12 +161,7 @@ def nccl_env(profile: str, environ: Optional[Mapping[str, str]] = None,
         fabric = _fabric_override(environ) or (interfaces.fabric if interfaces
                                                else detect_fabric(environ=environ))
     values = _profile_values(fabric, interfaces)
-    out = {k: v for k, v in values.items() if k not in environ}
-    if fabric == "efa":
-        lib = _library_path(environ)
-        if lib:
-            out["LD_LIBRARY_PATH"] = lib
-    return out
+    return {k: v for k, v in values.items() if k not in environ}
 
 
 def script_env(profile: str) -> dict[str, str]:

@@ -19,6 +19,7 @@ from typing import Optional
 
 from .environment import clean_environment, discover
 from .errors import UserError
+from .exec_env import reexec_if_needed
 from .rundir import RunDir
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
@@ -71,6 +72,7 @@ def _configure_nccl(env) -> None:
 def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
              step: Optional[int] = None) -> int:
     """Run one task of the job in this process; returns the exit code."""
+    reexec_if_needed()  # the EFA plugin's library path must be there at exec
     run = RunDir(Path(run_dir).resolve())
     cfg = run.load_config()
     env = discover(os.environ)

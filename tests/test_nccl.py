@@ -91,7 +91,7 @@ def test_efa_profile_values():
     assert env["FI_EFA_SET_CUDA_SYNC_MEMOPS"] == "0"
     assert env["FI_EFA_USE_HUGE_PAGE"] == "0"
     assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
-    assert env["LD_LIBRARY_PATH"] == "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib"
+    assert "LD_LIBRARY_PATH" not in env  # set at exec by exec_env, inside the container
     for name, value in nccl.COMMON_ENV.items():
         assert env[name] == value
 
@@ -99,19 +99,12 @@ def test_efa_profile_values():
 @pytest.mark.parametrize("profile", ["efa", "ib", "socket"])
 def test_user_set_variables_are_never_overridden(profile):
     full = nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",)))
-    names = [n for n in full if n != "LD_LIBRARY_PATH"]
+    names = list(full)
     user = {n: "user-value" for n in names}
     assert not set(nccl.nccl_env(profile, user, nccl.Interfaces(ib_devices=("mlx5_0",)))) & set(names)
     for name in names:  # one at a time, too: only that one disappears
         env = nccl.nccl_env(profile, {name: ""}, nccl.Interfaces(ib_devices=("mlx5_0",)))
         assert name not in env and set(env) == set(full) - {name}
-
-
-def test_library_path_is_only_extended():
-    env = nccl.nccl_env("efa", {"LD_LIBRARY_PATH": "/usr/local/cuda/lib64:/opt/amazon/efa/lib"})
-    assert env["LD_LIBRARY_PATH"] == "/opt/aws-ofi-nccl/lib:/usr/local/cuda/lib64:/opt/amazon/efa/lib"
-    done = "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib:/x"
-    assert "LD_LIBRARY_PATH" not in nccl.nccl_env("efa", {"LD_LIBRARY_PATH": done})
 
 
 def test_none_profile_sets_nothing_and_bad_profile_is_a_user_error():
@@ -125,7 +118,7 @@ def test_every_name_we_may_set_is_listed():
     for profile in ("efa", "ib", "socket"):
         emitted |= set(nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",))))
     assert emitted <= set(nccl.NCCL_ENV_NAMES)
-    assert emitted - {"LD_LIBRARY_PATH"} <= set(nccl.CONTAINER_ENV_NAMES)
+    assert emitted <= set(nccl.CONTAINER_ENV_NAMES)
     assert "LD_LIBRARY_PATH" not in nccl.CONTAINER_ENV_NAMES  # would replace the image's
 
 

@@ -107,7 +107,7 @@ def test_rendered_script_launches_the_worker_with_the_submitit_flags(stub, run_d
     env = stub.env
     assert env["FI_PROVIDER"] == "efa" and env["ENN_NCCL_PROFILE"] == "efa"
     assert env["MASTER_PORT"] == str(20000 + 4242 % 20000)
-    assert env["LD_LIBRARY_PATH"] == "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib:/usr/lib/x"
+    assert env["LD_LIBRARY_PATH"] == "/usr/lib/x"  # the worker sets it at exec (exec_env)
     assert stub.scontrol == []
 
 
