@@ -20,6 +20,7 @@ from typing import Optional
 from .environment import clean_environment, discover
 from .errors import UserError
 from .exec_env import reexec_if_needed
+from .placement import place_task
 from .rundir import RunDir
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
@@ -91,6 +92,7 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
     _setup_logging(run, env)
     _configure_nccl(env)
     lanes = open_lanes(env, cfg.parallel.timeout_s)
+    log.info(place_task(env, lanes.device))
     try:
         if task == "train":
             return _train(run, cfg, env, lanes)
