@@ -37,8 +37,35 @@ EFA_ENV = {
     "FI_EFA_SET_CUDA_SYNC_MEMOPS": "0",
     "FI_EFA_USE_HUGE_PAGE": "0",  # hugepages make fork() fail with ENOMEM (data loaders)
 }
-IB_ENV = {"NCCL_IB_TIMEOUT": "22", "NCCL_IB_RETRY_CNT": "14"}
+# NCCL_IB_RETRY_CNT is a 3-bit verbs field: 7 is the maximum (and NCCL's default); mlx5
+# masks larger values (14 became 6). NCCL_IB_TIMEOUT is 5 bits: 4.096 us * 2^value.
+IB_ENV = {"NCCL_IB_TIMEOUT": "22", "NCCL_IB_RETRY_CNT": "7"}
 SOCKET_ENV = {"NCCL_IB_DISABLE": "1"}
+
+# Documented range of every value a profile sets: (low, high) for integers, or the set of
+# accepted words. tests/test_nccl_ranges.py holds the table with its references.
+RANGES: dict[str, object] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": (0, 3), "TORCH_NCCL_DUMP_ON_TIMEOUT": (0, 1),
+    "TORCH_FR_BUFFER_SIZE": (0, 2**31 - 1), "FI_PROVIDER": {"efa"},
+    "FI_EFA_USE_DEVICE_RDMA": (0, 1), "FI_EFA_SET_CUDA_SYNC_MEMOPS": (0, 1),
+    "FI_EFA_USE_HUGE_PAGE": (0, 1), "NCCL_IB_TIMEOUT": (1, 31), "NCCL_IB_RETRY_CNT": (0, 7),
+    "NCCL_IB_DISABLE": (0, 1),
+}
+
+
+def out_of_range(values: Mapping[str, str]) -> list[str]:
+    """'NAME=value (range)' for each value outside its documented range."""
+    bad = []
+    for name, value in values.items():
+        allowed = RANGES.get(name)
+        if isinstance(allowed, tuple):
+            ok = value.strip().isdigit() and allowed[0] <= int(value) <= allowed[1]
+            if not ok:
+                bad.append(f"{name}={value} (expected {allowed[0]}..{allowed[1]})")
+        elif isinstance(allowed, set) and value not in allowed:
+            bad.append(f"{name}={value} (expected {' or '.join(sorted(allowed))})")
+    return bad
+
 
 NCCL_ENV_NAMES = tuple(sorted(
     {*COMMON_ENV, *EFA_ENV, *IB_ENV, *SOCKET_ENV, "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"}))

@@ -60,7 +60,7 @@ def test_infiniband_lists_mlx5_devices_in_natural_order(tmp_path, libfabric):
     assert found.fabric == "ib"
     env = nccl.nccl_env("auto", {}, found)
     assert env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1,mlx5_10"
-    assert env["NCCL_IB_TIMEOUT"] == "22" and env["NCCL_IB_RETRY_CNT"] == "14"
+    assert env["NCCL_IB_TIMEOUT"] == "22" and env["NCCL_IB_RETRY_CNT"] == "7"
     assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
     assert "FI_PROVIDER" not in env and "NCCL_IB_DISABLE" not in env
 
