@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from .placement import use_device
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -59,7 +61,8 @@ class BatchLoader:
                  prefetch: bool = True) -> None:
         self.gather, self.device = gather, device
         self.cuda = device.type == "cuda"
-        self._pool = ThreadPoolExecutor(1, "enn-loader") if prefetch else None
+        self._pool = (ThreadPoolExecutor(1, "enn-loader", initializer=use_device,
+                                         initargs=(device,)) if prefetch else None)
         self._stream = torch.cuda.Stream(device) if (self.cuda and prefetch) else None
         self._pending: collections.deque[tuple[np.ndarray, Future]] = collections.deque()
 
@@ -70,7 +73,6 @@ class BatchLoader:
         if self._stream is None:  # synchronous: the current stream copies
             return _Staged(xb.to(self.device, non_blocking=True),
                            yb.to(self.device, non_blocking=True))
-        torch.cuda.set_device(self.device)  # this thread's current device is 0 otherwise
         xb, yb = xb.pin_memory(), yb.pin_memory()
         with torch.cuda.stream(self._stream):
             xd = xb.to(self.device, non_blocking=True)

@@ -115,6 +115,16 @@ def device_clashes(claims: Sequence[tuple[str, str]]) -> dict[str, list[int]]:
     return {k: v for k, v in holders.items() if len(v) > 1}
 
 
+def use_device(device) -> None:
+    """Make `device` this thread's current CUDA device. Every thread we start calls it
+    first: a new thread's current device is 0, so pinning memory or creating a stream there
+    would put a context on GPU 0 for every rank of the node."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+
+
 def affinity() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
