@@ -169,5 +169,6 @@ def place_task(env, device) -> str:
     if source != "plan" and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         threads = max(int(os.environ["OMP_NUM_THREADS"]), 1)  # the user's, or the launcher's
     torch.set_num_threads(threads)
-    name = f"{device} ({bus[device.index]})" if bus else None
+    visible = ",".join(visible_devices(os.environ, len(bus)))
+    name = f"{device} of [{visible}] ({bus[device.index]})" if bus else None
     return describe(env.rank, env.local_rank, cpus, threads, source, name, node)

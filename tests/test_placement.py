@@ -66,3 +66,35 @@ def test_describe_is_one_line():
     line = placement.describe(9, 1, [12, 13, 14, 15], 4, "slurm", "cuda:0 (GPU-ab12)", 0)
     assert line == ("placement: rank 9 local 1 gpu cuda:0 (GPU-ab12) numa 0 cpus 12-15 (4) "
                     "threads 4 bound-by slurm")
+
+
+@pytest.mark.parametrize("local_rank,local_world,count,expected", [
+    (5, 8, 8, 5),  # every node GPU visible: LOCAL_RANK
+    (5, 8, 1, 0),  # --gpus-per-task=1 or --gpu-bind=single:1: the one it sees
+    (5, 8, 4, 1),  # --gpu-bind=closest on 2 sockets: 4 of 8 visible, rank 5 -> its 2nd
+    (0, 1, 8, 0),  # one task driving one of many visible GPUs
+])
+def test_choose_device(local_rank, local_world, count, expected):
+    assert placement.choose_device(local_rank, local_world, count) == expected
+
+
+def test_choose_device_needs_a_device():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        placement.choose_device(0, 8, 0)
+
+
+@pytest.mark.parametrize("claims,expected", [
+    ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-a")], {}),  # same id on two hosts: fine
+    ([("n1", "GPU-a"), ("n1", "GPU-a"), ("n2", "GPU-c"), ("n2", "GPU-c")],
+     {"n1:GPU-a": [0, 1], "n2:GPU-c": [2, 3]}),  # cuda:0 assumed under --gpus-per-task=1
+])
+def test_device_clashes(claims, expected):
+    assert placement.device_clashes(claims) == expected
+
+
+@pytest.mark.parametrize("environ,count,expected", [
+    ({}, 2, ["0", "1"]), ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 4, ["4", "5", "6", "7"]),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-ab"}, 1, ["GPU-ab"]), ({"CUDA_VISIBLE_DEVICES": ""}, 0, []),
+])
+def test_visible_devices(environ, count, expected):
+    assert placement.visible_devices(environ, count) == expected
