@@ -25,6 +25,8 @@ DEFAULT_LIBFABRIC_PATHS = ("/opt/amazon/efa",)
 SOCKET_IFNAME_EXCLUDE = ("lo", "docker", "veth")
 # Virtual interfaces that must never carry NCCL's bootstrap; excluded when present.
 VIRTUAL_IF_PREFIXES = ("virbr", "br-", "cni", "flannel", "cali", "vxlan", "tailscale")
+# The exclusion list is the last resort: control_net names one interface (the site's or
+# the route to MASTER_ADDR) before the profile is applied, and set names are kept.
 
 COMMON_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down on a collective error, no hang
@@ -74,7 +76,8 @@ NCCL_ENV_NAMES = tuple(sorted(
 # the container (exec_env). Unset names are skipped by Pyxis.
 CONTAINER_ENV_NAMES = tuple(sorted(
     {*NCCL_ENV_NAMES, PROFILE_VAR, FABRIC_VAR, "MASTER_ADDR", "MASTER_PORT",
-     "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_NET_PLUGIN", "ENN_NCCL_PLUGIN_DIRS"}))
+     "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_NET_PLUGIN", "ENN_NCCL_PLUGIN_DIRS",
+     "GLOO_SOCKET_IFNAME", "ENN_SOCKET_IFNAME"}))
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,9 @@ def script_env(profile: str) -> dict[str, str]:
         return {}
     if profile == "auto":
         return dict(COMMON_ENV)
-    return nccl_env(profile, {}, Interfaces())
+    # NCCL_SOCKET_IFNAME is the node's choice (control_net: the route to MASTER_ADDR)
+    return {k: v for k, v in nccl_env(profile, {}, Interfaces()).items()
+            if k != "NCCL_SOCKET_IFNAME"}
 
 
 def configure(environ: MutableMapping[str, str], profile: Optional[str] = None,

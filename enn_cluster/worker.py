@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from . import control_net
 from .environment import clean_environment, discover
 from .errors import UserError
 from .exec_env import reexec_if_needed
@@ -90,6 +91,7 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     _setup_logging(run, env)
+    log.info(control_net.apply(os.environ))  # before the profile: one interface for both
     _configure_nccl(env)
     lanes = open_lanes(env, cfg.parallel.timeout_s)
     log.info(place_task(env, lanes.device))
