@@ -150,9 +150,11 @@ class ParallelConfig:
     timeout_s: float = 300.0  # every collective and barrier gives up after this
     max_restarts: int = 0
     stop_grace_s: float = 60.0  # after SIGTERM under Slurm: exit hard if no checkpoint by then
+    reduce_dtype: str = "fp32"  # gradient reductions under bf16 mixed precision: fp32 | bf16
 
     def validate(self) -> None:
         _choice("parallel.strategy", self.strategy, ("hsdp", "fsdp", "ddp"))
+        _choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         _positive("parallel.nodes", self.nodes)
         _positive("parallel.procs_per_node", self.procs_per_node)
         _non_negative("parallel.replicate", self.replicate)

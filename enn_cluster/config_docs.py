@@ -122,6 +122,14 @@ DESCRIPTIONS = {
                              "each restart resumes from the newest complete checkpoint.",
     "parallel.stop_grace_s": "After SIGTERM: exit hard if the agreed checkpoint is not "
                              "reached within this many seconds.",
+    "parallel.reduce_dtype": "Dtype of the gradient reductions when parameters run in bf16 "
+                             "(`training.bf16`): `fp32` (default) or `bf16`. bf16 halves the "
+                             "bytes of the inter-node all-reduce (HSDP) and of the intra-node "
+                             "reduce-scatter (FSDP2 has one reduce dtype for both), at the "
+                             "price of summing gradients with an 8-bit mantissa: small "
+                             "gradients from many ranks lose precision, so keep fp32 unless "
+                             "the inter-node links are the bottleneck, and compare loss "
+                             "curves when switching.",
     # logging
     "logging.metrics_path": "Metrics file, relative to the run directory.",
     "logging.every_steps": "Write a `train` metrics record every N steps (> 0).",
