@@ -79,10 +79,13 @@ def rendezvous_store(env: WorkerEnv, timeout: timedelta):
     return dist.PrefixStore(f"enn/attempt-{env.restart_count}", store)
 
 
-def open_lanes(env: WorkerEnv, timeout_s: float) -> Lanes:
+def open_lanes(env: WorkerEnv, timeout_s: float, rendezvous_s: float = 0.0,
+               barrier_s: float = 0.0) -> Lanes:
+    """`timeout_s`: the accelerator lane's collectives; `rendezvous_s`: ranks meeting at
+    start; `barrier_s`: the control and checkpoint lanes (checkpoint barriers). 0: timeout_s."""
     use_cuda = torch.cuda.is_available()
     timeout = timedelta(seconds=timeout_s)
-    store = rendezvous_store(env, timeout)
+    store = rendezvous_store(env, timedelta(seconds=rendezvous_s or timeout_s))
     common = dict(store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     if use_cuda:  # never cuda:LOCAL_RANK blindly: Slurm may show a task 1 or 4 GPUs
         device = torch.device("cuda", choose_device(env.local_rank, env.local_world_size,
@@ -92,10 +95,11 @@ def open_lanes(env: WorkerEnv, timeout_s: float) -> Lanes:
     else:
         device = torch.device("cpu")
         dist.init_process_group(backend="gloo", **common)
-    control = dist.new_group(backend="gloo", timeout=timeout)
+    barrier = timedelta(seconds=barrier_s or timeout_s)
+    control = dist.new_group(backend="gloo", timeout=barrier)
     # An async save runs its collectives in a writer thread; sharing the control lane with
     # the training loop's per-step decisions would interleave two collectives on one group.
-    checkpoint = dist.new_group(backend="gloo", timeout=timeout)
+    checkpoint = dist.new_group(backend="gloo", timeout=barrier)
     lanes = Lanes(control=control, checkpoint=checkpoint, device=device, rank=env.rank,
                   world_size=env.world_size)
     if use_cuda:

@@ -93,7 +93,8 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
     _setup_logging(run, env)
     log.info(control_net.apply(os.environ))  # before the profile: one interface for both
     _configure_nccl(env)
-    lanes = open_lanes(env, cfg.parallel.timeout_s)
+    lanes = open_lanes(env, cfg.parallel.timeout_s, cfg.parallel.rendezvous_timeout_s,
+                       cfg.checkpoint.barrier_timeout_s)
     log.info(place_task(env, lanes.device))
     try:
         if task == "train":
