@@ -120,15 +120,24 @@ def _is_efa(dev: Path, libfabric: bool) -> bool:
 
 
 def scan_interfaces(sysfs_root: str = "/sys",
-                    libfabric_paths: Sequence[str] = DEFAULT_LIBFABRIC_PATHS) -> Interfaces:
-    """Read /sys/class/infiniband and /sys/class/net under `sysfs_root`."""
+                    libfabric_paths: Sequence[str] = DEFAULT_LIBFABRIC_PATHS,
+                    dev_root: str = "/dev") -> Interfaces:
+    """Read /sys/class/infiniband and /sys/class/net under `sysfs_root`. Enroot's Mellanox
+    hook hides non-mlx devices from /sys/class/infiniband; with no device listed there, the
+    EFA driver loaded (/sys/module/efa) and verbs devices in /dev/infiniband mean EFA."""
     root = Path(sysfs_root)
     libfabric = any(Path(p).exists() for p in libfabric_paths)
     efa, ib = [], []
     for name in _listdir(root / "class" / "infiniband"):
         (efa if _is_efa(root / "class" / "infiniband" / name, libfabric) else ib).append(name)
+    if not efa and not ib and _efa_driver(root):
+        efa = [n for n in _listdir(Path(dev_root) / "infiniband") if n.startswith("uverbs")]
     net = tuple(_listdir(root / "class" / "net"))
     return Interfaces(tuple(efa), tuple(ib), net, libfabric)
+
+
+def _efa_driver(root: Path) -> bool:
+    return (root / "module" / "efa").is_dir() or (root / "bus" / "pci" / "drivers" / "efa").is_dir()
 
 
 def _fabric_override(environ: Mapping[str, str]) -> Optional[str]:
@@ -206,6 +215,36 @@ def script_env(profile: str) -> dict[str, str]:
     # NCCL_SOCKET_IFNAME is the node's choice (control_net: the route to MASTER_ADDR)
     return {k: v for k, v in nccl_env(profile, {}, Interfaces()).items()
             if k != "NCCL_SOCKET_IFNAME"}
+
+
+FR_FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # new, old name
+REPORTED_PREFIXES = ("NCCL_", "FI_", "TORCH_NCCL_", "TORCH_FR_", "GLOO_SOCKET_IFNAME")
+NODE_SPECIFIC = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")  # decided per node, not by the profile
+
+
+def flight_recorder_env(log_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """Flight-recorder dumps under the attempt's log directory (torch appends the rank),
+    not the container's /tmp, which vanishes with the container."""
+    prefix = f"{log_dir}/nccl-trace-rank-"
+    return {name: prefix for name in FR_FILE_VARS if name not in environ}
+
+
+def report(environ: Mapping[str, str], fabric: str) -> list[tuple[str, str]]:
+    """(level, line) pairs for the log: the effective NCCL/FI/flight-recorder values, a
+    warning for each value that differs from the fabric's profile (the image's ENV or the
+    job's environment won), and one for each value outside its documented range."""
+    effective = {k: v for k, v in sorted(environ.items()) if k.startswith(REPORTED_PREFIXES)}
+    lines = [("info", f"NCCL environment ({fabric}): " +
+              (" ".join(f"{k}={v}" for k, v in effective.items()) or "(none set)"))]
+    profile = _profile_values(fabric, None) if fabric in FABRICS else {}
+    for name, wanted in profile.items():
+        if name not in NODE_SPECIFIC and environ.get(name, wanted) != wanted:
+            lines.append(("warning", f"{name}={environ[name]} differs from the {fabric} "
+                          f"profile's {wanted}: a value already set (the image's ENV, or the "
+                          "job's) wins; unset it in the image or pass it with --container-env"))
+    lines += [("warning", f"out of its documented range: {bad}")
+              for bad in out_of_range(effective)]
+    return lines
 
 
 def configure(environ: MutableMapping[str, str], profile: Optional[str] = None,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from . import control_net
+from . import control_net, nccl
 from .environment import clean_environment, discover
 from .errors import UserError
 from .exec_env import reexec_if_needed
@@ -39,6 +39,7 @@ def _attempt_tag(env) -> str:
 def _setup_logging(run: RunDir, env) -> None:
     log_dir = run.logs / _attempt_tag(env)
     log_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(nccl.flight_recorder_env(str(log_dir), os.environ))
     fmt = logging.Formatter(f"%(asctime)s rank{env.rank} %(name)s %(levelname)s %(message)s")
     root = logging.getLogger("enn_cluster")
     root.handlers.clear()
@@ -62,13 +63,14 @@ def _configure_nccl(env) -> None:
 
         if not torch.cuda.is_available():
             return
-        from . import nccl
     except ImportError:
         return
     profile = os.environ.get("ENN_NCCL_PROFILE", "auto")
     chosen = nccl.configure(os.environ, profile=profile) if hasattr(nccl, "configure") else None
     if env.rank == 0 and chosen is not None:
         log.info("NCCL profile: %s", chosen)
+    for level, line in nccl.report(os.environ, chosen or "none"):
+        getattr(log, level)(line)
 
 
 def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,

@@ -139,3 +139,47 @@ def test_configure_applies_the_detected_profile(tmp_path, no_libfabric):
     environ = {}
     assert nccl.configure(environ, "socket", sysfs_root=root) == "socket"
     assert environ["NCCL_IB_DISABLE"] == "1"
+
+
+def test_efa_behind_the_mellanox_hook_is_found_through_dev_and_the_driver(tmp_path, no_libfabric):
+    """Enroot's Mellanox hook hides non-mlx devices from /sys/class/infiniband (p5 looked
+    like 'socket'); the EFA driver and /dev/infiniband/uverbs* still show EFA."""
+    root = make_sysfs(tmp_path / "sys", rdma=())
+    dev = tmp_path / "dev"
+    (dev / "infiniband").mkdir(parents=True)
+    for name in ("uverbs1", "uverbs0", "rdma_cm"):
+        (dev / "infiniband" / name).write_text("")
+    assert nccl.scan_interfaces(root, no_libfabric, str(dev)).fabric == "socket"  # no driver
+    (tmp_path / "sys" / "module" / "efa").mkdir(parents=True)
+    found = nccl.scan_interfaces(root, no_libfabric, str(dev))
+    assert found.fabric == "efa" and found.efa_devices == ("uverbs0", "uverbs1")
+    # an IB host with mlx5 listed stays IB even with /dev/infiniband present
+    ib_root = make_sysfs(tmp_path / "sys-ib", rdma=("mlx5_0",))
+    (tmp_path / "sys-ib" / "module" / "efa").mkdir(parents=True)
+    assert nccl.scan_interfaces(ib_root, no_libfabric, str(dev)).fabric == "ib"
+
+
+def test_flight_recorder_dumps_go_to_the_run_logs():
+    env = nccl.flight_recorder_env("/runs/r/logs/slurm-7-r0", {})
+    assert env == {"TORCH_FR_DUMP_TEMP_FILE": "/runs/r/logs/slurm-7-r0/nccl-trace-rank-",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/r/logs/slurm-7-r0/nccl-trace-rank-"}
+    assert nccl.flight_recorder_env("/x", {"TORCH_FR_DUMP_TEMP_FILE": "/y"}) == {
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/nccl-trace-rank-"}
+
+
+def test_report_names_effective_values_and_warns_where_the_image_differs():
+    environ = {**nccl.nccl_env("ib", {}), "NCCL_IB_TIMEOUT": "18", "NCCL_IB_RETRY_CNT": "14",
+               "NCCL_SOCKET_IFNAME": "=ib0", "GLOO_SOCKET_IFNAME": "ib0", "PATH": "/bin"}
+    lines = nccl.report(environ, "ib")
+    level, first = lines[0]
+    assert level == "info" and first.startswith("NCCL environment (ib): ")
+    assert "GLOO_SOCKET_IFNAME=ib0" in first and "NCCL_IB_TIMEOUT=18" in first
+    assert "PATH" not in first
+    warnings = [line for level, line in lines if level == "warning"]
+    assert warnings == [
+        "NCCL_IB_TIMEOUT=18 differs from the ib profile's 22: a value already set (the image's "
+        "ENV, or the job's) wins; unset it in the image or pass it with --container-env",
+        "NCCL_IB_RETRY_CNT=14 differs from the ib profile's 7: a value already set (the "
+        "image's ENV, or the job's) wins; unset it in the image or pass it with --container-env",
+        "out of its documented range: NCCL_IB_RETRY_CNT=14 (expected 0..7)"]
+    assert [lv for lv, _ in nccl.report(nccl.nccl_env("efa", {}), "efa")] == ["info"]
