@@ -60,14 +60,10 @@ def _run_cli(ctx: BenchContext, names: list[str]) -> list[Result]:
 
 
 def _run_gpu(ctx: BenchContext, names: list[str]) -> list[Result]:
-    """GPU MFU needs a GPU; this project's machines have none (CPU + gloo only)."""
-    import shutil as _shutil
+    """Tokens/s and MFU of a ~1B decoder (bench/gpu.py); a skipped result without CUDA."""
+    from . import gpu
 
-    if _shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
-        reason = "skipped: no GPU is lent to this project (CPU-only machine)"
-    else:
-        reason = "skipped: a GPU is present but no MFU benchmark is implemented yet"
-    return [Result("gpu", "GPU MFU (model FLOPs utilisation)", skipped=reason)]
+    return gpu.run(ctx)
 
 
 def _run_scale(ctx: BenchContext, names: list[str]) -> list[Result]:
