@@ -81,10 +81,17 @@ def exec_env(environ: Mapping[str, str], fabric: str, pinned: bool, plugin: Opti
     return out
 
 
+def can_reexec(orig_argv: Sequence[str]) -> bool:
+    """A multiprocessing 'spawn' child (the local launcher's workers) cannot be re-executed:
+    its start-up data came through a pipe that is already read. Its environment is the
+    parent's at spawn time, so the parent must set the path before it spawns."""
+    return "--multiprocessing-fork" not in orig_argv
+
+
 def reexec_if_needed(environ: Optional[Mapping[str, str]] = None) -> None:
     """Re-execute this very command line once when the exec environment must change."""
     environ = dict(os.environ if environ is None else environ)
-    if environ.get(READY_VAR):
+    if environ.get(READY_VAR) or not can_reexec(sys.orig_argv):
         return
     fabric, pinned = wanted_fabric(environ)
     plugin = find_plugin(plugin_search_dirs(environ)) if fabric == "efa" else None

@@ -153,3 +153,13 @@ def test_worker_refuses_efa_without_the_plugin(tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("enn_cluster worker:")]
     assert len(lines) == 1 and "no NCCL net plugin" in lines[0] and str(empty) in lines[0]
     assert not (run_dir / "logs" / "slurm-4242-r0").exists()  # nothing started
+
+
+@pytest.mark.parametrize("argv,ok", [
+    (["python3", "-m", "enn_cluster.worker", "/r", "--task", "train"], True),
+    (["python3", "-u", "-m", "submitit.core._submit", "/r/slurm/7"], True),
+    (["python3", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, "
+      "pipe_handle=7)", "--multiprocessing-fork"], False),
+])
+def test_spawned_children_are_not_reexecuted(argv, ok):
+    assert exec_env.can_reexec(argv) is ok
