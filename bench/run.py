@@ -1,6 +1,6 @@
 """`python -m bench.run [--quick] [--only NAME[,NAME]]`: run benchmarks, print and write the table.
 
-Names: checkpoint, async, staging, collect, overhead, cli, gpu (the default set) and scale
+Names: checkpoint, async, staging, collect, overhead, prefetch, cli, gpu (the default set) and scale
 (only when named, and never with --quick). Results go to bench/results.json and bench/results.md
 (or --out DIR); a selection that includes scale writes results-scale.json/.md instead, so
 the long scale run never overwrites the default set's results. Exit code 1 when a benchmark failed to run; a missed target is not an error.
@@ -19,7 +19,7 @@ from . import report
 from .measure import BenchContext, Result
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = ("checkpoint", "async", "staging", "collect", "overhead", "cli", "gpu")
+DEFAULT = ("checkpoint", "async", "staging", "collect", "overhead", "prefetch", "cli", "gpu")
 ALL = DEFAULT + ("scale",)
 
 
@@ -47,6 +47,12 @@ def _run_overhead(ctx: BenchContext, names: list[str]) -> list[Result]:
     return overhead.run(ctx)
 
 
+def _run_prefetch(ctx: BenchContext, names: list[str]) -> list[Result]:
+    from . import prefetch
+
+    return prefetch.run(ctx)
+
+
 def _run_cli(ctx: BenchContext, names: list[str]) -> list[Result]:
     from . import cli_latency
 
@@ -54,14 +60,10 @@ def _run_cli(ctx: BenchContext, names: list[str]) -> list[Result]:
 
 
 def _run_gpu(ctx: BenchContext, names: list[str]) -> list[Result]:
-    """GPU MFU needs a GPU; this project's machines have none (CPU + gloo only)."""
-    import shutil as _shutil
+    """Tokens/s and MFU of a ~1B decoder (bench/gpu.py); a skipped result without CUDA."""
+    from . import gpu
 
-    if _shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
-        reason = "skipped: no GPU is lent to this project (CPU-only machine)"
-    else:
-        reason = "skipped: a GPU is present but no MFU benchmark is implemented yet"
-    return [Result("gpu", "GPU MFU (model FLOPs utilisation)", skipped=reason)]
+    return gpu.run(ctx)
 
 
 def _run_scale(ctx: BenchContext, names: list[str]) -> list[Result]:
@@ -72,7 +74,8 @@ def _run_scale(ctx: BenchContext, names: list[str]) -> list[Result]:
 
 # one runner may serve several names (checkpoint and async share one process group)
 RUNNERS = [(("checkpoint", "async"), _run_checkpoint), (("staging",), _run_staging),
-           (("collect",), _run_collect), (("overhead",), _run_overhead), (("cli",), _run_cli),
+           (("collect",), _run_collect), (("overhead",), _run_overhead), (("prefetch",), _run_prefetch),
+           (("cli",), _run_cli),
            (("gpu",), _run_gpu), (("scale",), _run_scale)]
 
 

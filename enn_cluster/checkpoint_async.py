@@ -21,16 +21,19 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from . import checkpoint as ckpt
 from .lanes import Lanes
+from .placement import use_device
 
 SLOW_STAGING = "ENN_FAULT_SLOW_STAGING_S"  # tests: the copy starts this late (seconds)
 
 
 def new_stager() -> DefaultStager:
     """Staging buffers live as long as the trainer: a second save copies into the first's
-    memory instead of faulting in fresh pages (pinned on GPU hosts)."""
-    pinned = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+    memory instead of faulting in fresh pages. On GPU hosts they are pinned and the copies
+    are non-blocking, on the checkpoint thread's side stream (torch then synchronises the
+    device, which blocks only that thread)."""
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 
 class PendingSave:
@@ -42,16 +45,21 @@ class PendingSave:
         self.error: Optional[BaseException] = None
         self._staged = threading.Event()
         lanes_bg = dataclasses.replace(lanes, control=lanes.checkpoint)
+        ready = None
+        if lanes.device.type == "cuda":  # the copy waits for the step that made the values
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(lanes.device))
         self._thread = threading.Thread(
-            target=self._run, args=(root, state, snap, lanes_bg, stager, keep_last),
+            target=self._run, args=(root, state, snap, lanes_bg, stager, keep_last, ready),
             name=f"enn-checkpoint-{step}", daemon=True)
         self._thread.start()
 
-    def _run(self, root, state, snap, lanes, stager, keep_last) -> None:
+    def _run(self, root, state, snap, lanes, stager, keep_last, ready) -> None:
         try:
+            use_device(lanes.device)
             try:
                 time.sleep(float(os.environ.get(SLOW_STAGING, "0")))
-                staged = stager.stage(state)
+                staged = _stage(stager, state, lanes.device, ready)
             finally:
                 self._staged.set()
             ckpt.write(root, self.step, staged, snap, lanes, keep_last)
@@ -70,6 +78,17 @@ class PendingSave:
         self._thread.join()
         if self.error is not None:
             raise self.error
+
+
+def _stage(stager: DefaultStager, state: dict, device, ready) -> dict:
+    """Copy to the staging buffers; on CUDA on a side stream of this thread, after the
+    event that marks the end of the step the state comes from."""
+    if ready is None:
+        return stager.stage(state)
+    side = torch.cuda.Stream(device)
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        return stager.stage(state)
 
 
 def save_async(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: Lanes,

@@ -51,6 +51,8 @@ def _add_shape_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--python", default=None, help="interpreter the tasks run (inside the container)")
     g.add_argument("--site", default=None, help="site config YAML (default: search order, see docs)")
     g.add_argument("--job-name", default=None)
+    g.add_argument("--cpus-per-task", type=int, default=None,
+                   help="CPUs per task (default: site, else the node's CPUs / tasks per node)")
     g.add_argument("--signal-grace", type=int, default=None,
                    help="seconds between the USR2 warning and the time limit")
     g.add_argument("--wait", action="store_true", help="block until the Slurm job ends")

@@ -136,10 +136,14 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end
     keep_last: int = 3
     async_save: bool = False
+    barrier_timeout_s: float = 0.0  # checkpoint/control-lane barriers; 0: parallel.timeout_s
 
     def validate(self) -> None:
         _non_negative("checkpoint.every_steps", self.every_steps)
         _positive("checkpoint.keep_last", self.keep_last)
+        if not 0 <= self.barrier_timeout_s <= MAX_WAIT_S:
+            raise UserError(f"checkpoint.barrier_timeout_s: {self.barrier_timeout_s!r} must be "
+                            f">= 0 (0: parallel.timeout_s) and at most {MAX_WAIT_S:.0f} seconds")
 
 
 @dataclass
@@ -152,9 +156,12 @@ class ParallelConfig:
     timeout_s: float = 300.0  # every collective and barrier gives up after this
     max_restarts: int = 0
     stop_grace_s: float = 60.0  # after SIGTERM under Slurm: exit hard if no checkpoint by then
+    reduce_dtype: str = "fp32"  # gradient reductions under bf16 mixed precision: fp32 | bf16
+    rendezvous_timeout_s: float = 900.0  # all ranks must meet within this (image unpack skew)
 
     def validate(self) -> None:
         _choice("parallel.strategy", self.strategy, ("hsdp", "fsdp", "ddp"))
+        _choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         _positive("parallel.nodes", self.nodes)
         _positive("parallel.procs_per_node", self.procs_per_node)
         _non_negative("parallel.replicate", self.replicate)
@@ -163,6 +170,9 @@ class ParallelConfig:
         if not 0 < self.timeout_s <= MAX_WAIT_S:
             raise UserError(f"parallel.timeout_s: {self.timeout_s!r} must be > 0 and at most "
                             f"{MAX_WAIT_S:.0f} seconds (a week)")
+        if not 0 < self.rendezvous_timeout_s <= MAX_WAIT_S:
+            raise UserError(f"parallel.rendezvous_timeout_s: {self.rendezvous_timeout_s!r} must "
+                            f"be > 0 and at most {MAX_WAIT_S:.0f} seconds (a week)")
         if not 0 <= self.stop_grace_s <= MAX_WAIT_S:
             raise UserError(f"parallel.stop_grace_s: {self.stop_grace_s!r} must be >= 0 and at "
                             f"most {MAX_WAIT_S:.0f} seconds (a week)")

@@ -117,6 +117,11 @@ DESCRIPTIONS = {
                              "commits on its own gloo group; the next optimizer step waits "
                              "only while that copy runs. The final checkpoint is always "
                              "synchronous.",
+    "checkpoint.barrier_timeout_s": "Timeout in seconds of the checkpoint barriers and of the "
+                                    "control lane that carries them (a save waits for the "
+                                    "slowest writer; a resume for the slowest load); 0: "
+                                    "`parallel.timeout_s`. Raise it for big models on slow "
+                                    "shared filesystems (e.g. 1800).",
     # parallel
     "parallel.strategy": "`hsdp` (shard inside a node, replicate across nodes), `fsdp` "
                          "(shard over all ranks) or `ddp`.",
@@ -126,12 +131,25 @@ DESCRIPTIONS = {
     "parallel.replicate": "HSDP replicate degree; 0 = world size / shard.",
     "parallel.shard": "HSDP shard degree; 0 = processes per node. "
                       "`replicate x shard` must equal the world size.",
-    "parallel.timeout_s": "Timeout in seconds of every collective and barrier: a dead peer "
-                          "ends the job instead of hanging it (> 0).",
+    "parallel.timeout_s": "Timeout in seconds of every collective: a dead peer ends the job "
+                          "instead of hanging it (> 0). The rendezvous and the checkpoint "
+                          "barriers have their own settings.",
+    "parallel.rendezvous_timeout_s": "How long the ranks wait for each other at start "
+                                     "(TCPStore and process-group setup), in seconds. On a "
+                                     "restart every node unpacks the image again and nodes "
+                                     "can start minutes apart: keep this well above that skew.",
     "parallel.max_restarts": "Retries after a worker failure (default of `--max-restarts`); "
                              "each restart resumes from the newest complete checkpoint.",
     "parallel.stop_grace_s": "After SIGTERM: exit hard if the agreed checkpoint is not "
                              "reached within this many seconds.",
+    "parallel.reduce_dtype": "Dtype of the gradient reductions when parameters run in bf16 "
+                             "(`training.bf16`): `fp32` (default) or `bf16`. bf16 halves the "
+                             "bytes of the inter-node all-reduce (HSDP) and of the intra-node "
+                             "reduce-scatter (FSDP2 has one reduce dtype for both), at the "
+                             "price of summing gradients with an 8-bit mantissa: small "
+                             "gradients from many ranks lose precision, so keep fp32 unless "
+                             "the inter-node links are the bottleneck, and compare loss "
+                             "curves when switching.",
     # logging
     "logging.metrics_path": "Metrics file, relative to the run directory.",
     "logging.every_steps": "Write a `train` metrics record every N steps (> 0); the only "

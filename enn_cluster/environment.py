@@ -5,11 +5,13 @@ The worker applies the result to `os.environ` in one place before torch reads it
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from .errors import UserError
+from .placement import task_cpus
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "GROUP_WORLD_SIZE",
@@ -134,12 +136,14 @@ def _from_slurm(environ: Mapping[str, str]) -> WorkerEnv:
 
 
 def clean_environment(environ: Mapping[str, str], env: WorkerEnv,
-                      cpus_per_task: Optional[int] = None) -> dict:
+                      cpus_per_task: Optional[int] = None,
+                      cpus: Optional[tuple[int, int]] = None) -> dict:
     """The environment torch should see: one launcher's view, no stale leftovers.
 
     A Slurm step inherits whatever the submitting shell had (an old RANK, a torchrun
     WORLD_SIZE); torch's env:// init would trust those. We drop them and write the
-    values we discovered, and cap intra-op threads so N workers do not oversubscribe.
+    values we discovered, and size intra-op threads to the CPUs this task got
+    (`cpus`: affinity and online counts, read from the process when not given).
     """
     clean = {k: v for k, v in environ.items() if env.launcher not in ("slurm", "single")
              or k not in TORCHRUN_VARS}
@@ -150,6 +154,7 @@ def clean_environment(environ: Mapping[str, str], env: WorkerEnv,
         "MASTER_PORT": str(env.master_port),
     })
     if "OMP_NUM_THREADS" not in environ:
-        threads = cpus_per_task or _int(environ, "SLURM_CPUS_PER_TASK", 1)
+        affinity, online = cpus or (len(os.sched_getaffinity(0)), os.cpu_count() or 1)
+        threads = cpus_per_task or task_cpus(environ, affinity, online, env.local_world_size)
         clean["OMP_NUM_THREADS"] = str(max(threads, 1))
     return clean

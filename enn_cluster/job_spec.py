@@ -199,11 +199,19 @@ def env_lines(spec: JobSpec) -> list[str]:
     lines = [line for k, v in spec.env for line in (*_literal(v), f"export {k}={_q(v)}")]
     lines.append(f"export {nccl.PROFILE_VAR}={_q(spec.nccl_profile)}")
     for name, value in nccl.script_env(spec.nccl_profile).items():
-        if name == "LD_LIBRARY_PATH":
-            lines.append(f'export LD_LIBRARY_PATH={_q(value)}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"')
-        else:
-            lines.append(f'[ -n "${{{name}+x}}" ] || export {name}={_q(value)}')
-    return lines
+        lines.append(f'[ -n "${{{name}+x}}" ] || export {name}={_q(value)}')
+    return lines + cpu_lines(spec)
+
+
+def cpu_lines(spec: JobSpec) -> list[str]:
+    """CPUs per task for srun, which since Slurm 22.05 no longer inherits --cpus-per-task
+    from sbatch (it reads SRUN_CPUS_PER_TASK). Default: the node's CPUs in this allocation
+    (SLURM_CPUS_ON_NODE) divided by the tasks per node, at least 1."""
+    n = spec.tasks_per_node
+    value = (str(spec.cpus_per_task) if spec.cpus_per_task else
+             f"$(( ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} > 0 ? ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} : 1 ))")
+    return ["# srun reads SRUN_CPUS_PER_TASK (Slurm >= 22.05 does not pass sbatch's on)",
+            f'[ -n "${{SRUN_CPUS_PER_TASK+x}}" ] || export SRUN_CPUS_PER_TASK={value}']
 
 
 def srun_args(spec: JobSpec) -> list[str]:

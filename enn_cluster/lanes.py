@@ -10,6 +10,7 @@ Every collective has the configured timeout: a dead peer ends the job, it never 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .environment import WorkerEnv
+from .errors import UserError
+from .placement import choose_device, device_clashes
 
 
 @dataclass
@@ -76,24 +79,48 @@ def rendezvous_store(env: WorkerEnv, timeout: timedelta):
     return dist.PrefixStore(f"enn/attempt-{env.restart_count}", store)
 
 
-def open_lanes(env: WorkerEnv, timeout_s: float) -> Lanes:
+def open_lanes(env: WorkerEnv, timeout_s: float, rendezvous_s: float = 0.0,
+               barrier_s: float = 0.0) -> Lanes:
+    """`timeout_s`: the accelerator lane's collectives; `rendezvous_s`: ranks meeting at
+    start; `barrier_s`: the control and checkpoint lanes (checkpoint barriers). 0: timeout_s."""
     use_cuda = torch.cuda.is_available()
     timeout = timedelta(seconds=timeout_s)
-    store = rendezvous_store(env, timeout)
+    store = rendezvous_store(env, timedelta(seconds=rendezvous_s or timeout_s))
     common = dict(store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    if use_cuda:
-        device = torch.device("cuda", env.local_rank)
+    if use_cuda:  # never cuda:LOCAL_RANK blindly: Slurm may show a task 1 or 4 GPUs
+        device = torch.device("cuda", choose_device(env.local_rank, env.local_world_size,
+                                                    torch.cuda.device_count()))
         torch.cuda.set_device(device)
         dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=device, **common)
     else:
         device = torch.device("cpu")
         dist.init_process_group(backend="gloo", **common)
-    control = dist.new_group(backend="gloo", timeout=timeout)
+    barrier = timedelta(seconds=barrier_s or timeout_s)
+    control = dist.new_group(backend="gloo", timeout=barrier)
     # An async save runs its collectives in a writer thread; sharing the control lane with
     # the training loop's per-step decisions would interleave two collectives on one group.
-    checkpoint = dist.new_group(backend="gloo", timeout=timeout)
-    return Lanes(control=control, checkpoint=checkpoint, device=device, rank=env.rank,
-                 world_size=env.world_size)
+    checkpoint = dist.new_group(backend="gloo", timeout=barrier)
+    lanes = Lanes(control=control, checkpoint=checkpoint, device=device, rank=env.rank,
+                  world_size=env.world_size)
+    if use_cuda:
+        check_devices(lanes, device_id(device))
+    return lanes
+
+
+def device_id(device: torch.device) -> str:
+    """A name for the physical GPU that is the same whatever CUDA_VISIBLE_DEVICES says."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
+def check_devices(lanes: Lanes, device: str) -> None:
+    """Refuse to train when two ranks of a node drive one GPU (all ranks raise alike)."""
+    claims = lanes.gather_objects((socket.gethostname(), device))
+    clashes = device_clashes(claims)
+    if clashes:
+        where, ranks = next(iter(clashes.items()))
+        raise UserError(f"devices: ranks {', '.join(map(str, ranks))} share {where}; give "
+                        "each task its own GPU (one task per GPU with --gpus-per-task=1 or "
+                        "--gpu-bind=single:1, or fix CUDA_VISIBLE_DEVICES)")
 
 
 def close_lanes() -> None:

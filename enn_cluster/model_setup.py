@@ -63,27 +63,32 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
         tmpls = meta_init.templates(model)
         if plan.strategy == "ddp":  # DDP replicates whole weights: materialise, then wrap
             meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
-            return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16), plan, mesh, bf16)
-        model = wrap_model(model, plan, mesh, lanes.device, bf16)
+            return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype), plan, mesh, bf16)
+        model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype)
         meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
         return ShardedModel(model, plan, mesh, bf16)
-    return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16), plan, mesh, bf16)
+    return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype), plan, mesh, bf16)
 
 
 def gradient_sync(sm: ShardedModel, sync: bool):
-    """Skip gradient communication on all but the last micro-batch of an accumulation."""
+    """Skip gradient communication on all but the last micro-batch of an accumulation.
+    HSDP skips only the inter-node all-reduce: the intra-node reduce-scatter still runs, so
+    a rank keeps a shard of fp32 gradients instead of the whole unsharded set."""
     if sm.plan.strategy == "ddp":
         return nullcontext() if sync else sm.model.no_sync()
-    return _fsdp_sync(sm.model, sync)
+    if sm.plan.strategy == "hsdp":
+        return _communicate(sm.model.set_requires_all_reduce, sync)
+    return _communicate(sm.model.set_requires_gradient_sync, sync)
 
 
 @contextmanager
-def _fsdp_sync(model, sync: bool):
-    model.set_requires_gradient_sync(sync)
+def _communicate(setter, sync: bool):
+    """FSDP2's switch (`setter`) off for this micro-batch when not `sync`, on again after."""
+    setter(sync)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        setter(True)
 
 
 def autocast(sm: ShardedModel, device: torch.device):

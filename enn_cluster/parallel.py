@@ -22,16 +22,19 @@ def build_mesh(plan: MeshPlan, device: torch.device):
     return init_device_mesh(device.type, (plan.replicate,), mesh_dim_names=("replicate",))
 
 
-def mixed_precision(use_bf16: bool):
+def mixed_precision(use_bf16: bool, reduce_dtype: str = "fp32"):
+    """bf16 parameters; gradient reductions in fp32 unless parallel.reduce_dtype says bf16
+    (half the inter-node bytes, fewer mantissa bits in the sum: see docs/config.md)."""
     if not use_bf16:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reduce = torch.bfloat16 if reduce_dtype == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
 def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
-               use_bf16: bool) -> nn.Module:
+               use_bf16: bool, reduce_dtype: str = "fp32") -> nn.Module:
     """Shard block by block, then the root, so each block's all-gather overlaps compute."""
     if plan.strategy == "ddp":
         model.to(device)
@@ -40,7 +43,7 @@ def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
     from torch.distributed.fsdp import fully_shard
 
     kwargs = {"mesh": mesh}
-    policy = mixed_precision(use_bf16)
+    policy = mixed_precision(use_bf16, reduce_dtype)
     if policy is not None:
         kwargs["mp_policy"] = policy
     for block in model_blocks(model):

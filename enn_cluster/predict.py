@@ -1,17 +1,18 @@
 """Worker side of prediction: load a checkpoint, infer this rank's chunks, commit them.
 
 Every rank loads the full weights of the chosen checkpoint (DCP reshards whatever world
-size it was saved at into plain tensors) and runs its own replica: inference needs no
+size it was saved at into plain tensors) on the host, casts them to the inference dtype
+there (bf16 on GPU: no fp32 weights on the device) and runs its own replica: inference needs no
 collective per batch, so ranks with more rows never hold up ranks with fewer, and a
 restarted job only redoes chunks that have no commit record.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +32,14 @@ log = logging.getLogger("enn_cluster.predict")
 FAULT_AFTER_CHUNKS = "ENN_FAULT_PREDICT_EXIT_AFTER_CHUNKS"  # tests: exit hard after k chunks
 
 
-def load_replica(run: RunDir, cfg, step: int, input_shape: tuple, lanes) -> torch.nn.Module:
-    """The model with the full weights of step-N on this rank's device, in eval mode."""
+def load_weights(run: RunDir, cfg, step: int, input_shape: tuple, lanes) -> torch.nn.Module:
+    """The full fp32 weights of step-N on the host, in eval mode."""
     manifest = read_manifest(run.data_dir)
     model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
     state = {"model": model.state_dict()}
     ckpt.safe_load(state, store.step_dir(run.checkpoints, step), process_group=lanes.control)
     model.load_state_dict(state["model"])
-    return model.to(lanes.device).eval()
+    return model.eval()
 
 
 def chunk_stats(values: np.ndarray) -> dict:
@@ -68,9 +69,12 @@ def denormalise(raw: np.ndarray, scaler) -> np.ndarray:
 class ChunkWriter:
     """Infers chunks with one replica and commits each: `.npy` by rename, then its record."""
 
-    def __init__(self, pdir: Path, model, x, request: dict, lanes, bf16: bool) -> None:
+    def __init__(self, pdir: Path, model, x, request: dict, lanes, bf16: bool,
+                 reference=None) -> None:
         self.pdir, self.model, self.x, self.request, self.lanes = pdir, model, x, request, lanes
         self.bf16 = bf16
+        self.reference = reference  # host fp32 weights for the first batch's check only
+        self.dtype = next(model.parameters()).dtype
         self.out_shape = tuple(request["output_shape"])
         self.precision_checked = False
 
@@ -85,9 +89,7 @@ class ChunkWriter:
             rec["rows"] == [spec.start, spec.stop]
 
     def _forward(self, xb: torch.Tensor) -> torch.Tensor:
-        ctx = torch.autocast(xb.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
-        with ctx:
-            return self.model(xb).float()
+        return self.model(xb.to(self.dtype)).float()
 
     def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None]:
         out = np.empty((spec.rows,) + self.out_shape, dtype=np.float32)
@@ -107,12 +109,14 @@ class ChunkWriter:
     def _precision_check(self, xb: torch.Tensor, yb: torch.Tensor) -> dict:
         """On the first batch: how far reduced precision is from an fp32 forward pass."""
         self.precision_checked = True
-        if not self.bf16:
+        if not self.bf16 or self.reference is None:
             return {"reduced_precision": False, "dtype": "float32"}
-        ref = self.model(xb).float()
-        diff = float((ref - yb).abs().max()) if yb.numel() else 0.0
+        ref = self.reference(xb.float().cpu()).float()
+        self.reference = None
+        diff = float((ref - yb.cpu()).abs().max()) if yb.numel() else 0.0
         log.info("precision check: max |fp32 - bf16| on the first batch = %.3g", diff)
-        return {"reduced_precision": True, "dtype": "bfloat16", "max_abs_diff": diff}
+        return {"reduced_precision": True, "dtype": "bfloat16", "max_abs_diff": diff,
+                "weights_dtype": str(self.dtype).replace("torch.", "")}
 
     def write(self, spec: pm.ChunkSpec, raw: np.ndarray, check: dict | None) -> dict:
         path = self.pdir / f"{spec.stem}.npy"
@@ -158,8 +162,12 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         raise UserError(f"checkpoint step-{request['step']} of {run.path} is missing or fails "
                         f"verification; see 'enn-submit verify {run.path}'")
     x = np.load(pdir / pm.INPUT, mmap_mode="r")
-    model = load_replica(run, cfg, chosen, x.shape[1:], lanes)
-    writer = ChunkWriter(pdir, model, x, request, lanes, use_bf16(cfg, lanes.device))
+    bf16 = use_bf16(cfg, lanes.device)  # cast on the host: no fp32 weights on the GPU
+    weights = load_weights(run, cfg, chosen, x.shape[1:], lanes)
+    replica = copy.deepcopy(weights) if bf16 else weights
+    replica = replica.to(dtype=torch.bfloat16 if bf16 else torch.float32).to(lanes.device)
+    writer = ChunkWriter(pdir, replica, x, request, lanes, bf16, weights if bf16 else None)
+    del weights
     mine = pm.chunks_for_rank(pm.plan_chunks(len(x), request["chunk_rows"]), lanes.rank,
                               lanes.world_size)
     started, written, skipped = time.perf_counter(), 0, 0

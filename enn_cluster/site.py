@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -32,11 +33,11 @@ DEFAULTS: dict[str, Any] = {
     "partition": None, "account": None, "qos": None, "mounts": (), "runs_root": None,
     "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
     "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
-    "signal_grace_s": 90, "time": 60,
+    "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
 }
 
 _LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
-_INTS = ("signal_grace_s", "gpus_per_node")
+_INTS = ("signal_grace_s", "gpus_per_node", "cpus_per_task")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class SiteConfig:
     python: Optional[str] = None  # interpreter inside the container
     signal_grace_s: Optional[int] = None  # USR2 this many seconds before the time limit
     time: Optional[Union[int, str]] = None  # default time limit (minutes or Slurm time)
+    cpus_per_task: Optional[int] = None  # default: the node's CPUs / tasks per node
+    socket_ifname: Optional[str] = None  # control-plane NIC (gloo + NCCL bootstrap)
     source: Optional[str] = field(default=None, compare=False)  # the file it came from
 
     def overrides(self) -> dict[str, Any]:
@@ -114,6 +117,13 @@ def _check_values(site: SiteConfig) -> None:
             slurm_values.time_minutes(site.time, "site.time")
         if site.signal_grace_s is not None and site.signal_grace_s < 1:
             raise UserError(f"site.signal_grace_s: {site.signal_grace_s} must be >= 1 second")
+        if site.socket_ifname is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}",
+                                                               site.socket_ifname):
+            raise UserError(f"site.socket_ifname: {site.socket_ifname!r} is not an interface "
+                            "name; give one name such as eth0 or ib0 (see `ip -br link`)")
+        if site.cpus_per_task is not None and site.cpus_per_task < 1:
+            raise UserError(f"site.cpus_per_task: {site.cpus_per_task} must be >= 1; "
+                            "leave it out for the node's CPUs divided by its tasks")
         if site.gpus_per_node is not None and site.gpus_per_node < 0:
             raise UserError(f"site.gpus_per_node: {site.gpus_per_node} must be >= 0")
         for i, arg in enumerate(site.extra_sbatch_args or ()):

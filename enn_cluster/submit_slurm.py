@@ -73,6 +73,7 @@ def build_spec(args, run: RunDir, task: str, shape, max_restarts: int,
     flags = {"partition": args.partition, "account": args.account, "qos": args.qos,
              "time": args.time, "image": args.container, "python": args.python,
              "signal_grace_s": args.signal_grace,
+             "cpus_per_task": getattr(args, "cpus_per_task", None),
              "mounts": tuple(args.mounts) if args.mounts else None}
     opts = merge(DEFAULTS, load_site(args.site), flags)
     if opts["image"] is None:
@@ -84,6 +85,8 @@ def build_spec(args, run: RunDir, task: str, shape, max_restarts: int,
         run_dir=str(run.path),
         task=task, predict_name=name, nodes=getattr(args, "nodes_range", None) or shape.nodes,
         gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
+        cpus_per_task=opts["cpus_per_task"],
+        env={"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {},
         time=opts["time"], partition=opts["partition"], account=opts["account"],
         qos=opts["qos"], exclusive=bool(args.exclusive), signal_grace_s=opts["signal_grace_s"],
         container_image=None if bare else opts["image"],

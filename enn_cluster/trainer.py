@@ -28,6 +28,7 @@ from . import checkpoint_store as store
 from .config import RunConfig
 from .environment import WorkerEnv
 from .lanes import Lanes
+from .loader import BatchLoader, gather_rows
 from .metrics import MetricsLog, peak_memory_mb
 from .model_setup import autocast, build_sharded_model, gradient_sync
 from .models import compute_loss
@@ -127,6 +128,8 @@ class Trainer:
         self.pending = None
         self.stager = None  # async saves' CPU buffers, reused from save to save
         self.staging_wait_s = 0.0  # time optimizer steps waited for an async save's copy
+        self.loader = BatchLoader(lambda rows: gather_rows(self.x, self.y, rows, self.scaler),
+                                  lanes.device)
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
                                   sink=worker_sink(cfg, run, lanes.rank))
 
@@ -174,13 +177,16 @@ class Trainer:
         return None, None, None
 
     def _batch(self, x, y, rows: np.ndarray):
-        rows = np.asarray(rows)
-        xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32))
-        yb = np.asarray(y[rows])
-        if self.scaler is not None:  # train on normalised targets; prediction undoes it
-            yb = (yb.astype(np.float32) - self.scaler["mean"]) / self.scaler["std"]
+        xb, yb = gather_rows(x, y, rows, self.scaler)
         dev = self.lanes.device
-        return xb.to(dev, non_blocking=True), torch.from_numpy(np.ascontiguousarray(yb)).to(dev)
+        return xb.to(dev, non_blocking=True), yb.to(dev)
+
+    def _step_rows(self, perm: np.ndarray, pos: DataPosition) -> list[np.ndarray]:
+        """This rank's rows for each micro-batch of the optimizer step starting at `pos`."""
+        b = self.batch
+        return [micro_batch_rows(perm, pos.consumed, self.lanes.rank, b.dp_size,
+                                 b.micro_batch, k) + self.rows[0]
+                for k in range(b.accumulation)]
 
     # -- signals -------------------------------------------------------------------------
     def request_stop(self, signum: int) -> None:
@@ -226,10 +232,7 @@ class Trainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
         accum = self.batch.accumulation
-        for k in range(accum):
-            rows = micro_batch_rows(perm, self.pos.consumed, self.lanes.rank, sm.dp_size,
-                                    self.batch.micro_batch, k) + self.rows[0]
-            xb, yb = self._batch(self.x, self.y, rows)
+        for k, (xb, yb) in enumerate(self.loader.batches(self._step_rows(perm, self.pos))):
             with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
                 loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
                 (loss / accum).backward()
@@ -382,6 +385,8 @@ class Trainer:
             if self.step % GC_EVERY_STEPS == 0:
                 gc.collect()
             self.pos = advance(self.pos, self.n_rows, self.batch.global_batch)
+            if self.pos.epoch == perm_epoch:  # the next step's rows gather while this ends
+                self.loader.prefetch(self._step_rows(perm, self.pos))
             if log_step:
                 self.metrics.write("train", step=self.step, epoch=epoch_before,
                                    peak_mem_mb=round(peak_memory_mb(), 1), **stats)
@@ -402,6 +407,7 @@ class Trainer:
         return "done"
 
     def close(self) -> None:
+        self.loader.close()
         self.metrics.close()
         if self.stager is not None:
             self.stager.close()

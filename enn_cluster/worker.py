@@ -17,8 +17,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from . import control_net, nccl
 from .environment import clean_environment, discover
 from .errors import UserError
+from .exec_env import reexec_if_needed
+from .placement import place_task
 from .rundir import RunDir
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
@@ -49,6 +52,7 @@ def _attempt_tag(env) -> str:
 def _setup_logging(run: RunDir, env) -> None:
     log_dir = run.logs / _attempt_tag(env)
     log_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(nccl.flight_recorder_env(str(log_dir), os.environ))
     fmt = logging.Formatter(f"%(asctime)s rank{env.rank} %(name)s %(levelname)s %(message)s")
     root = logging.getLogger("enn_cluster")
     root.handlers.clear()
@@ -72,18 +76,20 @@ def _configure_nccl(env) -> None:
 
         if not torch.cuda.is_available():
             return
-        from . import nccl
     except ImportError:
         return
     profile = os.environ.get("ENN_NCCL_PROFILE", "auto")
     chosen = nccl.configure(os.environ, profile=profile) if hasattr(nccl, "configure") else None
     if env.rank == 0 and chosen is not None:
         log.info("NCCL profile: %s", chosen)
+    for level, line in nccl.report(os.environ, chosen or "none"):
+        getattr(log, level)(line)
 
 
 def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
              step: Optional[int] = None) -> int:
     """Run one task of the job in this process; returns the exit code."""
+    reexec_if_needed()  # the EFA plugin's library path must be there at exec
     run = RunDir(Path(run_dir).resolve())
     cfg = run.load_config()
     env = discover(os.environ)
@@ -100,11 +106,14 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     _setup_logging(run, env)
+    log.info(control_net.apply(os.environ))  # before the profile: one interface for both
     _configure_nccl(env)
     from .worker_lock import hold_run_lock
 
-    lanes = open_lanes(env, cfg.parallel.timeout_s)
+    lanes = open_lanes(env, cfg.parallel.timeout_s, cfg.parallel.rendezvous_timeout_s,
+                       cfg.checkpoint.barrier_timeout_s)
     try:
+        log.info(place_task(env, lanes.device))
         with hold_run_lock(run, env, lanes, task):
             if task == "train":
                 return _train(run, cfg, env, lanes)

@@ -112,3 +112,28 @@ def test_collect_baseline_concatenates_chunk_data(tmp_path):
     out = tmp_path / "all.npy"
     raw_concatenate(files, out, (12, 3), "<f4")
     np.testing.assert_array_equal(np.load(out), np.concatenate(parts))
+
+
+def test_gpu_bench_counts_parameters_and_skips_without_cuda(tmp_path):
+    """bench/gpu.py's FLOP formula uses the model it builds (counted on the meta device),
+    and without CUDA it reports a skip instead of failing."""
+    import torch
+
+    from bench import gpu
+    from bench.measure import BenchContext
+
+    shape = gpu.Shape(dim=64, layers=3, heads=4, vocab=100, seq=32)
+    with torch.device("meta"):
+        model = gpu.build(shape)
+    counted = sum(p.numel() for n, p in model.named_parameters()
+                  if not n.startswith(("embed.", "head.")))
+    assert counted == shape.params()
+    assert shape.flops_per_token() == 6 * shape.params() + 12 * 3 * 64 * 32
+    assert gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    with pytest.raises(ValueError, match="ENN_GPU_PEAK_TFLOPS"):
+        gpu.peak_tflops("Some GPU")
+    if not torch.cuda.is_available():
+        ctx = BenchContext(quick=True, workdir=tmp_path, root=tmp_path, python=sys.executable,
+                           repeats=1)
+        (result,) = gpu.run(ctx)
+        assert result.skipped.startswith("skipped: no CUDA") and result.verdict == "not measured"

@@ -25,9 +25,11 @@ def test_slurm_discovery_and_cleaning():
     assert (env.node_rank, env.num_nodes, env.local_world_size) == (2, 4, 2)
     assert env.master_addr == "gpu10" and env.master_port == port_for_job("4242")
     assert env.restart_count == 1
-    clean = clean_environment(environ, env)
+    clean = clean_environment(environ, env, cpus=(16, 16))
     assert clean["RANK"] == "5" and clean["WORLD_SIZE"] == "8" and clean["MASTER_ADDR"] == "gpu10"
-    assert clean["OMP_NUM_THREADS"] == "1"
+    assert clean["OMP_NUM_THREADS"] == "8"  # 16 unbound CPUs shared by 2 tasks on the node
+    bound = clean_environment({**environ, "SLURM_CPUS_PER_TASK": "12"}, env, cpus=(12, 96))
+    assert bound["OMP_NUM_THREADS"] == "12"
 
 
 def test_torchrun_and_local_discovery():

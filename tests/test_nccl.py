@@ -60,7 +60,7 @@ def test_infiniband_lists_mlx5_devices_in_natural_order(tmp_path, libfabric):
     assert found.fabric == "ib"
     env = nccl.nccl_env("auto", {}, found)
     assert env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1,mlx5_10"
-    assert env["NCCL_IB_TIMEOUT"] == "22" and env["NCCL_IB_RETRY_CNT"] == "14"
+    assert env["NCCL_IB_TIMEOUT"] == "22" and env["NCCL_IB_RETRY_CNT"] == "7"
     assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
     assert "FI_PROVIDER" not in env and "NCCL_IB_DISABLE" not in env
 
@@ -91,7 +91,7 @@ def test_efa_profile_values():
     assert env["FI_EFA_SET_CUDA_SYNC_MEMOPS"] == "0"
     assert env["FI_EFA_USE_HUGE_PAGE"] == "0"
     assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
-    assert env["LD_LIBRARY_PATH"] == "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib"
+    assert "LD_LIBRARY_PATH" not in env  # set at exec by exec_env, inside the container
     for name, value in nccl.COMMON_ENV.items():
         assert env[name] == value
 
@@ -99,19 +99,12 @@ def test_efa_profile_values():
 @pytest.mark.parametrize("profile", ["efa", "ib", "socket"])
 def test_user_set_variables_are_never_overridden(profile):
     full = nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",)))
-    names = [n for n in full if n != "LD_LIBRARY_PATH"]
+    names = list(full)
     user = {n: "user-value" for n in names}
     assert not set(nccl.nccl_env(profile, user, nccl.Interfaces(ib_devices=("mlx5_0",)))) & set(names)
     for name in names:  # one at a time, too: only that one disappears
         env = nccl.nccl_env(profile, {name: ""}, nccl.Interfaces(ib_devices=("mlx5_0",)))
         assert name not in env and set(env) == set(full) - {name}
-
-
-def test_library_path_is_only_extended():
-    env = nccl.nccl_env("efa", {"LD_LIBRARY_PATH": "/usr/local/cuda/lib64:/opt/amazon/efa/lib"})
-    assert env["LD_LIBRARY_PATH"] == "/opt/aws-ofi-nccl/lib:/usr/local/cuda/lib64:/opt/amazon/efa/lib"
-    done = "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib:/x"
-    assert "LD_LIBRARY_PATH" not in nccl.nccl_env("efa", {"LD_LIBRARY_PATH": done})
 
 
 def test_none_profile_sets_nothing_and_bad_profile_is_a_user_error():
@@ -125,7 +118,7 @@ def test_every_name_we_may_set_is_listed():
     for profile in ("efa", "ib", "socket"):
         emitted |= set(nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",))))
     assert emitted <= set(nccl.NCCL_ENV_NAMES)
-    assert emitted - {"LD_LIBRARY_PATH"} <= set(nccl.CONTAINER_ENV_NAMES)
+    assert emitted <= set(nccl.CONTAINER_ENV_NAMES)
     assert "LD_LIBRARY_PATH" not in nccl.CONTAINER_ENV_NAMES  # would replace the image's
 
 
@@ -146,3 +139,47 @@ def test_configure_applies_the_detected_profile(tmp_path, no_libfabric):
     environ = {}
     assert nccl.configure(environ, "socket", sysfs_root=root) == "socket"
     assert environ["NCCL_IB_DISABLE"] == "1"
+
+
+def test_efa_behind_the_mellanox_hook_is_found_through_dev_and_the_driver(tmp_path, no_libfabric):
+    """Enroot's Mellanox hook hides non-mlx devices from /sys/class/infiniband (p5 looked
+    like 'socket'); the EFA driver and /dev/infiniband/uverbs* still show EFA."""
+    root = make_sysfs(tmp_path / "sys", rdma=())
+    dev = tmp_path / "dev"
+    (dev / "infiniband").mkdir(parents=True)
+    for name in ("uverbs1", "uverbs0", "rdma_cm"):
+        (dev / "infiniband" / name).write_text("")
+    assert nccl.scan_interfaces(root, no_libfabric, str(dev)).fabric == "socket"  # no driver
+    (tmp_path / "sys" / "module" / "efa").mkdir(parents=True)
+    found = nccl.scan_interfaces(root, no_libfabric, str(dev))
+    assert found.fabric == "efa" and found.efa_devices == ("uverbs0", "uverbs1")
+    # an IB host with mlx5 listed stays IB even with /dev/infiniband present
+    ib_root = make_sysfs(tmp_path / "sys-ib", rdma=("mlx5_0",))
+    (tmp_path / "sys-ib" / "module" / "efa").mkdir(parents=True)
+    assert nccl.scan_interfaces(ib_root, no_libfabric, str(dev)).fabric == "ib"
+
+
+def test_flight_recorder_dumps_go_to_the_run_logs():
+    env = nccl.flight_recorder_env("/runs/r/logs/slurm-7-r0", {})
+    assert env == {"TORCH_FR_DUMP_TEMP_FILE": "/runs/r/logs/slurm-7-r0/nccl-trace-rank-",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/r/logs/slurm-7-r0/nccl-trace-rank-"}
+    assert nccl.flight_recorder_env("/x", {"TORCH_FR_DUMP_TEMP_FILE": "/y"}) == {
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/nccl-trace-rank-"}
+
+
+def test_report_names_effective_values_and_warns_where_the_image_differs():
+    environ = {**nccl.nccl_env("ib", {}), "NCCL_IB_TIMEOUT": "18", "NCCL_IB_RETRY_CNT": "14",
+               "NCCL_SOCKET_IFNAME": "=ib0", "GLOO_SOCKET_IFNAME": "ib0", "PATH": "/bin"}
+    lines = nccl.report(environ, "ib")
+    level, first = lines[0]
+    assert level == "info" and first.startswith("NCCL environment (ib): ")
+    assert "GLOO_SOCKET_IFNAME=ib0" in first and "NCCL_IB_TIMEOUT=18" in first
+    assert "PATH" not in first
+    warnings = [line for level, line in lines if level == "warning"]
+    assert warnings == [
+        "NCCL_IB_TIMEOUT=18 differs from the ib profile's 22: a value already set (the image's "
+        "ENV, or the job's) wins; unset it in the image or pass it with --container-env",
+        "NCCL_IB_RETRY_CNT=14 differs from the ib profile's 7: a value already set (the "
+        "image's ENV, or the job's) wins; unset it in the image or pass it with --container-env",
+        "out of its documented range: NCCL_IB_RETRY_CNT=14 (expected 0..7)"]
+    assert [lv for lv, _ in nccl.report(nccl.nccl_env("efa", {}), "efa")] == ["info"]

@@ -179,6 +179,7 @@ def test_constant_model_warns_of_collapse_and_bf16_is_checked(tmp_path):
     check = manifest["precision_check"]
     assert check["reduced_precision"] and check["dtype"] == "bfloat16"
     assert 0.0 <= check["max_abs_diff"] < 0.05
+    assert check["weights_dtype"] == "bfloat16"  # cast on load, not autocast over fp32
     got = cli("collect", run, "--out", tmp_path / "y.npy")
     assert got.returncode == 0, got.stderr
     assert "near-constant" in got.stderr and "max |fp32 - bfloat16|" in got.stderr

@@ -107,7 +107,7 @@ def test_rendered_script_launches_the_worker_with_the_submitit_flags(stub, run_d
     env = stub.env
     assert env["FI_PROVIDER"] == "efa" and env["ENN_NCCL_PROFILE"] == "efa"
     assert env["MASTER_PORT"] == str(20000 + 4242 % 20000)
-    assert env["LD_LIBRARY_PATH"] == "/opt/amazon/efa/lib:/opt/aws-ofi-nccl/lib:/usr/lib/x"
+    assert env["LD_LIBRARY_PATH"] == "/usr/lib/x"  # the worker sets it at exec (exec_env)
     assert stub.scontrol == []
 
 
@@ -227,8 +227,10 @@ def test_admin_template_runs_from_environment_variables(stub, run_dir, image):
     assert done.returncode == 2 and "absolute or ./ path" in done.stderr
     done = stub.run(template, ENN_RUN_DIR=run_dir, ENN_PREDICT_NAME="p", ENN_IMAGE=image,
                     ENN_MOUNTS="/d:/d:ro", ENN_SRUN_ARGS="--cpu-bind=none --label",
-                    ENN_GPUS_PER_NODE="4", ENN_PYTHON="/opt/conda/bin/python")
+                    ENN_GPUS_PER_NODE="4", ENN_PYTHON="/opt/conda/bin/python",
+                    SLURM_CPUS_ON_NODE="64")
     assert done.returncode == 0, done.stderr
+    assert stub.env["SRUN_CPUS_PER_TASK"] == "16"  # 64 CPUs / 4 tasks
     spec = JobSpec(job_name="j", run_dir=run_dir, task="predict", predict_name="p",
                    container_image=image, container_mounts=("/d:/d:ro",),
                    extra_srun_args=("--cpu-bind=none", "--label"), python="/opt/conda/bin/python")
@@ -236,3 +238,16 @@ def test_admin_template_runs_from_environment_variables(stub, run_dir, image):
                          "--ntasks-per-node=4", *job_spec.srun_args(spec)[1:],
                          *job_spec.worker_command(spec)]
     assert stub.env["ENN_NCCL_PROFILE"] == "auto"
+
+
+@pytest.mark.parametrize("cpus_per_task,preset,expected", [
+    (None, None, "12"),  # 96 CPUs on the node / 8 tasks
+    (10, None, "10"),  # --cpus-per-task or site.cpus_per_task
+    (None, "3", "3"),  # the submitter's own SRUN_CPUS_PER_TASK is kept
+])
+def test_cpus_per_task_reaches_srun(stub, run_dir, cpus_per_task, preset, expected):
+    spec = JobSpec(job_name="j", run_dir=run_dir, gpus_per_node=8, cpus_per_task=cpus_per_task)
+    extra = {"SRUN_CPUS_PER_TASK": preset} if preset else {}
+    done = stub.run(job_spec.render_batch_script(spec), SLURM_CPUS_ON_NODE="96", **extra)
+    assert done.returncode == 0, done.stderr
+    assert stub.env["SRUN_CPUS_PER_TASK"] == expected

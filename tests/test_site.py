@@ -72,7 +72,8 @@ def test_every_key_is_known_and_typed():
         "runs_root": "/shared/runs", "image_cache": "/shared/img", "image": "/shared/img/a.sqsh",
         "nccl_profile": "efa", "gpus_per_node": 4, "extra_sbatch_args": ["--constraint=a100"],
         "extra_srun_args": ["--cpu-bind=none"], "setup_lines": ["module load x"],
-        "python": "/usr/bin/python3", "signal_grace_s": 120, "time": 240})
+        "python": "/usr/bin/python3", "signal_grace_s": 120, "time": 240,
+        "cpus_per_task": 12, "socket_ifname": "ib0"})
     assert set(conf.overrides()) == set(site.KEYS) == set(site.DEFAULTS)
     assert conf.mounts == ("/d:/d:ro+rprivate",)
 
@@ -97,6 +98,9 @@ def test_every_key_is_known_and_typed():
     ({"image": "docker://ubuntu"}, r"site\.image: .*drop 'docker://'"),
     ({"runs_root": "runs"}, r"site\.runs_root: .*must be absolute"),
     ({"signal_grace_s": 0}, r"site\.signal_grace_s: 0 must be >= 1"),
+    ({"cpus_per_task": 0}, r"site\.cpus_per_task: 0 must be >= 1; leave it out"),
+    ({"socket_ifname": "eth0,ib0"}, r"site\.socket_ifname: 'eth0,ib0' is not an interface"),
+    ({"cpus_per_task": "8"}, r"site\.cpus_per_task: expected a whole number"),
     (["partition"], r"site: the file must be a mapping"),
 ])
 def test_bad_values_name_the_key(data, message):

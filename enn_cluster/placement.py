@@ -1,0 +1,174 @@
+"""Where a rank runs on its node: which CPUs it may use and which GPU it drives.
+
+Why: under srun every task starts with whatever CPUs and GPUs Slurm's binding gave it
+(`--cpus-per-task`, `--cpu-bind`, `--gpus-per-task`, `--gpu-bind=closest|single:1`), or
+with the whole node when nothing is bound. The decisions here are pure functions of what
+the process sees (its affinity, the visible devices, the node's NUMA layout); the worker
+applies them once and logs one line per rank saying what it got.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """Linux cpulist format ('0-3,8,10-11', as in /sys/devices/system/node/node0/cpulist)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def format_cpulist(cpus: Sequence[int]) -> str:
+    """The inverse of parse_cpulist, for log lines: [0,1,2,3,8] -> '0-3,8'."""
+    out, ordered = [], sorted(set(cpus))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def task_cpus(environ: Mapping[str, str], affinity: int, online: int, local_world: int) -> int:
+    """CPUs this task may keep busy (OMP_NUM_THREADS): what Slurm granted
+    (SLURM_CPUS_PER_TASK, never more than the affinity), else the affinity when a launcher
+    bound the task, else the node's CPUs shared among the node's tasks."""
+    granted = environ.get("SLURM_CPUS_PER_TASK", "")
+    if granted.isdigit() and int(granted) > 0:
+        return max(min(int(granted), affinity), 1)
+    if affinity < online:
+        return max(affinity, 1)
+    return max(online // max(local_world, 1), 1)
+
+
+def numa_cpus(sysfs_root: str = "/sys") -> dict[int, list[int]]:
+    """NUMA node -> its CPUs, from /sys/devices/system/node/node*/cpulist ({} if absent)."""
+    base = Path(sysfs_root) / "devices" / "system" / "node"
+    out: dict[int, list[int]] = {}
+    for node in sorted(base.glob("node[0-9]*")):
+        try:
+            out[int(node.name[4:])] = parse_cpulist((node / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def pci_numa_node(bus_id: str, sysfs_root: str = "/sys") -> int:
+    """NUMA node of a PCI device ('0000:1b:00.0'); -1 when unknown (as the kernel says)."""
+    try:
+        path = Path(sysfs_root) / "bus" / "pci" / "devices" / bus_id.lower() / "numa_node"
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return -1
+
+
+def cpu_plan(local_rank: int, rank_numa: Sequence[int], numa: Mapping[int, Sequence[int]],
+             allowed: Sequence[int]) -> list[int]:
+    """CPUs for `local_rank` when nothing bound the tasks: the ranks whose GPUs sit on one
+    NUMA node split that node's allowed CPUs evenly, in order (a rank with an unknown node,
+    -1, splits all allowed CPUs with the other unknown ones). Never empty."""
+    node = rank_numa[local_rank]
+    pool = [c for c in numa.get(node, allowed) if c in set(allowed)] or list(allowed)
+    peers = [r for r, n in enumerate(rank_numa) if n == node]
+    share = max(len(pool) // len(peers), 1)
+    k = peers.index(local_rank) % len(pool)
+    return list(pool[k * share:(k + 1) * share])
+
+
+def visible_devices(environ: Mapping[str, str], device_count: int) -> list[str]:
+    """The devices this process sees, as CUDA_VISIBLE_DEVICES names them (indices or
+    UUIDs); all `device_count` when it is unset."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return [str(i) for i in range(device_count)]
+    return [v.strip() for v in value.split(",") if v.strip()][:device_count]
+
+
+def choose_device(local_rank: int, local_world: int, device_count: int) -> int:
+    """The device index (within what is visible) a rank drives, never assuming
+    cuda:LOCAL_RANK: one visible device (--gpus-per-task=1, --gpu-bind=single:1) -> 0;
+    every node GPU visible -> LOCAL_RANK; a share bound per NUMA domain (--gpu-bind=closest
+    shows 4 of 8) -> LOCAL_RANK modulo what is visible."""
+    if device_count < 1:
+        raise ValueError("no CUDA device is visible to this task")
+    if device_count == 1:
+        return 0
+    if device_count >= local_world:
+        return local_rank
+    return local_rank % device_count
+
+
+def device_clashes(claims: Sequence[tuple[str, str]]) -> dict[str, list[int]]:
+    """Ranks (by position in `claims`) that share a device: claims are (host, device id)
+    per rank; the result maps 'host:device' to the ranks when more than one holds it."""
+    holders: dict[str, list[int]] = {}
+    for rank, (host, device) in enumerate(claims):
+        holders.setdefault(f"{host}:{device}", []).append(rank)
+    return {k: v for k, v in holders.items() if len(v) > 1}
+
+
+def use_device(device) -> None:
+    """Make `device` this thread's current CUDA device. Every thread we start calls it
+    first: a new thread's current device is 0, so pinning memory or creating a stream there
+    would put a context on GPU 0 for every rank of the node."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+
+
+def affinity() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def describe(rank: int, local_rank: int, cpus: Sequence[int], threads: int, source: str,
+             device: Optional[str] = None, numa: Optional[int] = None) -> str:
+    """The one line each rank logs about its placement (docs/admin.md shows examples)."""
+    gpu = f"gpu {device} numa {numa}" if device is not None else "gpu none"
+    return (f"placement: rank {rank} local {local_rank} {gpu} cpus {format_cpulist(cpus)} "
+            f"({len(cpus)}) threads {threads} bound-by {source}")
+
+
+def cuda_bus_ids() -> list[str]:
+    """PCI addresses of the visible CUDA devices, in torch's index order ([] on CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append(f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
+    return out
+
+
+def place_task(env, device) -> str:
+    """Bind this task's CPUs near its GPU when no launcher bound it, size torch's threads
+    to what it got, and return the log line saying so (one per rank)."""
+    import torch
+
+    cpus, online = affinity(), os.cpu_count() or 1
+    source = "launcher" if len(cpus) < online else "none"
+    bus = cuda_bus_ids() if device.type == "cuda" else []
+    node = pci_numa_node(bus[device.index]) if bus else None
+    lw = env.local_world_size
+    if source == "none" and bus and len(bus) >= lw:
+        rank_numa = [pci_numa_node(bus[choose_device(r, lw, len(bus))]) for r in range(lw)]
+        cpus = cpu_plan(env.local_rank, rank_numa, numa_cpus(), cpus)
+        os.sched_setaffinity(0, cpus)
+        source = "plan"
+    threads = task_cpus(os.environ, len(cpus), online, lw)
+    if source != "plan" and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        threads = max(int(os.environ["OMP_NUM_THREADS"]), 1)  # the user's, or the launcher's
+    torch.set_num_threads(threads)
+    visible = ",".join(visible_devices(os.environ, len(bus)))
+    name = f"{device} of [{visible}] ({bus[device.index]})" if bus else None
+    return describe(env.rank, env.local_rank, cpus, threads, source, name, node)
