@@ -104,6 +104,7 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
                                         os.environ.get("PYTHONPATH", "")),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         LOCK_HELD_VAR: "1",  # run_local holds the run lock for them
+        "ENN_LAUNCHER_PID": str(os.getpid()),  # they die with us (worker.die_with_launcher)
         "ENN_LAUNCH_ID": launch_id}
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nodes * procs_per_node,

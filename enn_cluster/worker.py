@@ -26,6 +26,7 @@ from .rundir import RunDir
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+LAUNCHER_PID_VAR = "ENN_LAUNCHER_PID"  # set by the local launcher for its workers
 log = logging.getLogger("enn_cluster.worker")
 _early_signals: list[int] = []  # stop signals that came before the trainer's handlers
 
@@ -156,11 +157,28 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
     return EXIT_OK
 
 
+def die_with_launcher(environ) -> None:
+    """Our local launcher's workers run in sessions of their own (torch's elastic agent
+    starts them so): if the launcher is killed (kill -9, a crashed login shell), the
+    kernel kills them too, instead of leaving a headless group training on, writing a
+    run whose lock is gone."""
+    launcher = environ.get(LAUNCHER_PID_VAR, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != int(launcher):  # it died before the line above
+        os._exit(128 + int(signal.SIGKILL))
+
+
 def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
               step: Optional[int] = None) -> int:
     """Every launcher's way in (the module's main, Slurm's submitit entry): the same
     signal handling and the same exit codes, 2 for bad input (never retried)."""
     install_early_stop_handlers()
+    die_with_launcher(os.environ)
     try:
         return run_task(run_dir, task, name, step)
     except UserError as exc:
