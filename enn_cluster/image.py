@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from enn_cluster import enroot_layout
+from enn_cluster import enroot_import, enroot_layout
 from enn_cluster.errors import ToolMissing, UserError
 
 KEY_FORMAT = "enn-image/1"  # bump when the image layout we produce changes
@@ -319,6 +319,12 @@ def _export_rootfs(builder: str, tag: str, rootfs: Path, env: Mapping[str, str])
         subprocess.run([builder, "rm", "-f", name], env=env, capture_output=True)
 
 
+def _inspect_config(builder: str, tag: str, env: Mapping[str, str]) -> dict:
+    """The image's config (ENV, CMD, WORKDIR, ...) from `podman/docker image inspect`."""
+    inspect = json.loads(_run([builder, "image", "inspect", tag], env).stdout)
+    return enroot_layout.image_config(inspect[0])
+
+
 def _squash_image(tools: _Tools, tag: str, out: Path, env: Mapping[str, str],
                   say: Progress) -> None:
     """Without Enroot: export the rootfs, add Enroot's files, mksquashfs it into `out`."""
@@ -329,8 +335,7 @@ def _squash_image(tools: _Tools, tag: str, out: Path, env: Mapping[str, str],
         with _stage(say, "export rootfs"):
             _export_rootfs(tools.builder, tag, rootfs, env)
         with _stage(say, "write Enroot files"):
-            inspect = json.loads(_run([tools.builder, "image", "inspect", tag], env).stdout)
-            config = enroot_layout.image_config(inspect[0])
+            config = _inspect_config(tools.builder, tag, env)
             enroot_layout.apply_layout(rootfs, config, f"{tools.builder}://{tag}")
         with _stage(say, "mksquashfs (zstd -3)"):
             _run([tools.mksquashfs, str(rootfs), str(out), "-noappend", "-all-root",
@@ -338,6 +343,21 @@ def _squash_image(tools: _Tools, tag: str, out: Path, env: Mapping[str, str],
     finally:
         subprocess.run(["chmod", "-R", "u+rwX", str(workdir)], capture_output=True)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _to_squashfs(tools: _Tools, tag: str, out: Path, env: Mapping[str, str],
+                 say: Progress) -> None:
+    """`enroot import` where it can take the image, else our own writer (same layout)."""
+    use_enroot = False
+    if tools.enroot:
+        use_enroot, why = enroot_import.uses_enroot(_inspect_config(tools.builder, tag, env))
+        if not use_enroot:
+            say(f"enn build: {why}")
+    if use_enroot:
+        with _stage(say, "enroot import"):
+            enroot_import.import_with_enroot(tools.enroot, tools.builder, tag, out, env, _run)
+    else:
+        _squash_image(tools, tag, out, env, say)
 
 
 def build_image(dockerfile: str | os.PathLike, context: str | os.PathLike,
@@ -372,17 +392,13 @@ def build_image(dockerfile: str | os.PathLike, context: str | os.PathLike,
     try:
         with _stage(say, f"{tools.builder} build"):
             args = [f"--build-arg={k}={v}" for k, v in sorted((build_args or {}).items())]
-            _run_streaming([tools.builder, "build", "-f", str(dockerfile), "-t", tag, *args,
-                            str(context)], env, say)
-        if tools.enroot:
-            scheme = "dockerd" if tools.builder == "docker" else "podman"
-            with _stage(say, "enroot import"):
-                _run([tools.enroot, "import", "-o", str(partial), f"{scheme}://{tag}"], env)
-        else:
-            _squash_image(tools, tag, partial, env, say)
+            _run_streaming([tools.builder, "build", "--force-rm", "-f", str(dockerfile),
+                            "-t", tag, *args, str(context)], env, say)
+        _to_squashfs(tools, tag, partial, env, say)
         os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)
-        subprocess.run([tools.builder, "rmi", tag], env=env, capture_output=True)
+        # -f: also the containers made from it (an import that died half-way leaves one).
+        subprocess.run([tools.builder, "rmi", "-f", tag], env=env, capture_output=True)
     say(f"enn build: wrote {final} ({time.monotonic() - start:.1f}s)")
     return final

@@ -5,7 +5,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-pytest_plugins = ["slurm_fixture"]
+pytest_plugins = ["slurm_fixture", "pyxis_fixture"]
 
 
 import pytest  # noqa: E402

@@ -56,6 +56,7 @@ class SlurmCluster:
     conf: str
     nodes: list[str]
     env: dict[str, str] = field(repr=False)
+    pyxis: str | None = None  # None: no Pyxis; "0"/"1": Pyxis with use_squashfuse=0/1
 
     def run(self, args: str | Sequence[str], timeout: float = 60,
             **kw) -> subprocess.CompletedProcess:
@@ -99,15 +100,30 @@ class SlurmCluster:
             time.sleep(poll_s)
 
     def up(self, timeout: float = 300) -> subprocess.CompletedProcess:
-        return _cluster_sh("up", self.state_dir, str(len(self.nodes)), timeout=timeout)
+        env = {k: v for k, v in os.environ.items() if k != "ENN_SLURM_PYXIS"}
+        if self.pyxis is not None:
+            env["ENN_SLURM_PYXIS"] = self.pyxis
+        return _cluster_sh("up", self.state_dir, str(len(self.nodes)), timeout=timeout, env=env)
+
+    def reconfigure(self, pyxis: str | None) -> None:
+        """Restart the daemons with or without Pyxis (same state dir: job ids go on)."""
+        if pyxis == self.pyxis:
+            return
+        down = self.down()
+        assert down.returncode == 0, down.stderr
+        self.pyxis = pyxis
+        proc = self.up()
+        if proc.returncode == EXIT_BUSY:
+            pytest.skip(f"local Slurm cluster taken by another state dir: {proc.stderr.strip()}")
+        assert proc.returncode == 0, f"cluster.sh up (pyxis={pyxis}):\n{proc.stderr}"
 
     def down(self, timeout: float = 120) -> subprocess.CompletedProcess:
         return _cluster_sh("down", self.state_dir, timeout=timeout)
 
 
-def _cluster_sh(*args: str, timeout: float) -> subprocess.CompletedProcess:
+def _cluster_sh(*args: str, timeout: float, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", CLUSTER_SH, *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,11 @@
 # (a venv's python). Everything else (configs, munge key, state, logs, pid files) lives in
 # STATE_DIR; `source STATE_DIR/env.sh` points the Slurm clients at it.
 # Only one cluster runs at a time: `up` refuses while another STATE_DIR owns the bridge.
-# Environment knobs: ENN_SLURM_CPUS (CPUs per node, default 4), ENN_SLURM_UP_TIMEOUT (s, 60).
+# Environment knobs: ENN_SLURM_CPUS (CPUs per node, default 4), ENN_SLURM_UP_TIMEOUT (s, 60),
+# ENN_SLURM_PYXIS (unset: no containers; 0 or 1: load Pyxis with use_squashfuse=0 or 1; needs
+# ../shared/tools/pyxis-enroot/install.sh run first), ENN_PYXIS_PREFIX (/opt/enn-pyxis).
+# With Pyxis every node gets its own Enroot directories: enroot.conf.d points them at
+# PYXIS_NODE_DIR, which each slurmd's private mount namespace binds to STATE/nodelocal/nI.
 set -euo pipefail
 shopt -s nullglob
 
@@ -28,6 +32,9 @@ readonly MAX_NODES=50
 readonly CTLD_PORT=6917
 readonly CPUS_PER_NODE="${ENN_SLURM_CPUS:-4}"
 readonly UP_TIMEOUT_S="${ENN_SLURM_UP_TIMEOUT:-60}"
+readonly PYXIS="${ENN_SLURM_PYXIS:-}"
+readonly PYXIS_PREFIX="${ENN_PYXIS_PREFIX:-/opt/enn-pyxis}"
+readonly PYXIS_NODE_DIR=/var/tmp/enn-pyxis-node   # empty on the host; bound per node
 
 die() { echo "cluster.sh: error: $*" >&2; exit 1; }
 log() { echo "cluster.sh: $*" >&2; }
@@ -246,6 +253,7 @@ MinJobAge=600
 # Seconds between SIGTERM and SIGKILL when a job ends or is cancelled (Slurm's default: 30).
 KillWait=10
 InactiveLimit=0
+$(pyxis_conf_line)
 NodeName=DEFAULT CPUs=$CPUS_PER_NODE RealMemory=$MEM_PER_NODE_MB Gres=gpu:$GPUS_PER_NODE
 EOF
     for ((i = 1; i <= nodes; i++)); do
@@ -255,6 +263,35 @@ EOF
     echo "---"
     echo "AutoDetect=off"
     echo "NodeName=n[1-$nodes] Name=gpu File=$STATE/dev/nvidia[0-$((GPUS_PER_NODE - 1))]"
+}
+
+# The slurm.conf line that loads Pyxis (the plugstack file names use_squashfuse), or a comment.
+pyxis_conf_line() {
+    if [[ -z "$PYXIS" ]]; then
+        echo "# No Pyxis (ENN_SLURM_PYXIS unset)."
+    else
+        echo "# Pyxis use_squashfuse=$PYXIS"
+        echo "PlugStackConfig=$STATE/plugstack.conf"
+    fi
+}
+
+# Pyxis's plugstack line and Enroot's per-node paths (Pyxis clears the environment, so they
+# go in enroot.conf.d; PYXIS_NODE_DIR is each node's own directory, see start_slurmd).
+write_pyxis_configs() {
+    [[ "$PYXIS" == 0 || "$PYXIS" == 1 ]] || die "ENN_SLURM_PYXIS must be 0 or 1 (use_squashfuse), got '$PYXIS'"
+    local plugin="$PYXIS_PREFIX/lib/slurm/spank_pyxis.so" conf_d="$PYXIS_PREFIX/etc/enroot/enroot.conf.d"
+    [[ -f "$plugin" && -x "$PYXIS_PREFIX/bin/enroot" ]] \
+        || die "Pyxis/Enroot not installed in $PYXIS_PREFIX (run ../shared/tools/pyxis-enroot/install.sh)"
+    command -v enroot >/dev/null 2>&1 || die "enroot is not on PATH (the Pyxis epilog needs /usr/local/bin/enroot)"
+    echo "required $plugin runtime_path=$PYXIS_NODE_DIR/pyxis container_scope=job" \
+        "execute_entrypoint=0 use_squashfuse=$PYXIS" >"$STATE/plugstack.conf"
+    mkdir -p "$conf_d" "$PYXIS_NODE_DIR"
+    # shellcheck disable=SC2016  # $(id -u) is for enroot to expand
+    printf '%s\n' "# Written by enn_cluster's slurm/dev/cluster.sh: one Enroot tree per dev node." \
+        "ENROOT_RUNTIME_PATH $PYXIS_NODE_DIR/enroot/run/user-\$(id -u)" \
+        "ENROOT_CACHE_PATH   $PYXIS_NODE_DIR/enroot/cache/user-\$(id -u)" \
+        "ENROOT_DATA_PATH    $PYXIS_NODE_DIR/enroot/data/user-\$(id -u)" \
+        >"$conf_d/50-enn-dev-nodes.conf"
 }
 
 # Running daemons would not see a changed config, so a change needs down + up.
@@ -270,6 +307,7 @@ write_configs() {
     sed '/^---$/,$d' <<<"$rendered" >"$STATE/slurm.conf"
     sed '1,/^---$/d' <<<"$rendered" >"$STATE/gres.conf"
     printf 'export SLURM_CONF=%q\n' "$STATE/slurm.conf" >"$STATE/env.sh"
+    if [[ -n "$PYXIS" ]]; then write_pyxis_configs; fi
 }
 
 # ---------------------------------------------------------------- daemons
@@ -299,15 +337,22 @@ start_slurmctld() {
 }
 
 # Not `ip netns exec`: it remounts /sys and slurmd 22.05 then dies on /sys/fs/cgroup.
-# The private mount namespace (slave: host mounts still propagate in) carries the hosts file.
+# The private mount namespace (slave: host mounts still propagate in) carries the hosts file
+# and, with Pyxis, binds the node's own Enroot directory onto PYXIS_NODE_DIR.
 start_slurmd() {
-    local node="$1" ns="$NS_PREFIX${1#n}"
+    local node="$1" ns="$NS_PREFIX${1#n}" node_dir=""
     live_pid "$STATE/run/slurmd-$node.pid" slurmd >/dev/null && return 0
     mkdir -p "$STATE/spool/$node"
-    # shellcheck disable=SC2016  # $1 and $2 expand in the inner sh, not here
+    if [[ -n "$PYXIS" ]]; then
+        node_dir="$STATE/nodelocal/$node"
+        mkdir -p "$node_dir"
+    fi
+    # shellcheck disable=SC2016  # $1.. expand in the inner sh, not here
     nsenter --net="/run/netns/$ns" -- unshare --mount --uts --propagation slave -- \
-        sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts && exec slurmd -N "$1"' \
-        sh "$node" "$STATE/etc/hosts" </dev/null >>"$STATE/log/daemons.out" 2>&1 9>&- \
+        sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts &&
+               { [ -z "$3" ] || mount --bind "$3" "$4"; } && exec slurmd -N "$1"' \
+        sh "$node" "$STATE/etc/hosts" "$node_dir" "$PYXIS_NODE_DIR" \
+        </dev/null >>"$STATE/log/daemons.out" 2>&1 9>&- \
         || die "slurmd $node failed: $(tail -n 5 "$STATE/log/slurmd-$node.log" 2>/dev/null)"
 }
 

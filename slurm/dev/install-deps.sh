@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Install the system packages the tests and demos need (Slurm, munge, shellcheck, podman and
-# squashfs tools). Called by `make test` on every run, so the all-installed path is a single
-# dpkg-query and no network. Only acts as root with apt-get; otherwise it says so and exits 0.
+# squashfs tools), then real Enroot + Pyxis from ../shared/tools/pyxis-enroot where that
+# directory exists (its install.sh builds once and caches; without it the Pyxis tests skip).
+# Called by `make test` on every run, so the all-installed path is a single dpkg-query, a
+# cached install.sh (under a second) and no network. Only acts as root with apt-get;
+# otherwise it says so and exits 0.
 set -euo pipefail
 
 readonly PACKAGES=(
@@ -31,15 +34,38 @@ missing_packages() {
     done
 }
 
-mapfile -t missing < <(missing_packages)
-if [[ "${#missing[@]}" == 0 ]]; then
-    exit 0
-fi
+install_packages() {
+    local missing
+    mapfile -t missing < <(missing_packages)
+    [[ "${#missing[@]}" != 0 ]] || return 0
+    echo "install-deps: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # Another apt run (a background install, a second `make test`) may hold the dpkg lock: wait.
+    local apt_opts=(-o DPkg::Lock::Timeout=300 -o Dpkg::Use-Pty=0)
+    apt-get "${apt_opts[@]}" update -qq
+    apt-get "${apt_opts[@]}" install -y -qq --no-install-recommends "${missing[@]}"
+    echo "install-deps: done"
+}
 
-echo "install-deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-# Another apt run (a background install, a second `make test`) may hold the dpkg lock: wait.
-readonly APT_OPTS=(-o DPkg::Lock::Timeout=300 -o Dpkg::Use-Pty=0)
-apt-get "${APT_OPTS[@]}" update -qq
-apt-get "${APT_OPTS[@]}" install -y -qq --no-install-recommends "${missing[@]}"
-echo "install-deps: done"
+# Enroot + Pyxis from the shared tools beside the checkout; its log only when it fails.
+install_pyxis_enroot() {
+    local repo_root script log
+    repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+    script="$repo_root/../shared/tools/pyxis-enroot/install.sh"
+    if [[ ! -f "$script" ]]; then
+        echo "install-deps: no ../shared/tools/pyxis-enroot: Pyxis/Enroot tests will skip"
+        return 0
+    fi
+    log="$(mktemp)"
+    if ! bash "$script" >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        echo "install-deps: error: $script failed" >&2
+        return 1
+    fi
+    grep -F 'built enroot' "$log" || true
+    rm -f "$log"
+}
+
+install_packages
+install_pyxis_enroot
