@@ -1,0 +1,174 @@
+"""The container path for real: Pyxis + Enroot on the local Slurm cluster run our image.
+
+Every job here starts its tasks in the squashfs that `enn-submit build` made from
+containers/Dockerfile (the `test_image` fixture: built once per session, cached by hash).
+The cluster runs Pyxis with use_squashfuse=1 (what docs/admin.md recommends) unless a test
+asks for 0. Python in the image is Debian's 3.11.2; the host's may differ.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import ROOT, cli, metrics, small_config, write_config
+from pyxis_fixture import IMAGE_CACHE, build_test_image
+
+pytestmark = [pytest.mark.slurm, pytest.mark.podman]
+
+
+def _slurm(image: Path) -> tuple[str, ...]:
+    return ("--cluster", "slurm", "--container", str(image), "--time", "10")
+
+
+def _submit(*args) -> str:
+    res = cli(*args, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.strip().splitlines()[-1]
+
+
+# Issue 15 item 2, fixed on another branch: Debian's Python 3.11.2 (this image's) pickles
+# DCP metadata enums through builtins.getattr, which our metadata allow-list refuses, so a
+# checkpoint written inside the container cannot be loaded yet. Until that fix is merged,
+# exactly that failure (found in the job's logs) turns the loading step into an xfail.
+PY3112_METADATA = "refers to builtins.getattr"
+
+
+def _xfail_if_py3112_metadata(run: Path, what: str) -> None:
+    logs = "".join(p.read_text(errors="replace") for p in run.rglob("*.err"))
+    logs += "".join(p.read_text(errors="replace") for p in run.rglob("*.log"))
+    if PY3112_METADATA in logs:
+        pytest.xfail(f"{what}: checkpoint metadata pickled by Python 3.11.2 ({PY3112_METADATA}); "
+                     "issue 15 item 2")
+
+
+def _started_in_container(cluster, job: str) -> bool:
+    """slurmd's log on either node names Pyxis starting this job's container."""
+    logs = Path(cluster.state_dir, "log").glob("slurmd-n*.log")
+    text = "".join(p.read_text(errors="replace") for p in logs)
+    return bool(re.search(rf"\[{job}\.\d+\].*pyxis", text)) or f"pyxis_{job}" in text
+
+
+def test_train_2x2_in_the_container_then_resume_on_one_node(pyxis_cluster, test_image, tmp_path):
+    cluster = pyxis_cluster(1)
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "ct", training={"epochs": 2}))
+    job = _submit("train", "--config", cfg, *_slurm(test_image), "--nodes", "2",
+                  "--gpus-per-node", "2", "--wait")
+    run = tmp_path / "runs" / "ct"
+    cluster.wait_job(job, ("COMPLETED",), timeout=240)
+    log = (run / "logs" / f"slurm-{job}-r0" / "rank-3.log").read_text()
+    assert "worker rank 3/4 local 1 node 1" in log and "host n2" in log, log
+    assert _started_in_container(cluster, job)
+    assert metrics(run, "train")[-1]["step"] == 28
+    res = cli("resume", run, *_slurm(test_image), "--nodes", "1", "--gpus-per-node", "2",
+              "--set", "training.epochs=3", "--wait", timeout=300)
+    if res.returncode != 0:
+        _xfail_if_py3112_metadata(run, "resume in the container")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resume = metrics(run, "resume")[-1]
+    assert (resume["step"], resume["from_world"], resume["world_size"]) == (28, 4, 2)
+    assert metrics(run, "train")[-1]["step"] == 28 + 28
+    assert cli("verify", run).returncode == 0
+
+
+def test_predict_in_the_container_then_collect_equals_local(pyxis_cluster, test_image, tmp_path):
+    cluster = pyxis_cluster(1)
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "cp", training={"epochs": 1}))
+    trained = cli("train", "--config", cfg, "--nodes", "1", "--procs-per-node", "2")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run = tmp_path / "runs" / "cp"
+    x = np.random.default_rng(5).standard_normal((200, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    job = _submit("predict", run, "--input", tmp_path / "x.npy", "--name", "box",
+                  "--chunk-rows", "40", *_slurm(test_image), "--nodes", "2",
+                  "--gpus-per-node", "2", "--wait")
+    cluster.wait_job(job, ("COMPLETED",), timeout=240)
+    assert _started_in_container(cluster, job)
+    local = cli("predict", run, "--input", tmp_path / "x.npy", "--name", "local",
+                "--chunk-rows", "40", "--nodes", "1", "--procs-per-node", "3")
+    assert local.returncode == 0, local.stderr[-3000:]
+    for name in ("box", "local"):
+        got = cli("collect", run, "--name", name, "--out", tmp_path / f"{name}.npy")
+        assert got.returncode == 0, got.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "box.npy"), np.load(tmp_path / "local.npy"))
+
+
+def _sbatch_template(cluster, template: str, env: dict, *flags: str) -> str:
+    proc = cluster.run(["sbatch", "--parsable", *flags, str(ROOT / "slurm" / template)],
+                       env={**cluster.env, **env})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, test_image,
+                                                                tmp_path):
+    """slurm/*.sbatch with ENN_* variables, as an admin submits them, on a run (and a staged
+    prediction) made the way `enn-submit train` / `predict` make them before submitting."""
+    from enn_cluster.config import load_config
+    from enn_cluster.launch import prepare_run, shape_from_flags
+    from enn_cluster.prediction_request import prepare_prediction
+
+    cluster = pyxis_cluster(1)
+    cfg = load_config(str(write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "adm", training={"epochs": 1}))))
+    run = prepare_run(cfg, shape_from_flags(cfg, 2, 0, 2))
+    shape = ("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--time=10", "--mem=1G",
+             "--exclusive=user", f"--output={tmp_path}/%x-%j.out")
+    env = {"ENN_RUN_DIR": str(run.path), "ENN_IMAGE": str(test_image), "ENN_MAX_RESTARTS": "0"}
+    job = _sbatch_template(cluster, "train.sbatch", env, *shape)
+    cluster.wait_job(job, ("COMPLETED",), timeout=240)
+    assert _started_in_container(cluster, job)
+    assert metrics(run.path, "train")[-1]["step"] == 14
+    np.save(tmp_path / "x.npy", np.ones((30, 8), np.float32))
+    prepare_prediction(run, str(tmp_path / "x.npy"), name="hand", chunk_rows=10)
+    job = _sbatch_template(cluster, "predict.sbatch", {**env, "ENN_PREDICT_NAME": "hand"}, *shape)
+    if cluster.wait_job(job, ("COMPLETED", "FAILED"), timeout=240) == "FAILED":
+        _xfail_if_py3112_metadata(run.path, "predict from a checkpoint written in the container")
+    assert cluster.job_state(job)[0] == "COMPLETED"
+    got = cli("collect", run.path, "--name", "hand", "--out", tmp_path / "hand.npy")
+    assert got.returncode == 0, got.stderr
+    assert np.load(tmp_path / "hand.npy").shape[0] == 30
+
+
+def _podman_leftovers() -> tuple[list[str], list[str]]:
+    """(enroot's extraction containers, our build tags) still in podman."""
+    names = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    tags = subprocess.run(["podman", "images", "--format", "{{.Repository}}:{{.Tag}}"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    return ([n for n in names if n.startswith("enroot.")],
+            [t for t in tags if t.startswith("localhost/enn-cluster:")])
+
+
+def test_images_from_enroot_import_and_from_our_writer_both_start(pyxis_cluster, test_image,
+                                                                  dev_base_image, tmp_path):
+    """The session image came from our writer: the dev base has no CMD, which `enroot
+    import` cannot take. The same Dockerfile with a CMD goes through `enroot import` (podman,
+    no docker: the shim answers its `docker rm`), exits 0 and leaves nothing in podman.
+    That image is cached beside the session image (same key rules), so it is built once."""
+    cluster = pyxis_cluster(1)
+    dockerfile = IMAGE_CACHE / "Dockerfile.with-cmd"
+    dockerfile.write_text((ROOT / "containers/Dockerfile").read_text() + 'CMD ["/bin/sh"]\n')
+    before = _podman_leftovers()
+    imported, log = build_test_image(IMAGE_CACHE, dev_base_image, dockerfile)
+    if "up to date" not in log:  # built now, not by an earlier session
+        assert "enn build: enroot import" in log and "no CMD" not in log, log
+        assert _podman_leftovers() == before
+    assert imported != test_image
+    assert _cat(imported, "etc/environment") == _cat(test_image, "etc/environment")
+    probe = "import enn_cluster, torch, os; print(os.uname().nodename, torch.__version__)"
+    for image in (test_image, imported):
+        proc = cluster.run(["srun", "-N2", "--ntasks-per-node=1", f"--container-image={image}",
+                            "--no-container-mount-home", "python3", "-c", probe], timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert sorted(line.split()[0] for line in lines) == ["n1", "n2"], proc.stdout
+        assert all(line.split()[1].startswith("2.13.0") for line in lines), proc.stdout
+
+
+def _cat(sqsh: Path, path: str) -> str:
+    return subprocess.run(["unsquashfs", "-cat", str(sqsh), path], capture_output=True,
+                          text=True, check=True).stdout
