@@ -239,7 +239,9 @@ def submitit_parameters(spec: JobSpec) -> dict:
     """Keyword arguments for `AutoExecutor(...).update_parameters(**...)` on Slurm (names
     checked against submitit 1.5.4's `_make_sbatch_string` signature)."""
     lo, hi = spec.node_range
-    extra: dict = {"requeue": True, "open-mode": "append"}
+    # B: the warning goes to the batch shell alone (stop_request.py says why)
+    extra: dict = {"requeue": True, "open-mode": "append",
+                   "signal": f"B:USR2@{spec.signal_grace_s}"}
     if lo != hi:
         extra["nodes"] = f"{lo}-{hi}"
     if spec.mem_gb == 0:
@@ -279,7 +281,7 @@ def sbatch_lines(spec: JobSpec) -> list[str]:
             ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
             ("account", spec.account), ("qos", spec.qos),
             ("exclusive", True if spec.exclusive else None), ("requeue", True),
-            ("open-mode", "append"), ("signal", f"USR2@{spec.signal_grace_s}"),
+            ("open-mode", "append"), ("signal", f"B:USR2@{spec.signal_grace_s}"),
             ("output", f"{spec.run_dir}/logs/%x-%j.out"),
             *(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)]
     return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}"

@@ -36,6 +36,7 @@ from .rundir import RunDir
 from .sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows, shard_rows)
 from .schedule import lr_at, plan_batch, replanned_total, total_steps
 from .staging import open_array, read_manifest
+from .stop_request import StopPoller
 from .tracking import worker_sink
 
 log = logging.getLogger("enn_cluster.trainer")
@@ -371,12 +372,14 @@ class Trainer:
         every = cfg.checkpoint.every_steps
         perm_epoch, perm = -1, None
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
+        stop_file = StopPoller(self.run.path, self.env.job_id, self.env.rank)  # batch shell's USR2
         while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
             self._maybe_inject_fault()
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
             pending_open = self.pending is not None and not self.pending.done()
+            self.stop_requested = self.stop_requested or int(stop_file.poll())
             log_step = (self.step + 1) % cfg.logging.every_steps == 0
             stats = self.train_step(perm, (self.stop_requested, pending_open), log_step)
             stop, still_open = stats.pop("agreed")

@@ -170,7 +170,7 @@ def test_admin_templates(task):
     assert host in shipped, "the host-side snippet must be embedded verbatim"
     default = re.search(r'ENN_CONTAINER_ENV="\$\{ENN_CONTAINER_ENV:-([^}]*)\}"', shipped).group(1)
     assert default == ",".join(nccl.CONTAINER_ENV_NAMES)
-    for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=USR2@90",
+    for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:USR2@90",
                  "#SBATCH --ntasks-per-node=8", "#SBATCH --exclusive"):
         assert line in shipped
 

@@ -202,7 +202,7 @@ def test_submitit_parameters_through_make_sbatch_string(tmp_path):
     kwargs["mem"] = f"{kwargs['mem']}GB"
     text = _make_sbatch_string(command="python3 -u -m submitit.core._submit /f",
                                folder=str(tmp_path), **kwargs)
-    for line in ("#SBATCH --nodes=2-4", "#SBATCH --requeue", "#SBATCH --signal=USR2@90",
+    for line in ("#SBATCH --nodes=2-4", "#SBATCH --requeue", "#SBATCH --signal=B:USR2@90",
                  "#SBATCH --ntasks-per-node=8", "#SBATCH --constraint=a100",
                  "#SBATCH --open-mode=append", "#SBATCH --account=ml"):
         assert line in text

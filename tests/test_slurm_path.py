@@ -81,12 +81,18 @@ def test_a_node_range_resumes_exactly_on_the_nodes_granted(slurm_cluster, baseli
     assert_same_run(run, baseline, resumed_at_world=2)
 
 
-def test_usr2_checkpoints_requeues_on_the_host_and_resumes(slurm_cluster, tmp_path):
+def _train_until_step_20(tmp_path, name: str, max_steps: int) -> tuple[str, Path]:
+    """A 2x2 bare-metal job (no checkpoint before the end) that has trained 20 steps."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "pre", training={"max_steps": 400}, checkpoint={"every_steps": 1000}))
+        tmp_path, name, training={"max_steps": max_steps}, checkpoint={"every_steps": 1000}))
     job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--gpus-per-node", "2")
-    run = tmp_path / "runs" / "pre"
+    run = tmp_path / "runs" / name
     _wait_train_step(run, 20)
+    return job, run
+
+
+def test_usr2_checkpoints_requeues_on_the_host_and_resumes(slurm_cluster, tmp_path):
+    job, run = _train_until_step_20(tmp_path, "pre", 400)
     res = slurm_cluster.run(["scancel", "--signal=USR2", job])
     assert res.returncode == 0, res.stderr
     _release_requeued(slurm_cluster, job)
@@ -164,3 +170,20 @@ def test_api_trains_and_predicts_on_slurm_like_the_cli(slurm_cluster, tmp_path, 
     assert local.returncode == 0, local.stderr[-3000:]
     assert cli("collect", run.path, "--name", "local", "--out", tmp_path / "local.npy").returncode == 0
     np.testing.assert_array_equal(np.load(tmp_path / "local.npy"), from_cli)
+
+
+def test_slurm_side_requeue_leaves_no_stale_marker(slurm_cluster, tmp_path):
+    """Issue 15 item 4: `scontrol requeue` TERMs the tasks (they checkpoint and leave
+    requeue/JOB) while the batch shell dies before its EXIT trap can consume that marker.
+    The next attempt clears it first: it trains to the end and is not requeued again."""
+    job, run = _train_until_step_20(tmp_path, "srq", 300)
+    res = slurm_cluster.run(["scontrol", "requeue", job])
+    assert res.returncode == 0, res.stderr
+    _release_requeued(slurm_cluster, job)
+    # a requeue by the EXIT trap would end this attempt REQUEUED/PENDING, never COMPLETED
+    assert slurm_cluster.wait_job(job, ("COMPLETED",), timeout=180) == "COMPLETED"
+    state, text = slurm_cluster.job_state(job)
+    assert state == "COMPLETED" and "Restarts=1" in text, text
+    assert metrics(run, "train")[-1]["step"] == 300
+    assert not (run / "requeue" / job).exists()
+    assert not (run / "requeue" / f"stop-{job}").exists()

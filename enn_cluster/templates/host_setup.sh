@@ -26,4 +26,30 @@ enn_requeue_if_asked() {
   scontrol requeue "$SLURM_JOB_ID" || echo "enn: scontrol requeue $SLURM_JOB_ID failed; resubmit to continue from the checkpoint" >&2
 }
 trap enn_requeue_if_asked EXIT
+# Stop requests reach the workers through the run directory, never as a step signal: under
+# Pyxis with use_squashfuse=1 a step signal also kills Enroot's fuse daemons ("Bus error").
+# Slurm's warning (--signal=B:USR2@N) and `scancel --batch --signal=USR2 JOB` reach this
+# shell only; the trap records RUN_DIR/requeue/stop-JOB_ID, which rank 0 polls every step.
+# What an earlier attempt of this job id left (a Slurm-side requeue kills this shell before
+# its EXIT trap runs) must neither stop nor requeue this attempt.
+enn_stop_file="$ENN_RUN_DIR/requeue/stop-$SLURM_JOB_ID"
+rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
+enn_request_stop() {
+  mkdir -p -- "$ENN_RUN_DIR/requeue" && date +%s > "$enn_stop_file"
+  echo "enn: USR2: asked the workers to checkpoint and stop" >&2
+}
+trap enn_request_stop USR2
+# srun runs in the background while this shell waits, so that the USR2 trap runs at once
+# (bash runs traps only between commands). A function, so submitit's srun line uses it too.
+srun() {
+  local pid rc
+  command srun "$@" &
+  pid=$!
+  while :; do
+    wait "$pid" && rc=0 || rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  rm -f -- "$enn_stop_file"
+  return "$rc"
+}
 # <<< host
