@@ -23,7 +23,9 @@ from .slurm_values import (_NAME, _fail, _int, _nodes, check_line, check_srun_ar
 
 TASKS = ("train", "predict")
 WORKER_MODULE = "enn_cluster.worker"
-DEFAULT_MAX_RESTARTS = 20
+# Failure retries when nobody chose: the same for the CLI (parallel.max_restarts) and the
+# admin templates (ENN_MAX_RESTARTS); tests pin all three together.
+DEFAULT_MAX_RESTARTS = 0
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
     """Everything one job needs; lists become tuples and 'none' image becomes None."""

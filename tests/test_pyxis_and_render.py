@@ -223,3 +223,15 @@ def test_any_text_survives_the_quoting(tmp_path_factory, values, arg):
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().split("\0")[:-1] == [f"--comment={arg}", *values]
     assert not any(cwd.iterdir())
+
+
+def test_one_failure_retry_default_for_cli_and_admin_templates():
+    """Issue 15 item 6: the CLI (parallel.max_restarts), JobSpec and slurm/*.sbatch agree."""
+    from enn_cluster.config import ParallelConfig
+    from enn_cluster.job_spec import DEFAULT_MAX_RESTARTS
+
+    assert ParallelConfig().max_restarts == DEFAULT_MAX_RESTARTS
+    for name in ("train.sbatch", "predict.sbatch"):
+        text = (ROOT / "slurm" / name).read_text()
+        assert f'ENN_MAX_RESTARTS="${{ENN_MAX_RESTARTS:-{DEFAULT_MAX_RESTARTS}}}"' in text
+        assert f"ENN_MAX_RESTARTS ({DEFAULT_MAX_RESTARTS})" in text
