@@ -37,13 +37,22 @@ def submit_to_slurm(args, run: RunDir, task: str, shape, restarts: int,
 
 
 def wait_for_job(job_id: str, poll_s: float = 1.0) -> int:
-    """Block until the job leaves Slurm's live states; 0 only when it COMPLETED."""
-    from .slurm_state import LIVE_STATES, job_state
+    """Block until the job leaves Slurm's live states, printing each new state and reason;
+    0 only when it COMPLETED. A job Slurm will never start as asked is cancelled at once."""
+    from .slurm_state import LIVE_STATES, cancel, describe, job_state, never_starts
 
+    shown = None
     while True:
         state = job_state(job_id)
+        if describe(state) != shown:
+            shown = describe(state)
+            print(f"Slurm job {job_id}: {shown}", file=sys.stderr, flush=True)
+        if never_starts(state):
+            cancel(job_id)
+            raise UserError(f"Slurm job {job_id} can never start: Reason={state['reason']} "
+                            "(beyond the partition's, account's or QOS's limits); cancelled "
+                            "it: ask for fewer nodes, GPUs or less --time, or another --partition")
         if state["state"] not in LIVE_STATES:
-            print(f"Slurm job {job_id}: {state['state']}", file=sys.stderr)
             return 0 if state["state"] == "COMPLETED" else 1
         time.sleep(poll_s)
 

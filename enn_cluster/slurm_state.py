@@ -13,6 +13,27 @@ LIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "R
                "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
 
 
+# Pending reasons that no amount of waiting changes: the request exceeds what the partition,
+# account or QOS allow, or asks for features no node has (Slurm's default EnforcePartLimits=NO
+# accepts such jobs and leaves them pending forever).
+NEVER_STARTS = frozenset({
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+    "AccountNotAllowed", "QOSNotAllowed", "InvalidAccount", "InvalidQOS",
+    "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit", "QOSMaxGRESPerJob",
+    "QOSMaxCpuPerJobLimit", "AssocMaxNodesPerJobLimit", "AssocMaxWallDurationPerJobLimit"})
+
+
+def describe(state: dict) -> str:
+    """'PENDING (Reason=Priority)' or 'RUNNING': what `--wait` prints when it changes."""
+    reason = state.get("reason")
+    return f"{state['state']} (Reason={reason})" if reason and reason != "None" else state["state"]
+
+
+def never_starts(state: dict) -> bool:
+    """A pending job Slurm will never start as asked (see NEVER_STARTS)."""
+    return state["state"] == "PENDING" and state.get("reason") in NEVER_STARTS
+
+
 def parse_scontrol(text: str) -> dict:
     """`scontrol show job -o ID` -> {"JobState": ..., "Restarts": ..., ...}."""
     fields = {}

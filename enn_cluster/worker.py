@@ -70,12 +70,23 @@ def _setup_logging(run: RunDir, env) -> None:
              socket.gethostname(), env.launcher, env.restart_count)
 
 
+def _say_cpu_only(env, torch_version: str) -> None:
+    """GPUs were asked for (Slurm gave this node some) but this torch has no CUDA: say so."""
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    if env.rank == 0 and gpus not in ("", "0"):
+        msg = (f"--gpus-per-node: the job has {gpus} GPUs per node, but torch {torch_version} "
+               "here has no CUDA (a CPU-only build?): training runs on the CPU")
+        log.warning(msg)
+        print(f"enn_cluster: {msg}", file=sys.stderr, flush=True)
+
+
 def _configure_nccl(env) -> None:
     """On GPU nodes, pick the fabric profile unless the user set the variables."""
     try:
         import torch
 
         if not torch.cuda.is_available():
+            _say_cpu_only(env, torch.__version__)
             return
     except ImportError:
         return

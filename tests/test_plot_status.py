@@ -50,3 +50,13 @@ def test_plot_and_status_refuse_what_is_not_a_run(tmp_path):
         done = cli(*args)
         assert done.returncode == 2 and "RUN_DIR" in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_wait_describes_state_and_reason_and_knows_jobs_that_never_start():
+    from enn_cluster.slurm_state import describe, never_starts
+
+    assert describe({"state": "PENDING", "reason": "Priority"}) == "PENDING (Reason=Priority)"
+    assert describe({"state": "RUNNING", "reason": "None"}) == "RUNNING"
+    assert never_starts({"state": "PENDING", "reason": "PartitionTimeLimit"})
+    assert not never_starts({"state": "PENDING", "reason": "Resources"})
+    assert not never_starts({"state": "RUNNING", "reason": "PartitionTimeLimit"})

@@ -47,6 +47,9 @@ def test_train_2x2_across_two_nodes_then_resume_on_one(slurm_cluster, tmp_path):
     slurm_cluster.wait_job(job, ("COMPLETED",), timeout=120)
     log = (run / "logs" / f"slurm-{job}-r0" / "rank-3.log").read_text()
     assert "worker rank 3/4 local 1 node 1" in log and "host n2" in log and "launcher slurm" in log
+    # issue 15 item 7: GPUs asked for, a CPU-only torch: rank 0 says so
+    rank0 = (run / "logs" / f"slurm-{job}-r0" / "rank-0.log").read_text()
+    assert "the job has 2 GPUs per node, but torch" in rank0 and "no CUDA" in rank0, rank0
     status = cli("status", run)
     assert f"slurm job:       {job} COMPLETED" in status.stdout, status.stdout
     assert "last complete:   step-28" in status.stdout
@@ -187,3 +190,20 @@ def test_slurm_side_requeue_leaves_no_stale_marker(slurm_cluster, tmp_path):
     assert metrics(run, "train")[-1]["step"] == 300
     assert not (run / "requeue" / job).exists()
     assert not (run / "requeue" / f"stop-{job}").exists()
+
+
+def test_wait_shows_state_and_reason_and_fails_fast_when_the_job_can_never_start(
+        slurm_cluster, tmp_path):
+    """Issue 15 item 7: more --time than the partition allows leaves a job PENDING forever
+    (Reason=PartitionConfig); `--wait` says so, cancels it and exits 2 at once."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "never"))
+    res = cli("train", "--config", cfg, "--cluster", "slurm", "--container", "none",
+              "--partition", "short", "--time", "10", "--nodes", "1", "--gpus-per-node", "1",
+              "--wait", timeout=120)
+    assert res.returncode == 2, res.stderr
+    job = res.stdout.strip().splitlines()[-1]
+    lines = res.stderr.splitlines()
+    assert f"Slurm job {job}: PENDING (Reason=PartitionConfig)" in lines, res.stderr
+    assert f"Slurm job {job} can never start: Reason=PartitionConfig" in lines[-1], res.stderr
+    state = slurm_cluster.wait_job(job, ("CANCELLED",), timeout=30)
+    assert state == "CANCELLED"

@@ -260,6 +260,8 @@ EOF
         echo "NodeName=n$i NodeHostname=n$i NodeAddr=$(node_addr "$i")"
     done
     echo "PartitionName=debug Nodes=n[1-$nodes] Default=YES MaxTime=INFINITE State=UP"
+    # A job asking for more time than MaxTime stays PENDING forever (Reason=PartitionConfig).
+    echo "PartitionName=short Nodes=n[1-$nodes] MaxTime=5 State=UP"
     echo "---"
     echo "AutoDetect=off"
     echo "NodeName=n[1-$nodes] Name=gpu File=$STATE/dev/nvidia[0-$((GPUS_PER_NODE - 1))]"
@@ -362,7 +364,7 @@ wait_nodes_ready() {
     while true; do
         live_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null \
             || die "slurmctld exited: $(tail -n 5 "$STATE/log/slurmctld.log" 2>/dev/null)"
-        states="$(sinfo -h -N -o '%N %T' 2>/dev/null || true)"
+        states="$(sinfo -h -N -p debug -o '%N %T' 2>/dev/null || true)"
         ready="$(awk '$2 == "idle" || $2 == "mixed" || $2 == "allocated"' <<<"$states" | wc -l)"
         [[ "$ready" -ge "$nodes" ]] && return 0
         if [[ "$SECONDS" -ge "$deadline" ]]; then
