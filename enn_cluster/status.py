@@ -1,6 +1,7 @@
 """What a run is doing, read from its directory (and Slurm, for Slurm jobs). No torch."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from . import checkpoint_store as store
@@ -21,7 +22,7 @@ def run_status(path: Path) -> dict:
             resumes += 1
         elif kind == "start":
             start = rec
-    jobs = run.jobs()
+    jobs = with_unrecorded_slurm_jobs(run.jobs(), _slurm_log_dirs(run))
     status = {
         "run_dir": str(run.path),
         "last_step": last_train["step"] if last_train else None,
@@ -42,6 +43,32 @@ def run_status(path: Path) -> dict:
 
         status["slurm"] = job_state(str(slurm_jobs[-1]["job_id"]))
     return status
+
+
+_SLURM_ATTEMPT = re.compile(r"^slurm-(\d+)-r\d+$")  # worker log dirs: slurm-<job>-r<restart>
+
+
+def _slurm_log_dirs(run: RunDir) -> list[tuple[str, float]]:
+    """(name, mtime) of the workers' per-attempt log directories."""
+    if not run.logs.is_dir():
+        return []
+    return [(d.name, d.stat().st_mtime) for d in run.logs.iterdir() if d.is_dir()]
+
+
+def with_unrecorded_slurm_jobs(jobs: list[dict], log_dirs: list[tuple[str, float]]) -> list[dict]:
+    """`jobs` plus the Slurm jobs only the workers' logs know (slurm/*.sbatch submitted by
+    hand records nothing in jobs.jsonl), in time order."""
+    known = {str(j.get("job_id")) for j in jobs}
+    found: dict[str, float] = {}
+    for name, mtime in log_dirs:
+        match = _SLURM_ATTEMPT.match(name)
+        if match and match.group(1) not in known:
+            found[match.group(1)] = max(mtime, found.get(match.group(1), 0.0))
+    if not found:
+        return jobs
+    extra = [{"kind": "slurm", "job_id": job, "time": t, "source": "logs"}
+             for job, t in found.items()]
+    return sorted(jobs + extra, key=lambda j: j.get("time", 0.0))
 
 
 def _live_lock(run: RunDir):

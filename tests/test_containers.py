@@ -122,6 +122,8 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
     cluster.wait_job(job, ("COMPLETED",), timeout=240)
     assert _started_in_container(cluster, job)
     assert metrics(run.path, "train")[-1]["step"] == 14
+    status = cli("status", run.path)  # issue 15 item 8: the job came from a template
+    assert f"slurm job:       {job} COMPLETED" in status.stdout, status.stdout
     np.save(tmp_path / "x.npy", np.ones((30, 8), np.float32))
     prepare_prediction(run, str(tmp_path / "x.npy"), name="hand", chunk_rows=10)
     job = _sbatch_template(cluster, "predict.sbatch", {**env, "ENN_PREDICT_NAME": "hand"}, *shape)

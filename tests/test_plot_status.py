@@ -60,3 +60,15 @@ def test_wait_describes_state_and_reason_and_knows_jobs_that_never_start():
     assert never_starts({"state": "PENDING", "reason": "PartitionTimeLimit"})
     assert not never_starts({"state": "PENDING", "reason": "Resources"})
     assert not never_starts({"state": "RUNNING", "reason": "PartitionTimeLimit"})
+
+
+def test_status_knows_slurm_jobs_that_only_left_worker_logs():
+    """Issue 15 item 8: a job from slurm/*.sbatch records nothing in jobs.jsonl."""
+    from enn_cluster.status import with_unrecorded_slurm_jobs
+
+    recorded = [{"kind": "slurm", "job_id": "5", "time": 10.0}]
+    dirs = [("slurm-5-r0", 11.0), ("slurm-9-r0", 20.0), ("slurm-9-r1", 30.0), ("local-r0", 40.0),
+            ("slurm-7-r0", 5.0)]
+    jobs = with_unrecorded_slurm_jobs(recorded, dirs)
+    assert [(j["job_id"], j["time"]) for j in jobs] == [("7", 5.0), ("5", 10.0), ("9", 30.0)]
+    assert with_unrecorded_slurm_jobs(recorded, [("slurm-5-r1", 50.0)]) == recorded
