@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint import staging
 
 from . import checkpoint as ckpt
 from .lanes import Lanes
@@ -25,19 +25,23 @@ from .lanes import Lanes
 SLOW_STAGING = "ENN_FAULT_SLOW_STAGING_S"  # tests: the copy starts this late (seconds)
 
 
-def new_stager() -> DefaultStager:
+def new_stager():
     """Staging buffers live as long as the trainer: a second save copies into the first's
-    memory instead of faulting in fresh pages (pinned on GPU hosts)."""
+    memory instead of faulting in fresh pages (pinned on GPU hosts). DefaultStager came in
+    torch 2.9; before it, DCP's stock BlockingAsyncStager makes a fresh CPU copy per save."""
+    default, options = getattr(staging, "DefaultStager", None), getattr(staging, "StagingOptions", None)
+    if default is None or options is None:
+        return staging.BlockingAsyncStager(cache_staged_state_dict=False)
     pinned = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+    return default(options(use_pinned_memory=pinned, use_shared_memory=False,
+                           use_async_staging=False, use_non_blocking_copy=False))
 
 
 class PendingSave:
     """One checkpoint being written in the background."""
 
     def __init__(self, step: int, root: Path, state: dict, snap: ckpt.Snapshot,
-                 lanes: Lanes, stager: DefaultStager, keep_last: Optional[int]) -> None:
+                 lanes: Lanes, stager, keep_last: Optional[int]) -> None:
         self.step = step
         self.error: Optional[BaseException] = None
         self._staged = threading.Event()
@@ -73,7 +77,7 @@ class PendingSave:
 
 
 def save_async(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: Lanes,
-               stager: DefaultStager, keep_last: Optional[int] = None) -> PendingSave:
+               stager, keep_last: Optional[int] = None) -> PendingSave:
     """Start writing step-N; the state dict is taken now, between steps, while FSDP's
     parameters are sharded (a forward would swap in the unsharded ones)."""
     return PendingSave(step, root, ckpt.state_of(model, optimizer), ckpt.snapshot(trainer_state),
