@@ -32,7 +32,7 @@ def test_render_equals_the_script_slurm_runs(slurm_cluster, tmp_path):
     run = tmp_path / "runs" / "same"
     after = _render(run)
     assert stored.stdout == after == before
-    assert f"python3 -u -m submitit.core._submit {run}/slurm/%j" in after
+    assert f" -u -m submitit.core._submit {run}/slurm/%j\n" in after
     assert "#SBATCH --nodes=1-2" in after and "ENN_MAX_RESTARTS=3" in after
 
 
