@@ -29,7 +29,8 @@ def new_stager():
     """Staging buffers live as long as the trainer: a second save copies into the first's
     memory instead of faulting in fresh pages (pinned on GPU hosts). DefaultStager came in
     torch 2.9; before it, DCP's stock BlockingAsyncStager makes a fresh CPU copy per save."""
-    default, options = getattr(staging, "DefaultStager", None), getattr(staging, "StagingOptions", None)
+    default = getattr(staging, "DefaultStager", None)
+    options = getattr(staging, "StagingOptions", None)
     if default is None or options is None:
         return staging.BlockingAsyncStager(cache_staged_state_dict=False)
     pinned = torch.cuda.is_available()

@@ -67,8 +67,8 @@ def _storage_dtypes() -> dict:
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "TypedStorage is deprecated"
-        for name in dir(torch):
-            dtype = getattr(getattr(torch, name), "dtype", None) if name.endswith("Storage") else None
+        for name in (n for n in dir(torch) if n.endswith("Storage")):
+            dtype = getattr(getattr(torch, name), "dtype", None)
             if isinstance(dtype, torch.dtype):
                 out[name] = dtype
     return out
