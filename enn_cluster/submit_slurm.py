@@ -128,6 +128,11 @@ def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
     from .slurm_state import job_alive
     from .tracking import ensure_run
 
+    import shutil
+
+    if shutil.which("sbatch") is None:
+        raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
+                        "login node (`enn-submit render` shows the script from anywhere)")
     _check_lock(run, job_alive)
     ensure_run(run, run.load_config())  # exported to the job with the environment
     executor = slurm_executor(spec, submitit_folder(run.path))

@@ -46,3 +46,17 @@ def test_render_is_the_submitit_script_and_writes_nothing(tmp_path):
     assert f"--output={tmp_path}/runs/dry/slurm/%j/%j_0_log.out" in text
     assert " --container-image=/shared/images/enn.sqsh " in text
     assert list(tmp_path.iterdir()) == [tmp_path / "run.yaml"]
+
+
+def test_render_needs_no_slurm_and_submit_says_where_to_run(tmp_path):
+    """With no srun or sbatch on PATH, render prints the same script; train --cluster
+    slurm refuses in one line (exit 2) and leaves no run behind."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "noslurm"))
+    bare = cli("render", cfg, *FLAGS, env={"PATH": "/nonexistent"})
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout == _render(cfg)
+    res = cli("train", "--config", cfg, "--cluster", "slurm", *FLAGS,
+              env={"PATH": "/nonexistent"})
+    assert res.returncode == 2 and "no sbatch on this machine" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs" / "noslurm").exists()
