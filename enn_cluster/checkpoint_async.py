@@ -25,14 +25,28 @@ from .lanes import Lanes
 SLOW_STAGING = "ENN_FAULT_SLOW_STAGING_S"  # tests: the copy starts this late (seconds)
 
 
+class _StockStager:
+    """DCP's BlockingAsyncStager (a fresh CPU copy per save), with the `close()` that
+    DefaultStager has and torch 2.8's BlockingAsyncStager lacks."""
+
+    def __init__(self) -> None:
+        self._inner = staging.BlockingAsyncStager(cache_staged_state_dict=False)
+
+    def stage(self, state: dict) -> dict:
+        return self._inner.stage(state)
+
+    def close(self) -> None:
+        getattr(self._inner, "close", lambda: None)()
+
+
 def new_stager():
     """Staging buffers live as long as the trainer: a second save copies into the first's
     memory instead of faulting in fresh pages (pinned on GPU hosts). DefaultStager came in
-    torch 2.9; before it, DCP's stock BlockingAsyncStager makes a fresh CPU copy per save."""
+    torch 2.9; before it, DCP's stock BlockingAsyncStager does the copy."""
     default = getattr(staging, "DefaultStager", None)
     options = getattr(staging, "StagingOptions", None)
     if default is None or options is None:
-        return staging.BlockingAsyncStager(cache_staged_state_dict=False)
+        return _StockStager()
     pinned = torch.cuda.is_available()
     return default(options(use_pinned_memory=pinned, use_shared_memory=False,
                            use_async_staging=False, use_non_blocking_copy=False))
