@@ -31,7 +31,7 @@ test: venv system-deps
 # is not part of `make test`. PIP_CONFIG_FILE=/dev/null: no site pip config (a local
 # find-links or constraint file must not swap in another torch); the version check proves it.
 FLOOR_TORCH ?= 2.9.1
-FLOOR_VENV ?= .venv-floor
+FLOOR_VENV ?= .venv-floor-$(FLOOR_TORCH)
 FLOOR_TESTS ?= tests/test_trainer_units.py tests/test_dcp_io.py tests/test_async_checkpoint.py \
 	tests/test_train_local.py tests/test_predict.py tests/test_crash_during_checkpoint.py \
 	tests/test_sampler_staging_store.py tests/test_torch_range.py
@@ -55,4 +55,4 @@ bench: venv
 	$(BIN)/python -m bench.run
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info demo-runs
+	rm -rf $(VENV) .venv-floor* build *.egg-info demo-runs
