@@ -30,7 +30,7 @@ test: venv system-deps
 # wheel is a CUDA build (several GB with its nvidia-* dependencies) that runs on CPU, so this
 # is not part of `make test`. PIP_CONFIG_FILE=/dev/null: no site pip config (a local
 # find-links or constraint file must not swap in another torch); the version check proves it.
-FLOOR_TORCH ?= 2.9.1
+FLOOR_TORCH ?= 2.8.0
 FLOOR_VENV ?= .venv-floor-$(FLOOR_TORCH)
 FLOOR_TESTS ?= tests/test_trainer_units.py tests/test_dcp_io.py tests/test_async_checkpoint.py \
 	tests/test_train_local.py tests/test_predict.py tests/test_crash_during_checkpoint.py \
@@ -41,7 +41,7 @@ FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp
 
 $(FLOOR_STAMP): pyproject.toml
 	$(PY) -m venv $(FLOOR_VENV)
-	PIP_CONFIG_FILE=/dev/null $(FLOOR_VENV)/bin/pip install -q $(if $(FLOOR_CERT),--cert $(FLOOR_CERT)) \
+	PIP_CONFIG_FILE=/dev/null $(FLOOR_VENV)/bin/python -m pip install -q $(if $(FLOOR_CERT),--cert $(FLOOR_CERT)) \
 		--default-timeout 180 "torch==$(FLOOR_TORCH)" -e '.[dev]'
 	$(FLOOR_VENV)/bin/python -c "import sys, torch; v = torch.__version__.split('+')[0]; \
 		sys.exit(0 if v == '$(FLOOR_TORCH)' else 'torch ' + v + ' installed, not $(FLOOR_TORCH)')"
