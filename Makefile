@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps demo test bench clean
+.PHONY: venv system-deps demo test test-torch-floor bench clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m venv $(VENV)
@@ -26,8 +26,33 @@ demo: venv
 test: venv system-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
+# The lowest torch we claim (pyproject.toml) runs the core tests in its own venv. PyPI's
+# wheel is a CUDA build (several GB with its nvidia-* dependencies) that runs on CPU, so this
+# is not part of `make test`. PIP_CONFIG_FILE=/dev/null: no site pip config (a local
+# find-links or constraint file must not swap in another torch); the version check proves it.
+FLOOR_TORCH ?= 2.8.0
+FLOOR_VENV ?= .venv-floor-$(FLOOR_TORCH)
+FLOOR_TESTS ?= tests/test_trainer_units.py tests/test_dcp_io.py tests/test_async_checkpoint.py \
+	tests/test_train_local.py tests/test_predict.py tests/test_crash_during_checkpoint.py \
+	tests/test_sampler_staging_store.py tests/test_torch_range.py
+FLOOR_CERT := $(wildcard /etc/ssl/certs/ca-certificates.crt)
+
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp
+
+$(FLOOR_STAMP): pyproject.toml
+	$(PY) -m venv $(FLOOR_VENV)
+	PIP_CONFIG_FILE=/dev/null $(FLOOR_VENV)/bin/python -m pip install -q $(if $(FLOOR_CERT),--cert $(FLOOR_CERT)) \
+		--default-timeout 180 "torch==$(FLOOR_TORCH)" -e '.[dev]'
+	$(FLOOR_VENV)/bin/python -c "import sys, torch; v = torch.__version__.split('+')[0]; \
+		sys.exit(0 if v == '$(FLOOR_TORCH)' else 'torch ' + v + ' installed, not $(FLOOR_TORCH)')"
+	touch $@
+
+test-torch-floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -m pytest -q -ra -m 'not slurm and not podman and not slow' \
+		$(FLOOR_TESTS) $(PYTEST_ARGS)
+
 bench: venv
 	$(BIN)/python -m bench.run
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo-runs
+	rm -rf $(VENV) .venv-floor* build *.egg-info demo-runs

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint import staging
 
 from . import checkpoint as ckpt
 from .lanes import Lanes
@@ -26,21 +26,40 @@ from .placement import use_device
 SLOW_STAGING = "ENN_FAULT_SLOW_STAGING_S"  # tests: the copy starts this late (seconds)
 
 
-def new_stager() -> DefaultStager:
+class _StockStager:
+    """DCP's BlockingAsyncStager (a fresh CPU copy per save), with the `close()` that
+    DefaultStager has and torch 2.8's BlockingAsyncStager lacks."""
+
+    def __init__(self) -> None:
+        self._inner = staging.BlockingAsyncStager(cache_staged_state_dict=False)
+
+    def stage(self, state: dict) -> dict:
+        return self._inner.stage(state)
+
+    def close(self) -> None:
+        getattr(self._inner, "close", lambda: None)()
+
+
+def new_stager():
     """Staging buffers live as long as the trainer: a second save copies into the first's
     memory instead of faulting in fresh pages. On GPU hosts they are pinned and the copies
     are non-blocking, on the checkpoint thread's side stream (torch then synchronises the
-    device, which blocks only that thread)."""
+    device, which blocks only that thread). DefaultStager came in torch 2.9; before it,
+    DCP's stock BlockingAsyncStager does the copy."""
+    default = getattr(staging, "DefaultStager", None)
+    options = getattr(staging, "StagingOptions", None)
+    if default is None or options is None:
+        return _StockStager()
     cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
+    return default(options(use_pinned_memory=cuda, use_shared_memory=False,
+                           use_async_staging=False, use_non_blocking_copy=cuda))
 
 
 class PendingSave:
     """One checkpoint being written in the background."""
 
     def __init__(self, step: int, root: Path, state: dict, snap: ckpt.Snapshot,
-                 lanes: Lanes, stager: DefaultStager, keep_last: Optional[int]) -> None:
+                 lanes: Lanes, stager, keep_last: Optional[int]) -> None:
         self.step = step
         self.error: Optional[BaseException] = None
         self._staged = threading.Event()
@@ -80,7 +99,7 @@ class PendingSave:
             raise self.error
 
 
-def _stage(stager: DefaultStager, state: dict, device, ready) -> dict:
+def _stage(stager, state: dict, device, ready) -> dict:
     """Copy to the staging buffers; on CUDA on a side stream of this thread, after the
     event that marks the end of the step the state comes from."""
     if ready is None:
@@ -92,7 +111,7 @@ def _stage(stager: DefaultStager, state: dict, device, ready) -> dict:
 
 
 def save_async(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: Lanes,
-               stager: DefaultStager, keep_last: Optional[int] = None) -> PendingSave:
+               stager, keep_last: Optional[int] = None) -> PendingSave:
     """Start writing step-N; the state dict is taken now, between steps, while FSDP's
     parameters are sharded (a forward would swap in the unsharded ones)."""
     return PendingSave(step, root, ckpt.state_of(model, optimizer), ckpt.snapshot(trainer_state),

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the site's image_cache, "
                    "or ~/.cache/enn_cluster/images; on a cluster: the shared filesystem)")
     p.add_argument("--build-arg", dest="build_args", action="append", default=[],
-                   metavar="KEY=VALUE", help="e.g. BASE_IMAGE=nvcr.io/nvidia/pytorch:25.03-py3")
+                   metavar="KEY=VALUE", help="e.g. BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3")
     p.add_argument("--builder", choices=("podman", "docker"), default=None)
     p.add_argument("--site", default=None, help="site config YAML (its image_cache)")
 

@@ -58,10 +58,11 @@ def wait_for_job(job_id: str, poll_s: float = 1.0) -> int:
 
 
 def cmd_render(args) -> int:
-    """Print the exact batch script a job for this run would use (dry run, nothing written)."""
+    """Print, byte for byte, the batch script `train`/`resume`/`predict --cluster slurm`
+    would hand to sbatch for this run (dry run, nothing written)."""
     from .config import load_config
-    from .job_spec import render_batch_script
     from .launch import shape_from_flags
+    from .submit_slurm import batch_script, slurm_executor, submitit_folder
     from .rundir import run_dir_for
 
     target = Path(args.target)
@@ -76,7 +77,7 @@ def cmd_render(args) -> int:
 
     spec_run = run if (run.path / "config.yaml").exists() else _ConfigOnlyRun(run.path, cfg)
     spec = _spec(args, spec_run, args.task, shape, restarts, args.name)
-    sys.stdout.write(render_batch_script(spec))
+    sys.stdout.write(batch_script(slurm_executor(spec, submitit_folder(run.path))))
     return 0
 
 

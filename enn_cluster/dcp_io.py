@@ -25,7 +25,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from .checksum import RunningChecksum
 from .torch_save_layout import DESCRIPTOR_MAX, descriptor_ok
@@ -41,14 +40,20 @@ _crc_lock = threading.Lock()
 
 @contextmanager
 def _zip_crc_off():
-    """torch.save's per-record CRC costs as much as writing the bytes; ours covers them."""
+    """torch.save's per-record CRC costs as much as writing the bytes; ours covers them.
+    A torch without the switch writes the CRC as before."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    put = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or put is None:
+        yield
+        return
     with _crc_lock:
-        before = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
+        before = get()
+        put(False)
         try:
             yield
         finally:
-            torch.serialization.set_crc32_options(before)
+            put(before)
 
 
 class _HashingStream:
@@ -146,6 +151,14 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The requested chunk of a saved tensor (what DCP's reader slices out, with public ops)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if length < t.size(dim):
+            t = t.narrow(dim, offset, length)
+    return t
+
+
 def _read_exact(fd: int, views: list, pos: int) -> None:
     """preadv until every buffer is full; a short file is a truncated checkpoint."""
     views = [v for v in views if len(v)]
@@ -194,13 +207,13 @@ class SafeFileSystemReader(FileSystemReader):
         """Read one tensor's bytes front to back straight into its destination; False
         when they are not one contiguous range (DCP's own path takes those)."""
         info = self.storage_data[req.storage_index]
-        if req.type != LoadItemType.TENSOR or info.transform_descriptors:
+        if req.type != LoadItemType.TENSOR or getattr(info, "transform_descriptors", None):
             return False
         head = os.pread(fd, min(_HEAD, info.length), info.offset)
         layout = layout_of(head)
         if layout is None or not layout.little_endian:
             return False
-        part = narrow_tensor_by_index(layout.saved, req.storage_offsets, req.lengths)
+        part = _narrow(layout.saved, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         start = layout.data_start + part.storage_offset() * part.element_size()
         nbytes = part.numel() * part.element_size()

@@ -216,11 +216,32 @@ def cpu_lines(spec: JobSpec) -> list[str]:
             f'[ -n "${{SRUN_CPUS_PER_TASK+x}}" ] || export SRUN_CPUS_PER_TASK={value}']
 
 
+SRUN_BASE_FLAGS = ("--kill-on-bad-exit=1",)
+
+
 def srun_args(spec: JobSpec) -> list[str]:
-    """srun arguments before the interpreter: Pyxis flags, then the user's extras."""
+    """srun arguments before the interpreter: ours, Pyxis flags, then the user's extras."""
     flags = pyxis.srun_container_flags(spec.container_image, spec.mounts,
                                        spec.container_workdir, spec.env_names)
-    return ["--kill-on-bad-exit=1", *flags, *spec.extra_srun_args]
+    return [*SRUN_BASE_FLAGS, *flags, *spec.extra_srun_args]
+
+
+def srun_shell_lines() -> list[str]:
+    """`srun_args` as bash over the admin templates' ENN_* variables: their `srun` block,
+    generated from the same flag list (`admin_template` puts it in)."""
+    lines = [f"enn_srun_args+=({' '.join(SRUN_BASE_FLAGS)})", 'if [ -n "$ENN_IMAGE" ]; then',
+             "  # The run directory is mounted at its own path: the worker reads RUN_DIR inside."]
+    for flag, _, value, optional in pyxis.CONTAINER_FLAGS:
+        add = f'enn_srun_args+=("{flag}={value}")' if value else f"enn_srun_args+=({flag})"
+        lines += [f'  if [ -n "{value}" ]; then', f"    {add}", "  fi"] if optional \
+            else [f"  {add}"]
+    return lines + ["fi", 'enn_srun_args+=("${enn_srun_extra[@]}")']
+
+
+def admin_template(text: str) -> str:
+    """A checked-in admin template with its `srun` block generated (tests hold
+    enn_cluster/templates/ and slurm/ to this; ENN_UPDATE_GOLDEN=1 rewrites them)."""
+    return replace_block(text, "srun", srun_shell_lines())
 
 
 def worker_command(spec: JobSpec) -> list[str]:

@@ -157,21 +157,34 @@ def check_env_names(names: Iterable[str], field: str = "--container-env") -> tup
     return tuple(out)
 
 
+# The Pyxis flags of a job, in srun order: (flag, value key, the value in the admin
+# templates' shell, given only when non-empty). srun_container_flags fills them from Python
+# values (the submitit path); job_spec.srun_shell_lines writes them as bash over the
+# templates' ENN_* variables. One list, so the two ways a job reaches srun cannot drift.
+CONTAINER_FLAGS = (
+    ("--container-image", "image", "$ENN_IMAGE", False),
+    ("--container-mounts", "mounts", "${ENN_MOUNTS:+$ENN_MOUNTS,}$ENN_RUN_DIR:$ENN_RUN_DIR", False),
+    ("--container-workdir", "workdir", "$ENN_WORKDIR", True),
+    ("--no-container-mount-home", "no_home", None, False),
+    ("--container-env", "env", "$ENN_CONTAINER_ENV", True),
+)
+
+
 def srun_container_flags(image: Optional[str], mounts: Sequence[Union[Mount, str]] = (),
                          workdir: Optional[str] = None, env_names: Iterable[str] = (),
                          *, mount_home: bool = False) -> list[str]:
-    """Pyxis flags for srun, in a fixed order; [] for bare metal (no container)."""
+    """Pyxis flags for srun, in CONTAINER_FLAGS order; [] for bare metal (no container)."""
     if is_bare_metal(image):
         return []
-    flags = [f"--container-image={check_image(image)}"]
     parsed = [m if isinstance(m, Mount) else parse_mount(m) for m in mounts]
-    if parsed:
-        flags.append("--container-mounts=" + ",".join(str(m) for m in parsed))
-    if workdir:
-        flags.append(f"--container-workdir={check_path(workdir, '--container-workdir')}")
-    if not mount_home:
-        flags.append("--no-container-mount-home")
-    names = check_env_names(env_names)
-    if names:
-        flags.append("--container-env=" + ",".join(names))
+    values = {"image": check_image(image), "mounts": ",".join(str(m) for m in parsed),
+              "workdir": check_path(workdir, "--container-workdir") if workdir else "",
+              "no_home": not mount_home, "env": ",".join(check_env_names(env_names))}
+    flags = []
+    for flag, key, _, _ in CONTAINER_FLAGS:
+        value = values[key]
+        if value is True:
+            flags.append(flag)
+        elif value:
+            flags.append(f"{flag}={value}")
     return flags

@@ -98,19 +98,53 @@ def build_spec(args, run: RunDir, task: str, shape, max_restarts: int,
         extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
 
 
-def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
-    """Submit and record; refuse while another live job holds the run."""
+def submitit_folder(run_dir: Path) -> Path:
+    """Where submitit keeps a job's pickles and logs; the batch script names it."""
+    return Path(run_dir) / "slurm" / "%j"
+
+
+def slurm_executor(spec, folder: Path):
+    """The submitit executor that submits `spec`, and that `render` asks for the script.
+    Building it needs no srun here (submitit checks for one; sbatch is what needs Slurm)."""
+    import shutil
+
     import submitit
+    from submitit.slurm.slurm import SlurmExecutor
 
     from .job_spec import submitit_executor_kwargs, submitit_parameters
+
+    original = SlurmExecutor.__dict__["affinity"]
+    if shutil.which("srun") is None:
+        SlurmExecutor.affinity = classmethod(lambda cls: 2)
+    try:
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
+                                         **submitit_executor_kwargs(spec))
+    finally:
+        SlurmExecutor.affinity = original
+    executor.update_parameters(**submitit_parameters(spec))
+    return executor
+
+
+def batch_script(executor) -> str:
+    """The exact text `executor.submit` writes and hands to sbatch: submitit's own
+    rendering with the command it submits (`enn-submit render` prints this)."""
+    inner = executor._executor
+    return inner._make_submission_file_text(inner._submitit_command_str, "")
+
+
+def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
+    """Submit and record; refuse while another live job holds the run."""
     from .slurm_state import job_alive
     from .tracking import ensure_run
 
+    import shutil
+
+    if shutil.which("sbatch") is None:
+        raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
+                        "login node (`enn-submit render` shows the script from anywhere)")
     _check_lock(run, job_alive)
     ensure_run(run, run.load_config())  # exported to the job with the environment
-    executor = submitit.AutoExecutor(folder=run.path / "slurm" / "%j", cluster="slurm",
-                                     **submitit_executor_kwargs(spec))
-    executor.update_parameters(**submitit_parameters(spec))
+    executor = slurm_executor(spec, submitit_folder(run.path))
     try:
         with run_umask():  # sbatch hands it to the job (SLURM_UMASK): what the tasks write
             job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,

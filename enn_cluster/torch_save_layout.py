@@ -11,10 +11,12 @@ follows the tensor bytes, so a wrong offset cannot go unnoticed.
 """
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import struct
 from dataclasses import dataclass
+import warnings
 from typing import Optional
 
 import torch
@@ -58,7 +60,18 @@ def _rebuild(storage, offset, size, stride, *_):
     return ("tensor", storage, offset, tuple(size), tuple(stride))
 
 
-_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+@functools.lru_cache(maxsize=None)
+def _storage_dtypes() -> dict:
+    """'FloatStorage' -> torch.float32, ...: the legacy storage class names torch.save
+    pickles, read from torch's public classes (each still carries its dtype)."""
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "TypedStorage is deprecated"
+        for name in (n for n in dir(torch) if n.endswith("Storage")):
+            dtype = getattr(getattr(torch, name), "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                out[name] = dtype
+    return out
 
 
 class _LayoutUnpickler(pickle.Unpickler):
@@ -70,8 +83,8 @@ class _LayoutUnpickler(pickle.Unpickler):
             return _rebuild
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+        if module == "torch" and name in _storage_dtypes():
+            return _storage_dtypes()[name]
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor record")
 
     def persistent_load(self, saved_id):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster import job_spec
 from enn_cluster.job_spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,17 +50,7 @@ def golden_specs():
 
 
 def make_submitit_script(spec: JobSpec, folder: str) -> str:
-    """submitit 1.5.4's own rendering of our parameters, through the real executor."""
-    from submitit import AutoExecutor
-    from submitit.slurm.slurm import SlurmExecutor
+    """submitit 1.5.4's own rendering of our parameters, through the executor that submits."""
+    from enn_cluster.submit_slurm import batch_script, slurm_executor
 
-    original = SlurmExecutor.affinity
-    SlurmExecutor.affinity = classmethod(lambda cls: 2)  # no srun needed to build a script
-    try:
-        executor = AutoExecutor(folder=folder, cluster="slurm",
-                                **job_spec.submitit_executor_kwargs(spec))
-    finally:
-        SlurmExecutor.affinity = original
-    executor.update_parameters(**job_spec.submitit_parameters(spec))  # rejects unknown names
-    inner = executor._executor
-    return inner._make_submission_file_text(inner._submitit_command_str, "uid")
+    return batch_script(slurm_executor(spec, folder))

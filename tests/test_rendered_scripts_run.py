@@ -101,7 +101,7 @@ def test_rendered_script_launches_the_worker_with_the_submitit_flags(stub, run_d
     done = stub.run(job_spec.render_batch_script(spec), LD_LIBRARY_PATH="/usr/lib/x")
     assert done.returncode == 0, done.stderr
     log = f"--output={run_dir}/logs/%x-%j-r0.log"
-    assert stub.argv == ["--kill-on-bad-exit=1", log, *job_spec.srun_args(spec)[1:],
+    assert stub.argv == [log, *job_spec.srun_args(spec),
                          "python3", "-m", "enn_cluster.worker", run_dir, "--task", "train"]
     assert f"--container-mounts=/shared/data:/data:ro,{run_dir}:{run_dir}" in stub.argv
     env = stub.env
@@ -234,8 +234,8 @@ def test_admin_template_runs_from_environment_variables(stub, run_dir, image):
     spec = JobSpec(job_name="j", run_dir=run_dir, task="predict", predict_name="p",
                    container_image=image, container_mounts=("/d:/d:ro",),
                    extra_srun_args=("--cpu-bind=none", "--label"), python="/opt/conda/bin/python")
-    assert stub.argv == ["--kill-on-bad-exit=1", f"--output={run_dir}/logs/%x-%j-r0.log",
-                         "--ntasks-per-node=4", *job_spec.srun_args(spec)[1:],
+    assert stub.argv == [f"--output={run_dir}/logs/%x-%j-r0.log",
+                         "--ntasks-per-node=4", *job_spec.srun_args(spec),
                          *job_spec.worker_command(spec)]
     assert stub.env["ENN_NCCL_PROFILE"] == "auto"
 

@@ -159,7 +159,7 @@ def test_site_runs_root_gpus_and_image_cache_reach_the_job(tmp_path):
     built.write_bytes(b"hsqs")  # where `enn-submit build` puts the squashfs of these sources
     done = cli(*args, cwd=work)
     assert done.returncode == 0, done.stderr
-    assert f"ENN_IMAGE={built}\n" in done.stdout
+    assert f" --container-image={built} " in done.stdout
     assert "#SBATCH --ntasks-per-node=4" in done.stdout and "#SBATCH --partition=gpu" in done.stdout
     # train: the run directory goes to the site's runs_root (the config names none)
     train = cli("train", "--config", "run.yaml", "--site", "site.yaml", "--cluster", "slurm",
