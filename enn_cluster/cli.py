@@ -239,6 +239,8 @@ def cmd_verify(args) -> int:
     from .rundir import RunDir
 
     run = RunDir(Path(args.run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     bad = 0
     steps = store.list_steps(run.checkpoints)
     if not steps:
@@ -248,7 +250,7 @@ def cmd_verify(args) -> int:
         if store.read_commit(path) is None:
             print(f"step-{step}: incomplete (no commit record), never used for resume")
             continue
-        problems = store.verify_checkpoint(path)
+        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
         bad += bool(problems)
         print(f"step-{step}: " + ("OK" if not problems else "CORRUPT: " + "; ".join(problems)))
     return 1 if bad else 0

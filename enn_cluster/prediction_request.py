@@ -55,16 +55,28 @@ def default_name(source: Any, step: int, checksum: str) -> str:
 
 
 def _choose_step(run: RunDir, step: Optional[int]) -> int:
+    """The given step, or the newest committed one, that verifies by checksum and whose
+    metadata loads: workers must never be started on a checkpoint they cannot read."""
     committed = store.committed_steps(run.checkpoints)
     if not committed:
         raise UserError(f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
                         "resume it first")
-    if step is None:
-        return committed[-1]
-    if step not in committed:
+    if step is not None and step not in committed:
         raise UserError(f"--step: step-{step} is not a complete checkpoint of {run.path}; "
                         f"choose one of {', '.join(map(str, committed))}")
-    return step
+    skipped = []
+    for cand in [step] if step is not None else committed[::-1]:
+        path = store.step_dir(run.checkpoints, cand)
+        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+        if not problems:
+            if skipped:
+                print(f"using step-{cand}: newer {', '.join(skipped)} failed verification "
+                      "(see enn-submit verify)", file=sys.stderr)
+            return cand
+        skipped.append(f"step-{cand}")
+        first = problems[0]
+    raise UserError(f"--step: {', '.join(skipped)} of {run.path} cannot be loaded ({first}); "
+                    f"run 'enn-submit verify {run.path}'")
 
 
 def _check_input(entry: dict, run: RunDir) -> None:
