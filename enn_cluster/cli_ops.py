@@ -121,22 +121,50 @@ def cmd_logs(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    """Cancel the run's live Slurm job, or stop its local launcher (SIGTERM to its pid)."""
-    from .slurm_state import cancel, job_alive
+    """Cancel the run's live Slurm job, or stop its local launcher: only a job or process
+    proven to be this run's is signalled (a forged lock or jobs.jsonl names someone else's)."""
+    from .slurm_state import job_alive
 
     run = RunDir(Path(args.run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     owner = read_lock(run)
     jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
     if jobs and job_alive(str(jobs[-1]["job_id"])):
-        cancel(str(jobs[-1]["job_id"]))
-        print(f"cancelled Slurm job {jobs[-1]['job_id']}")
-        return 0
-    if owner and owner.get("pid"):
-        try:
-            os.kill(int(owner["pid"]), signal.SIGTERM)
-            print(f"sent SIGTERM to local launcher pid {owner['pid']}")
-            return 0
-        except ProcessLookupError:
-            pass
+        return _cancel_slurm(run, str(jobs[-1]["job_id"]), jobs)
+    if owner and not owner.get("slurm_job_id"):
+        return _stop_launcher(run, owner)
     print(f"{run.path}: nothing is running")
+    return 0
+
+
+def _cancel_slurm(run: RunDir, job_id: str, jobs: list) -> int:
+    from .slurm_state import cancel, job_belongs_to_run, job_fields
+
+    fields = job_fields(job_id)
+    names = {str(j["job_name"]) for j in jobs if str(j.get("job_id")) == job_id
+             and j.get("job_name")}
+    if not job_belongs_to_run(fields, str(run.path), names):
+        raise UserError(f"jobs.jsonl: Slurm job {job_id} (name {fields.get('JobName')!r}) is not "
+                        f"this run's (neither its name nor its paths match {run.path}); "
+                        "not cancelling it: use scancel yourself if you mean it")
+    cancel(job_id)
+    print(f"cancelled Slurm job {job_id}")
+    return 0
+
+
+def _stop_launcher(run: RunDir, owner: dict) -> int:
+    import socket
+
+    from .process_identity import boot_id, identity, launcher_problem
+
+    why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
+    if why == "not running":
+        print(f"{run.path}: nothing is running (the lock's launcher has exited)")
+        return 0
+    if why is not None:
+        raise UserError(f"run.lock: not signalling pid {owner.get('pid')}: {why}; if the run "
+                        f"is not running, remove {run.lock_path}")
+    os.kill(owner["pid"], signal.SIGTERM)
+    print(f"sent SIGTERM to local launcher pid {owner['pid']}")
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import time
@@ -190,15 +191,48 @@ def update_config(run: RunDir, cfg: RunConfig) -> None:
 
 
 def lock_owner() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "time": time.time()}
+    """The launcher's lock record: enough identity for `cancel` to prove it later."""
+    from .process_identity import own_identity
+
+    return {**own_identity(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "time": time.time()}
 
 
-def read_lock(run: RunDir) -> Optional[dict]:
-    try:
-        return json.loads(run.lock_path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
-        return None
+def lock_format_problem(owner) -> Optional[str]:
+    """Why a parsed lock is not one enn-submit writes (None when it is)."""
+    if not isinstance(owner, dict):
+        return f"it holds a JSON {type(owner).__name__}, not an object"
+    if owner.get("slurm_job_id") is not None:
+        job = str(owner["slurm_job_id"])
+        return None if job.replace("_", "").isdigit() else f"slurm_job_id {job[:40]!r}"
+    if type(owner.get("pid")) is not int or owner["pid"] <= 1:
+        return f"pid {str(owner.get('pid'))[:40]!r} is not a process id above 1"
+    if not isinstance(owner.get("host"), str):
+        return "no host"
+    return None
+
+
+def read_lock(run: RunDir, settle_s: float = 0.5) -> Optional[dict]:
+    """The lock's owner, or None when there is no lock. A lock that does not parse (after
+    `settle_s` for one being written right now) is refused, never taken as absent."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            raw = run.lock_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            owner = json.loads(raw.decode("utf-8"))
+            why = lock_format_problem(owner)
+        except ValueError as exc:
+            why = f"not JSON ({str(exc)[:60]})"
+        if why is None:
+            return owner
+        if time.monotonic() >= deadline:
+            raise UserError(f"run.lock: {run.lock_path} does not parse ({why}); if no job is "
+                            f"running on this run, remove it (rm {shlex.quote(str(run.lock_path))})"
+                            " and try again")
+        time.sleep(0.05)
 
 
 def _slurm_job_alive(job_id: str) -> bool:
@@ -212,12 +246,18 @@ def _slurm_job_alive(job_id: str) -> bool:
 
 def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
     """Is the lock's owner still running? A Slurm job's lock is judged by Slurm (a job that
-    ended leaves its lock behind), a local process's by its pid on this host."""
+    ended leaves its lock behind), a local process's by its identity on this host (a pid
+    reused by another process, or a lock from before a reboot, is dead)."""
     if owner.get("slurm_job_id"):
         return (slurm_job_alive or _slurm_job_alive)(owner["slurm_job_id"])
     if owner.get("host") != socket.gethostname():
         return True  # cannot see it from here: assume alive
-    try:
+    if owner.get("boot_id"):
+        from .process_identity import boot_id, identity, launcher_problem
+
+        why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
+        return why is None
+    try:  # a lock written before locks recorded identity
         os.kill(int(owner["pid"]), 0)
     except ProcessLookupError:
         return False
@@ -233,9 +273,6 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
             fd = os.open(run.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
         except FileExistsError:
             current = read_lock(run)
-            if current is None:
-                time.sleep(0.05)  # being written right now
-                current = read_lock(run)
             if current and (current.get("slurm_job_id") and
                             current.get("slurm_job_id") == owner.get("slurm_job_id")):
                 return current  # the same Slurm job, requeued or another task
@@ -255,6 +292,9 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
 
 
 def release_lock(run: RunDir, owner: dict) -> None:
-    current = read_lock(run)
+    try:
+        current = read_lock(run, settle_s=0)
+    except UserError:
+        return  # not ours any more: whoever rewrote it clears it
     if current and current.get("pid") == owner.get("pid") and current.get("host") == owner.get("host"):
         run.lock_path.unlink(missing_ok=True)
