@@ -15,7 +15,7 @@ from typing import Any, Optional
 import yaml
 
 from .config_checks import (_check_tree, _choice, _no_secret_keys, _non_negative, _path_text,
-                            _positive, _seed, no_credentials_in_url)
+                            _positive, _seed, check_metrics_path, no_credentials_in_url)
 from .errors import UserError
 
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
@@ -176,11 +176,7 @@ class LoggingConfig:
 
     def validate(self) -> None:
         _positive("logging.every_steps", self.every_steps)
-        parts = str(self.metrics_path).split("/")
-        if not self.metrics_path or self.metrics_path.startswith("/") or ".." in parts \
-                or "\n" in self.metrics_path:
-            raise UserError(f"logging.metrics_path: {self.metrics_path!r} must be a relative "
-                            "path inside the run directory, e.g. metrics.jsonl")
+        check_metrics_path("logging.metrics_path", self.metrics_path)
         no_credentials_in_url("logging.mlflow_tracking_uri", self.mlflow_tracking_uri,
                               "MLFLOW_TRACKING_TOKEN (or _USERNAME/_PASSWORD)")
         if not self.mlflow_experiment.strip():

@@ -16,6 +16,18 @@ MAX_YAML_DEPTH = 32
 MAX_YAML_VALUES = 100_000
 
 
+_METRICS_PATH = re.compile(r"metrics\.jsonl|metrics(/[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}){1,4}\.jsonl")
+
+
+def check_metrics_path(key: str, value: str) -> None:
+    """The metrics file is `metrics.jsonl` or lies under `metrics/`: any other name in the
+    run directory may be a control file (run.lock, config.yaml, jobs.jsonl) it would corrupt."""
+    if not _METRICS_PATH.fullmatch(str(value)):
+        raise UserError(f"{key}: {str(value)[:80]!r} must be metrics.jsonl or a .jsonl file "
+                        "under metrics/ (e.g. metrics/train.jsonl); the run directory's other "
+                        "names are its control files")
+
+
 def _positive(key: str, value: Any) -> None:
     if not value > 0:
         raise UserError(f"{key}: {value!r} must be a positive integer")

@@ -123,7 +123,8 @@ DESCRIPTIONS = {
     "parallel.stop_grace_s": "After SIGTERM: exit hard if the agreed checkpoint is not "
                              "reached within this many seconds.",
     # logging
-    "logging.metrics_path": "Metrics file, relative to the run directory.",
+    "logging.metrics_path": "Metrics file: `metrics.jsonl` or a `.jsonl` file under `metrics/` "
+                            "in the run directory (never one of its control files).",
     "logging.every_steps": "Write a `train` metrics record every N steps (> 0).",
     "logging.mlflow_tracking_uri": "MLflow tracking URI; empty: no MLflow. Rank 0 logs into "
     "one MLflow run across restarts (needs the `mlflow` extra). No credentials in the URI: "
