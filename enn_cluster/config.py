@@ -15,7 +15,8 @@ from typing import Any, Optional
 import yaml
 
 from .config_checks import (_check_tree, _choice, _no_secret_keys, _non_negative, _path_text,
-                            _positive, _seed, check_metrics_path, no_credentials_in_url)
+                            _positive, _seed, check_metrics_path, check_regular_file,
+                            no_credentials_in_url)
 from .errors import UserError
 
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
@@ -358,6 +359,7 @@ def config_from_dict(data: Any) -> RunConfig:
 
 
 def read_yaml(path: str) -> dict:
+    check_regular_file("--config", path, "pass the path of a run YAML")
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)

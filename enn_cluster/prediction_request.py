@@ -22,7 +22,7 @@ from . import checkpoint_store as store
 from . import prediction_manifest as pm
 from .checksum import algorithm_of, bytes_checksum
 from .errors import UserError
-from .rundir import DIR_MODE, RunDir, atomic_write_text, fsync_dir
+from .rundir import DIR_MODE, RunDir, atomic_write_text, fsync_dir, sigterm_unwinds
 from .staging import read_manifest, stage_array
 
 DEFAULT_CHUNK_ROWS = 65536
@@ -116,8 +116,10 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     tmp = run.predictions / f".staging-{os.getpid()}-{time.time_ns()}"
     run.predictions.mkdir(mode=DIR_MODE, exist_ok=True)
     tmp.mkdir(mode=DIR_MODE)
+    key = cfg.data.x_key if str(source).endswith(".npz") else None
     try:
-        entry = stage_array(source, tmp / pm.INPUT, progress=sys.stderr)
+        with sigterm_unwinds():
+            entry = stage_array(source, tmp / pm.INPUT, key=key, progress=sys.stderr)
         _check_input(entry, run)
         name = name or default_name(source, step, entry["checksum"])
         final = run.predictions / name

@@ -17,7 +17,9 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +46,24 @@ def run_umask():
         yield
     finally:
         os.umask(old)
+
+
+@contextmanager
+def sigterm_unwinds():
+    """Within this block SIGTERM raises SystemExit(143) instead of ending the process on
+    the spot, so the `finally` blocks that remove temporary directories still run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
 def _mkdir(path: Path) -> None:
@@ -152,7 +172,7 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
         raise UserError(f"run_name: {run.path} already exists; use "
                         f"'enn-submit resume {run.path}' or pick another --set run_name=...")
     tmp = RunDir(run.path.with_name(f".{run.path.name}.creating-{os.getpid()}"))
-    with run_umask():
+    with run_umask(), sigterm_unwinds():
         try:
             run.path.parent.mkdir(parents=True, exist_ok=True)
             _mkdir(tmp.path)

@@ -57,3 +57,13 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     recs = [json.loads(line) for line in lines if line.strip()]
     return [r for r in recs if kind is None or r["kind"] == kind]
+
+
+def train_tiny(tmp: Path, name: str) -> Path:
+    """A run trained for 2 steps on 1 process with a checkpoint at step 2: its path."""
+    cfg = small_config(tmp, name, training={"max_steps": 2}, checkpoint={"every_steps": 2},
+                       parallel={"nodes": 1, "procs_per_node": 1})
+    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    done = cli("train", "--config", tmp / f"{name}.yaml", cwd=tmp)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tmp / "runs" / name

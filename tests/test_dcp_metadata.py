@@ -11,9 +11,8 @@ import sys
 import textwrap
 
 import pytest
-import yaml
 
-from helpers import ROOT, cli, small_config
+from helpers import ROOT, cli, train_tiny
 
 
 class _Py3112Pickler(pickle.Pickler):
@@ -60,13 +59,7 @@ class _Getattr:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("md")
-    cfg = small_config(tmp, "md", training={"max_steps": 2}, checkpoint={"every_steps": 2},
-                       parallel={"nodes": 1, "procs_per_node": 1})
-    (tmp / "run.yaml").write_text(yaml.safe_dump(cfg))
-    proc = cli("train", "--config", tmp / "run.yaml", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr
-    return tmp / "runs" / "md"
+    return train_tiny(tmp_path_factory.mktemp("md"), "md")
 
 
 def _input(tmp_path: pathlib.Path) -> pathlib.Path:
