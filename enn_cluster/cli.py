@@ -300,8 +300,11 @@ def cmd_plot(args) -> int:
     series = plot_series(read_metrics(run.metrics))
     if not series["loss"][0]:
         raise UserError(f"RUN_DIR: {run.metrics} has no training steps to plot yet")
-    out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
-                     title=run.path.name)
+    from .rundir import run_umask
+
+    with run_umask():  # 0640 like the rest of the run, whatever the caller's umask
+        out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
+                         title=run.path.name)
     print(out)
     return 0
 

@@ -22,7 +22,8 @@ from . import checkpoint_store as store
 from . import prediction_manifest as pm
 from .checksum import algorithm_of, bytes_checksum
 from .errors import UserError
-from .rundir import DIR_MODE, RunDir, atomic_write_text, fsync_dir, sigterm_unwinds
+from .rundir import (DIR_MODE, RunDir, atomic_write_text, fsync_dir, run_umask,
+                     sigterm_unwinds)
 from .staging import read_manifest, stage_array
 
 DEFAULT_CHUNK_ROWS = 65536
@@ -113,13 +114,20 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     if existing is not None and step is None:
         step = existing["step"]
     step = _choose_step(run, step)
+    with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
+        return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size)
+
+
+def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chunk_rows: int,
+                   batch_size: int) -> PredictionRequest:
+    """Stage the input and write the request under a temporary name, then rename it into
+    place; the temporary directory goes on every exit path."""
     tmp = run.predictions / f".staging-{os.getpid()}-{time.time_ns()}"
     run.predictions.mkdir(mode=DIR_MODE, exist_ok=True)
-    tmp.mkdir(mode=DIR_MODE)
     key = cfg.data.x_key if str(source).endswith(".npz") else None
+    tmp.mkdir(mode=DIR_MODE)
     try:
-        with sigterm_unwinds():
-            entry = stage_array(source, tmp / pm.INPUT, key=key, progress=sys.stderr)
+        entry = stage_array(source, tmp / pm.INPUT, key=key, progress=sys.stderr)
         _check_input(entry, run)
         name = name or default_name(source, step, entry["checksum"])
         final = run.predictions / name
