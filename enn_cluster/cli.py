@@ -121,21 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_train_config(args):
+    return load_flagged_config(args.config, args.overrides, args.site, args.run_name,
+                               args.runs_root)
+
+
+def load_flagged_config(config: Optional[str], overrides: list, site: Optional[str],
+                        run_name: Optional[str] = None, runs_root: Optional[str] = None):
+    """The config file, then --set (YAML values), then the name flags (verbatim strings:
+    'exp #3' stays 'exp #3', 0010 stays 0010); the site's runs_root where none is named."""
     from .config import load_config, read_yaml
 
-    overrides = list(args.overrides)
-    if args.run_name:
-        overrides.append(f"run_name={args.run_name}")
-    if args.runs_root:
-        overrides.append(f"runs_root={args.runs_root}")
-    elif not any(o.startswith("runs_root=") for o in overrides):
-        # the site's runs_root where neither the flags nor the config file name one
+    verbatim = {k: v for k, v in (("run_name", run_name), ("runs_root", runs_root))
+                if v is not None}
+    if runs_root is None and not any(o.startswith("runs_root=") for o in overrides):
         from .site import load_site
 
-        site_root = load_site(args.site).runs_root
-        if site_root and "runs_root" not in (read_yaml(args.config) if args.config else {}):
-            overrides.append(f"runs_root={site_root}")
-    return load_config(args.config, overrides)
+        site_root = load_site(site).runs_root
+        if site_root and "runs_root" not in (read_yaml(config) if config else {}):
+            verbatim["runs_root"] = site_root
+    return load_config(config, overrides, verbatim)
 
 
 def _site_shape_defaults(args) -> None:

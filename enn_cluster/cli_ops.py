@@ -50,7 +50,7 @@ def wait_for_job(job_id: str, poll_s: float = 1.0) -> int:
 
 def cmd_render(args) -> int:
     """Print the exact batch script a job for this run would use (dry run, nothing written)."""
-    from .config import load_config
+    from .cli import load_flagged_config
     from .job_spec import render_batch_script
     from .launch import shape_from_flags
     from .rundir import run_dir_for
@@ -60,7 +60,7 @@ def cmd_render(args) -> int:
         run = RunDir(target.resolve())
         cfg = run.load_config()
     else:
-        cfg = load_config(str(target), args.overrides)
+        cfg = load_flagged_config(str(target), args.overrides, args.site)
         run = run_dir_for(cfg)
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts

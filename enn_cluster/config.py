@@ -287,8 +287,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, key)
-        else:
-            kwargs[name] = _coerce(key, value, tp)
+        else:  # YAML 1.1 reads 1e-4 as text: a number, except where text is meant
+            text = tp in (str, Optional[str])
+            kwargs[name] = _coerce(key, value if text else _fix_yaml_floats(value), tp)
     return cls(**kwargs)
 
 
@@ -355,7 +356,7 @@ def _fix_yaml_floats(data: Any) -> Any:
 
 def config_from_dict(data: Any) -> RunConfig:
     _check_tree(data, "config")
-    return _build(RunConfig, _fix_yaml_floats(data), "").validate()
+    return _build(RunConfig, data, "").validate()
 
 
 def read_yaml(path: str) -> dict:
@@ -383,9 +384,11 @@ def read_yaml(path: str) -> dict:
     return data
 
 
-def load_config(path: Optional[str], overrides: list[str] = ()) -> RunConfig:
-    data = read_yaml(path) if path else {}
-    return config_from_dict(apply_overrides(data, list(overrides)))
+def load_config(path: Optional[str], overrides: list[str] = (),
+                verbatim: Optional[dict] = None) -> RunConfig:
+    """`verbatim` (top-level keys from flags that name things) are taken as given, never YAML."""
+    data = apply_overrides(read_yaml(path) if path else {}, list(overrides))
+    return config_from_dict({**data, **(verbatim or {})})
 
 
 def config_to_dict(cfg: RunConfig) -> dict:
