@@ -190,9 +190,19 @@ def cmd_resume(args) -> int:
 
     run = RunDir(Path(args.run_dir).resolve())
     cfg = run.load_config()
+    check_control_files(run)  # before prepare_resume re-freezes the config
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     cfg = prepare_resume(run, shape, args.overrides)
     return _launch(args, run, "train", shape, _max_restarts(args, cfg))
+
+
+def check_control_files(run) -> None:
+    """A hand-edited run.lock or jobs.jsonl is refused in one line before anything is
+    written (the lock would otherwise be found only after the config was re-frozen)."""
+    from .rundir import read_lock
+
+    read_lock(run)
+    run.jobs()
 
 
 def launch_run(args, run, task, shape, restarts, name=None, step=None) -> int:

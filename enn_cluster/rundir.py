@@ -139,8 +139,19 @@ class RunDir:
         if not self.config_path.exists():
             raise UserError(f"RUN_DIR: {self.path} has no config.yaml; "
                             "is it a run directory made by enn-submit train?")
-        with open(self.config_path, encoding="utf-8") as fh:
-            return config_from_dict(yaml.safe_load(fh))
+        try:
+            with open(self.config_path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
+            raise UserError(f"config.yaml: {self.config_path} does not parse "
+                            f"({type(exc).__name__}); restore it from config-history/") from None
+        if not isinstance(data, dict):
+            raise UserError(f"config.yaml: {self.config_path} is not a mapping; restore it "
+                            "from config-history/")
+        try:
+            return config_from_dict(data)
+        except UserError as exc:
+            raise UserError(f"config.yaml: {exc}") from None
 
     def record_job(self, **fields) -> None:
         """Append one launch record (job id, kind, shape); appends of one line are atomic."""
@@ -152,9 +163,15 @@ class RunDir:
     def jobs(self) -> list[dict]:
         try:
             with open(self.path / "jobs.jsonl", encoding="utf-8") as fh:
-                return [json.loads(line) for line in fh if line.strip()]
+                records = [json.loads(line) for line in fh if line.strip()]
         except FileNotFoundError:
             return []
+        except (ValueError, UnicodeDecodeError):
+            records = None
+        if records is None or not all(isinstance(r, dict) for r in records):
+            raise UserError(f"jobs.jsonl: {self.path / 'jobs.jsonl'} holds a line that is not a "
+                            "JSON object; remove that line")
+        return records
 
 
 def run_dir_for(cfg: RunConfig) -> RunDir:

@@ -347,8 +347,20 @@ def _src(path: Optional[str], key: str):
 
 
 def read_manifest(data_dir: Path) -> dict:
-    with open(Path(data_dir) / MANIFEST, encoding="utf-8") as fh:
-        return json.load(fh)
+    """The staged data's manifest; a missing or hand-edited one is one line, not a traceback."""
+    path = Path(data_dir) / MANIFEST
+    try:
+        with open(path, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise UserError(f"data/manifest.json: {path} is missing; the run's staged data is "
+                        "incomplete: make the run again") from None
+    except (ValueError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), dict):
+        raise UserError(f"data/manifest.json: {path} is not a manifest enn-submit wrote; "
+                        "make the run again")
+    return manifest
 
 
 def open_array(data_dir: Path, name: str) -> np.ndarray:
