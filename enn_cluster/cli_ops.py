@@ -102,6 +102,8 @@ def _latest_log_dir(run: RunDir) -> Path:
 
 def cmd_logs(args) -> int:
     run = RunDir(Path(args.run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     path = _latest_log_dir(run) / f"rank-{args.rank}.log"
     if not path.exists():
         raise UserError(f"--rank {args.rank}: no log at {path}")

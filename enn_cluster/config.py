@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import yaml
 
-from .config_checks import (_check_tree, _choice, _no_secret_keys, _non_negative, _path_text,
-                            _positive, _seed, check_metrics_path, check_regular_file,
+from .config_checks import (MAX_COUNT, _check_tree, _choice, _no_secret_keys, _non_negative, _path_text,
+                            _bounded, _positive, _seed, check_metrics_path, check_regular_file,
                             no_credentials_in_url)
 from .errors import UserError
 
@@ -112,8 +112,9 @@ class TrainingConfig:
     fail_rank: int = 0
 
     def validate(self) -> None:
-        _positive("training.epochs", self.epochs)
+        _bounded("training.epochs", self.epochs, MAX_COUNT)
         _non_negative("training.max_steps", self.max_steps)
+        _bounded("training.max_steps", max(self.max_steps, 1), MAX_COUNT)
         _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
         _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive("training.max_nonfinite_steps", self.max_nonfinite_steps)

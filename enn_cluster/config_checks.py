@@ -28,6 +28,14 @@ def check_metrics_path(key: str, value: str) -> None:
                         "names are its control files")
 
 
+MAX_COUNT = 10**9  # epochs and steps: far beyond any run, far below int64 step counters
+
+
+def _bounded(key: str, value: Any, most: int) -> None:
+    if not 0 < value <= most:
+        raise UserError(f"{key}: {value!r} must be a positive integer of at most {most}")
+
+
 def _positive(key: str, value: Any) -> None:
     if not value > 0:
         raise UserError(f"{key}: {value!r} must be a positive integer")
