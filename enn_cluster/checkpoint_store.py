@@ -96,6 +96,21 @@ def verify_checkpoint(path: Path) -> list[str]:
     return verify_files(path, sorted(record["files"]), record)
 
 
+def loadable_problems(path: Path) -> list[str]:
+    """What stops a checkpoint whose checksums agree from loading: its `.metadata` read
+    through the loader's own allow-list (this imports torch)."""
+    from .dcp_metadata import metadata_problem
+
+    problem = metadata_problem(path)
+    return [problem] if problem else []
+
+
+def sound_steps(root: Path) -> list[int]:
+    """Committed steps whose every file verifies and whose metadata loads, oldest first."""
+    return [s for s in committed_steps(root)
+            if not (verify_checkpoint(step_dir(root, s)) or loadable_problems(step_dir(root, s)))]
+
+
 def files_for_rank(path: Path, rank: int) -> list[str]:
     """The files one rank wrote itself (DCP names them __<rank>_<i>.distcp)."""
     ours = []

@@ -131,21 +131,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_train_config(args):
+    return load_flagged_config(args.config, args.overrides, args.site, args.run_name,
+                               args.runs_root)
+
+
+def load_flagged_config(config: Optional[str], overrides: list, site: Optional[str],
+                        run_name: Optional[str] = None, runs_root: Optional[str] = None):
+    """The config file, then --set (YAML values), then the name flags (verbatim strings:
+    'exp #3' stays 'exp #3', 0010 stays 0010); the site's runs_root where none is named."""
     from .config import load_config, read_yaml
 
-    overrides = list(args.overrides)
-    if args.run_name:
-        overrides.append(f"run_name={args.run_name}")
-    if args.runs_root:
-        overrides.append(f"runs_root={args.runs_root}")
-    elif not any(o.startswith("runs_root=") for o in overrides):
-        # the site's runs_root where neither the flags nor the config file name one
+    verbatim = {k: v for k, v in (("run_name", run_name), ("runs_root", runs_root))
+                if v is not None}
+    if runs_root is None and not any(o.startswith("runs_root=") for o in overrides):
         from .site import load_site
 
-        site_root = load_site(args.site).runs_root
-        if site_root and "runs_root" not in (read_yaml(args.config) if args.config else {}):
-            overrides.append(f"runs_root={site_root}")
-    return load_config(args.config, overrides)
+        site_root = load_site(site).runs_root
+        if site_root and "runs_root" not in (read_yaml(config) if config else {}):
+            verbatim["runs_root"] = site_root
+    return load_config(config, overrides, verbatim)
 
 
 def _site_shape_defaults(args) -> None:
@@ -214,9 +218,19 @@ def cmd_resume(args) -> int:
 
     run = RunDir(Path(args.run_dir).resolve())
     cfg = run.load_config()
+    check_control_files(run)  # before prepare_resume re-freezes the config
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     cfg = prepare_resume(run, shape, args.overrides)
     return _launch(args, run, "train", shape, _max_restarts(args, cfg))
+
+
+def check_control_files(run) -> None:
+    """A hand-edited run.lock or jobs.jsonl is refused in one line before anything is
+    written (the lock would otherwise be found only after the config was re-frozen)."""
+    from .rundir import read_lock
+
+    read_lock(run)
+    run.jobs()
 
 
 def launch_run(args, run, task, shape, restarts, name=None, step=None) -> int:
@@ -267,6 +281,8 @@ def cmd_verify(args) -> int:
     from .rundir import RunDir
 
     run = RunDir(Path(args.run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     bad = 0
     steps = store.list_steps(run.checkpoints)
     if not steps:
@@ -276,7 +292,7 @@ def cmd_verify(args) -> int:
         if store.read_commit(path) is None:
             print(f"step-{step}: incomplete (no commit record), never used for resume")
             continue
-        problems = store.verify_checkpoint(path)
+        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
         bad += bool(problems)
         print(f"step-{step}: " + ("OK" if not problems else "CORRUPT: " + "; ".join(problems)))
     return 1 if bad else 0
@@ -326,8 +342,11 @@ def cmd_plot(args) -> int:
     series = plot_series(read_metrics(run.metrics))
     if not series["loss"][0]:
         raise UserError(f"RUN_DIR: {run.metrics} has no training steps to plot yet")
-    out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
-                     title=run.path.name)
+    from .rundir import run_umask
+
+    with run_umask():  # 0640 like the rest of the run, whatever the caller's umask
+        out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
+                         title=run.path.name)
     print(out)
     return 0
 

@@ -60,7 +60,7 @@ def wait_for_job(job_id: str, poll_s: float = 1.0) -> int:
 def cmd_render(args) -> int:
     """Print, byte for byte, the batch script `train`/`resume`/`predict --cluster slurm`
     would hand to sbatch for this run (dry run, nothing written)."""
-    from .config import load_config
+    from .cli import load_flagged_config
     from .launch import shape_from_flags
     from .submit_slurm import batch_script, slurm_executor, submitit_folder
     from .rundir import run_dir_for
@@ -70,7 +70,7 @@ def cmd_render(args) -> int:
         run = RunDir(target.resolve())
         cfg = run.load_config()
     else:
-        cfg = load_config(str(target), args.overrides)
+        cfg = load_flagged_config(str(target), args.overrides, args.site)
         run = run_dir_for(cfg)
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
@@ -112,6 +112,8 @@ def _latest_log_dir(run: RunDir) -> Path:
 
 def cmd_logs(args) -> int:
     run = RunDir(Path(args.run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     path = _latest_log_dir(run) / f"rank-{args.rank}.log"
     if not path.exists():
         raise UserError(f"--rank {args.rank}: no log at {path}")
@@ -131,22 +133,50 @@ def cmd_logs(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    """Cancel the run's live Slurm job, or stop its local launcher (SIGTERM to its pid)."""
-    from .slurm_state import cancel, job_alive
+    """Cancel the run's live Slurm job, or stop its local launcher: only a job or process
+    proven to be this run's is signalled (a forged lock or jobs.jsonl names someone else's)."""
+    from .slurm_state import job_alive
 
     run = RunDir(Path(args.run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     owner = read_lock(run)
     jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
     if jobs and job_alive(str(jobs[-1]["job_id"])):
-        cancel(str(jobs[-1]["job_id"]))
-        print(f"cancelled Slurm job {jobs[-1]['job_id']}")
-        return 0
-    if owner and owner.get("pid"):
-        try:
-            os.kill(int(owner["pid"]), signal.SIGTERM)
-            print(f"sent SIGTERM to local launcher pid {owner['pid']}")
-            return 0
-        except ProcessLookupError:
-            pass
+        return _cancel_slurm(run, str(jobs[-1]["job_id"]), jobs)
+    if owner and not owner.get("slurm_job_id"):
+        return _stop_launcher(run, owner)
     print(f"{run.path}: nothing is running")
+    return 0
+
+
+def _cancel_slurm(run: RunDir, job_id: str, jobs: list) -> int:
+    from .slurm_state import cancel, job_belongs_to_run, job_fields
+
+    fields = job_fields(job_id)
+    names = {str(j["job_name"]) for j in jobs if str(j.get("job_id")) == job_id
+             and j.get("job_name")}
+    if not job_belongs_to_run(fields, str(run.path), names):
+        raise UserError(f"jobs.jsonl: Slurm job {job_id} (name {fields.get('JobName')!r}) is not "
+                        f"this run's (neither its name nor its paths match {run.path}); "
+                        "not cancelling it: use scancel yourself if you mean it")
+    cancel(job_id)
+    print(f"cancelled Slurm job {job_id}")
+    return 0
+
+
+def _stop_launcher(run: RunDir, owner: dict) -> int:
+    import socket
+
+    from .process_identity import boot_id, identity, launcher_problem
+
+    why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
+    if why == "not running":
+        print(f"{run.path}: nothing is running (the lock's launcher has exited)")
+        return 0
+    if why is not None:
+        raise UserError(f"run.lock: not signalling pid {owner.get('pid')}: {why}; if the run "
+                        f"is not running, remove {run.lock_path}")
+    os.kill(owner["pid"], signal.SIGTERM)
+    print(f"sent SIGTERM to local launcher pid {owner['pid']}")
     return 0

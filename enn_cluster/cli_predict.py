@@ -35,7 +35,7 @@ def register(sub, add_shape_flags, commands) -> None:
 
 
 def cmd_predict(args) -> int:
-    from .cli import _max_restarts, launch_run
+    from .cli import _max_restarts, check_control_files, launch_run
     from .launch import check_model_importable, shape_from_flags
     from .prediction_request import (DEFAULT_BATCH_SIZE, DEFAULT_CHUNK_ROWS,
                                      prepare_prediction)
@@ -43,6 +43,7 @@ def cmd_predict(args) -> int:
 
     run = RunDir(Path(args.run_dir).resolve())
     cfg = run.load_config()
+    check_control_files(run)
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     restarts = _max_restarts(args, cfg)
     check_model_importable(cfg.model.name)

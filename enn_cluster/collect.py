@@ -157,6 +157,12 @@ def _target(out: str):
 def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
             overwrite: bool = False, stream: Optional[TextIO] = None) -> CollectResult:
     """Verify and assemble prediction `name` of `run` into `out` (.npy path or fsspec URL)."""
+    from .config_checks import no_credentials_in_url
+
+    no_credentials_in_url("--out", str(out))
+    if str(out).startswith("memory://"):
+        raise UserError("--out: memory:// is gone when enn-submit exits; give a file path "
+                        "or a URL of lasting storage")
     name = find_prediction(run, name)
     pdir = run.predictions / name
     manifest = read_committed(pdir)

@@ -14,8 +14,9 @@ from typing import Any, Optional
 
 import yaml
 
-from .config_checks import (_check_tree, _choice, _no_secret_keys, _non_negative, _path_text,
-                            _positive, _seed, no_credentials_in_url)
+from .config_checks import (MAX_COUNT, _check_tree, _choice, _no_secret_keys, _non_negative, _path_text,
+                            _bounded, _positive, _seed, check_metrics_path, check_regular_file,
+                            no_credentials_in_url)
 from .errors import UserError
 
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
@@ -112,8 +113,9 @@ class TrainingConfig:
     fail_rank: int = 0
 
     def validate(self) -> None:
-        _positive("training.epochs", self.epochs)
+        _bounded("training.epochs", self.epochs, MAX_COUNT)
         _non_negative("training.max_steps", self.max_steps)
+        _bounded("training.max_steps", max(self.max_steps, 1), MAX_COUNT)
         _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
         _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
         _non_negative("training.global_batch_size", self.global_batch_size)
@@ -188,11 +190,7 @@ class LoggingConfig:
 
     def validate(self) -> None:
         _positive("logging.every_steps", self.every_steps)
-        parts = str(self.metrics_path).split("/")
-        if not self.metrics_path or self.metrics_path.startswith("/") or ".." in parts \
-                or "\n" in self.metrics_path:
-            raise UserError(f"logging.metrics_path: {self.metrics_path!r} must be a relative "
-                            "path inside the run directory, e.g. metrics.jsonl")
+        check_metrics_path("logging.metrics_path", self.metrics_path)
         no_credentials_in_url("logging.mlflow_tracking_uri", self.mlflow_tracking_uri,
                               "MLFLOW_TRACKING_TOKEN (or _USERNAME/_PASSWORD)")
         if not self.mlflow_experiment.strip():
@@ -302,8 +300,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, key)
-        else:
-            kwargs[name] = _coerce(key, value, tp)
+        else:  # YAML 1.1 reads 1e-4 as text: a number, except where text is meant
+            text = tp in (str, Optional[str])
+            kwargs[name] = _coerce(key, value if text else _fix_yaml_floats(value), tp)
     return cls(**kwargs)
 
 
@@ -370,10 +369,11 @@ def _fix_yaml_floats(data: Any) -> Any:
 
 def config_from_dict(data: Any) -> RunConfig:
     _check_tree(data, "config")
-    return _build(RunConfig, _fix_yaml_floats(data), "").validate()
+    return _build(RunConfig, data, "").validate()
 
 
 def read_yaml(path: str) -> dict:
+    check_regular_file("--config", path, "pass the path of a run YAML")
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
@@ -397,9 +397,11 @@ def read_yaml(path: str) -> dict:
     return data
 
 
-def load_config(path: Optional[str], overrides: list[str] = ()) -> RunConfig:
-    data = read_yaml(path) if path else {}
-    return config_from_dict(apply_overrides(data, list(overrides)))
+def load_config(path: Optional[str], overrides: list[str] = (),
+                verbatim: Optional[dict] = None) -> RunConfig:
+    """`verbatim` (top-level keys from flags that name things) are taken as given, never YAML."""
+    data = apply_overrides(read_yaml(path) if path else {}, list(overrides))
+    return config_from_dict({**data, **(verbatim or {})})
 
 
 def config_to_dict(cfg: RunConfig) -> dict:

@@ -16,6 +16,26 @@ MAX_YAML_DEPTH = 32
 MAX_YAML_VALUES = 100_000
 
 
+_METRICS_PATH = re.compile(r"metrics\.jsonl|metrics(/[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}){1,4}\.jsonl")
+
+
+def check_metrics_path(key: str, value: str) -> None:
+    """The metrics file is `metrics.jsonl` or lies under `metrics/`: any other name in the
+    run directory may be a control file (run.lock, config.yaml, jobs.jsonl) it would corrupt."""
+    if not _METRICS_PATH.fullmatch(str(value)):
+        raise UserError(f"{key}: {str(value)[:80]!r} must be metrics.jsonl or a .jsonl file "
+                        "under metrics/ (e.g. metrics/train.jsonl); the run directory's other "
+                        "names are its control files")
+
+
+MAX_COUNT = 10**9  # epochs and steps: far beyond any run, far below int64 step counters
+
+
+def _bounded(key: str, value: Any, most: int) -> None:
+    if not 0 < value <= most:
+        raise UserError(f"{key}: {value!r} must be a positive integer of at most {most}")
+
+
 def _positive(key: str, value: Any) -> None:
     if not value > 0:
         raise UserError(f"{key}: {value!r} must be a positive integer")
@@ -46,20 +66,46 @@ def _no_secret_keys(where: str, tree: Any) -> None:
         _no_secret_keys(name, value)
 
 
+_SECRET_QUERY = re.compile(r"token|secret|passw|sig(nature)?$|credential|api_?key|^key$|^code$"
+                           r"|auth(?!or)", re.IGNORECASE)
+
+
 def no_credentials_in_url(key: str, value: Optional[str],
                           where: str = "the environment or the fsspec config") -> None:
-    """A URL with user:password@ would be frozen into config.yaml; refuse it."""
+    """A URL with credentials (user:password@, TOKEN@, ?token=, ?access_token=, a signature)
+    would be frozen into config.yaml and echoed in messages; refuse it without echoing it."""
     if not value or "://" not in value:
         return
-    from urllib.parse import urlsplit
+    from urllib.parse import parse_qsl, urlsplit
 
     try:
-        has = urlsplit(value).password is not None
+        parts = urlsplit(value)
+        userinfo = parts.username is not None or parts.password is not None
+        query = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
     except ValueError:
-        raise UserError(f"{key}: {value!r} is not a valid URL")
-    if has:
-        raise UserError(f"{key}: the URL holds a password, and the config is frozen into the "
+        raise UserError(f"{key}: is not a valid URL (not shown: it may hold a secret); "
+                        "check it") from None
+    if userinfo or any(_SECRET_QUERY.search(k) for k in query):
+        what = "user or token before '@'" if userinfo else "credential in its query string"
+        raise UserError(f"{key}: the URL holds a {what}, and the config is frozen into the "
                         f"run directory; give credentials through {where} instead")
+
+
+def check_regular_file(key: str, path: str, fix: str) -> None:
+    """Missing, a directory, a FIFO or a device: refused by name (reading a FIFO blocks
+    forever, a device never ends)."""
+    import os
+    import stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UserError(f"{key}: {path} does not exist; {fix}") from None
+    except OSError as exc:
+        raise UserError(f"{key}: cannot open {path} ({exc.strerror}); {fix}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise UserError(f"{key}: {path} is {kind}; {fix}")
 
 
 def _path_text(key: str, value: str) -> None:

@@ -151,7 +151,8 @@ DESCRIPTIONS = {
                              "the inter-node links are the bottleneck, and compare loss "
                              "curves when switching.",
     # logging
-    "logging.metrics_path": "Metrics file, relative to the run directory.",
+    "logging.metrics_path": "Metrics file: `metrics.jsonl` or a `.jsonl` file under `metrics/` "
+                            "in the run directory (never one of its control files).",
     "logging.every_steps": "Write a `train` metrics record every N steps (> 0); the only "
                            "steps whose loss and norm are read back from the device.",
     "logging.mlflow_tracking_uri": "MLflow tracking URI; empty: no MLflow. Rank 0 logs into "

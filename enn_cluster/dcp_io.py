@@ -14,7 +14,6 @@ import dataclasses
 import io
 import logging
 import os
-import pickle
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from .checksum import RunningChecksum
+from .dcp_metadata import load_metadata
 from .torch_save_layout import DESCRIPTOR_MAX, descriptor_ok
 from .torch_save_layout import parse as layout_of
 
@@ -122,31 +122,6 @@ class ChecksummingWriter(FileSystemWriter):
 # reads non-tensor entries (optimizer param_groups) with torch.load(weights_only=False):
 # whoever can write a checkpoint directory could run code in every process that loads it.
 
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                     ("torch.serialization", "_get_layout"), ("torch", "Size"),
-                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                     ("collections", "OrderedDict"), ("builtins", "set"),
-                     ("builtins", "frozenset"), ("builtins", "slice")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only what a DCP `.metadata` holds: its dataclasses, dtypes, layouts, Size, paths."""
-
-    def find_class(self, module: str, name: str):
-        obj = super().find_class(module, name) if module.split(".")[0] in (
-            "torch", "pathlib", "collections", "builtins") else None
-        if module == _METADATA_MODULE and isinstance(obj, type) \
-                and obj.__module__ == _METADATA_MODULE:
-            return obj
-        if (module, name) in _METADATA_GLOBALS:
-            return obj
-        if module == "torch" and isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-            return obj
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a "
-                                     "DCP checkpoint never holds; refusing to load it")
-
-
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
@@ -182,8 +157,7 @@ class SafeFileSystemReader(FileSystemReader):
 
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(os.path.join(str(self.path), name), "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
+        metadata = load_metadata(Path(str(self.path)) / name)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

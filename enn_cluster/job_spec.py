@@ -235,7 +235,8 @@ def srun_shell_lines() -> list[str]:
         add = f'enn_srun_args+=("{flag}={value}")' if value else f"enn_srun_args+=({flag})"
         lines += [f'  if [ -n "{value}" ]; then', f"    {add}", "  fi"] if optional \
             else [f"  {add}"]
-    return lines + ["fi", 'enn_srun_args+=("${enn_srun_extra[@]}")']
+    # bash < 4.4 (RHEL 7): an empty array is "unbound" under set -u unless expanded so
+    return lines + ["fi", 'enn_srun_args+=(${enn_srun_extra[@]+"${enn_srun_extra[@]}"})']
 
 
 def admin_template(text: str) -> str:

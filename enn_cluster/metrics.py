@@ -57,14 +57,16 @@ class MetricsLog:
 
 def read_metrics(path: Path, kind: Optional[str] = None) -> Iterator[dict]:
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 if not line.strip():
                     continue
                 try:
                     record = json.loads(line)
                 except ValueError:
-                    continue  # a line cut by a crash
+                    continue  # a line cut by a crash (or bytes that are not UTF-8)
+                if not isinstance(record, dict) or type(record.get("step", 0)) is not int:
+                    continue  # not a record rank 0 wrote
                 if kind is None or record.get("kind") == kind:
                     yield record
     except FileNotFoundError:

@@ -22,7 +22,8 @@ from . import checkpoint_store as store
 from . import prediction_manifest as pm
 from .checksum import algorithm_of, bytes_checksum
 from .errors import UserError
-from .rundir import DIR_MODE, RunDir, atomic_write_text, fsync_dir
+from .rundir import (DIR_MODE, RunDir, atomic_write_text, fsync_dir, run_umask,
+                     sigterm_unwinds)
 from .staging import read_manifest, stage_array
 
 DEFAULT_CHUNK_ROWS = 65536
@@ -55,16 +56,28 @@ def default_name(source: Any, step: int, checksum: str) -> str:
 
 
 def _choose_step(run: RunDir, step: Optional[int]) -> int:
+    """The given step, or the newest committed one, that verifies by checksum and whose
+    metadata loads: workers must never be started on a checkpoint they cannot read."""
     committed = store.committed_steps(run.checkpoints)
     if not committed:
         raise UserError(f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
                         "resume it first")
-    if step is None:
-        return committed[-1]
-    if step not in committed:
+    if step is not None and step not in committed:
         raise UserError(f"--step: step-{step} is not a complete checkpoint of {run.path}; "
                         f"choose one of {', '.join(map(str, committed))}")
-    return step
+    skipped = []
+    for cand in [step] if step is not None else committed[::-1]:
+        path = store.step_dir(run.checkpoints, cand)
+        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+        if not problems:
+            if skipped:
+                print(f"using step-{cand}: newer {', '.join(skipped)} failed verification "
+                      "(see enn-submit verify)", file=sys.stderr)
+            return cand
+        skipped.append(f"step-{cand}")
+        first = problems[0]
+    raise UserError(f"--step: {', '.join(skipped)} of {run.path} cannot be loaded ({first}); "
+                    f"run 'enn-submit verify {run.path}'")
 
 
 def _check_input(entry: dict, run: RunDir) -> None:
@@ -101,11 +114,20 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     if existing is not None and step is None:
         step = existing["step"]
     step = _choose_step(run, step)
+    with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
+        return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size)
+
+
+def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chunk_rows: int,
+                   batch_size: int) -> PredictionRequest:
+    """Stage the input and write the request under a temporary name, then rename it into
+    place; the temporary directory goes on every exit path."""
     tmp = run.predictions / f".staging-{os.getpid()}-{time.time_ns()}"
     run.predictions.mkdir(mode=DIR_MODE, exist_ok=True)
+    key = cfg.data.x_key if str(source).endswith(".npz") else None
     tmp.mkdir(mode=DIR_MODE)
     try:
-        entry = stage_array(source, tmp / pm.INPUT, progress=sys.stderr)
+        entry = stage_array(source, tmp / pm.INPUT, key=key, progress=sys.stderr)
         _check_input(entry, run)
         name = name or default_name(source, step, entry["checksum"])
         final = run.predictions / name

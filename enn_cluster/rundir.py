@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import signal
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,6 +46,24 @@ def run_umask():
         yield
     finally:
         os.umask(old)
+
+
+@contextmanager
+def sigterm_unwinds():
+    """Within this block SIGTERM raises SystemExit(143) instead of ending the process on
+    the spot, so the `finally` blocks that remove temporary directories still run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
 def _mkdir(path: Path) -> None:
@@ -118,8 +139,19 @@ class RunDir:
         if not self.config_path.exists():
             raise UserError(f"RUN_DIR: {self.path} has no config.yaml; "
                             "is it a run directory made by enn-submit train?")
-        with open(self.config_path, encoding="utf-8") as fh:
-            return config_from_dict(yaml.safe_load(fh))
+        try:
+            with open(self.config_path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
+            raise UserError(f"config.yaml: {self.config_path} does not parse "
+                            f"({type(exc).__name__}); restore it from config-history/") from None
+        if not isinstance(data, dict):
+            raise UserError(f"config.yaml: {self.config_path} is not a mapping; restore it "
+                            "from config-history/")
+        try:
+            return config_from_dict(data)
+        except UserError as exc:
+            raise UserError(f"config.yaml: {exc}") from None
 
     def record_job(self, **fields) -> None:
         """Append one launch record (job id, kind, shape); appends of one line are atomic."""
@@ -131,9 +163,15 @@ class RunDir:
     def jobs(self) -> list[dict]:
         try:
             with open(self.path / "jobs.jsonl", encoding="utf-8") as fh:
-                return [json.loads(line) for line in fh if line.strip()]
+                records = [json.loads(line) for line in fh if line.strip()]
         except FileNotFoundError:
             return []
+        except (ValueError, UnicodeDecodeError):
+            records = None
+        if records is None or not all(isinstance(r, dict) for r in records):
+            raise UserError(f"jobs.jsonl: {self.path / 'jobs.jsonl'} holds a line that is not a "
+                            "JSON object; remove that line")
+        return records
 
 
 def run_dir_for(cfg: RunConfig) -> RunDir:
@@ -151,7 +189,7 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
         raise UserError(f"run_name: {run.path} already exists; use "
                         f"'enn-submit resume {run.path}' or pick another --set run_name=...")
     tmp = RunDir(run.path.with_name(f".{run.path.name}.creating-{os.getpid()}"))
-    with run_umask():
+    with run_umask(), sigterm_unwinds():
         try:
             run.path.parent.mkdir(parents=True, exist_ok=True)
             _mkdir(tmp.path)
@@ -190,15 +228,48 @@ def update_config(run: RunDir, cfg: RunConfig) -> None:
 
 
 def lock_owner() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "time": time.time()}
+    """The launcher's lock record: enough identity for `cancel` to prove it later."""
+    from .process_identity import own_identity
+
+    return {**own_identity(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "time": time.time()}
 
 
-def read_lock(run: RunDir) -> Optional[dict]:
-    try:
-        return json.loads(run.lock_path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
-        return None
+def lock_format_problem(owner) -> Optional[str]:
+    """Why a parsed lock is not one enn-submit writes (None when it is)."""
+    if not isinstance(owner, dict):
+        return f"it holds a JSON {type(owner).__name__}, not an object"
+    if owner.get("slurm_job_id") is not None:
+        job = str(owner["slurm_job_id"])
+        return None if job.replace("_", "").isdigit() else f"slurm_job_id {job[:40]!r}"
+    if type(owner.get("pid")) is not int or owner["pid"] <= 1:
+        return f"pid {str(owner.get('pid'))[:40]!r} is not a process id above 1"
+    if not isinstance(owner.get("host"), str):
+        return "no host"
+    return None
+
+
+def read_lock(run: RunDir, settle_s: float = 0.5) -> Optional[dict]:
+    """The lock's owner, or None when there is no lock. A lock that does not parse (after
+    `settle_s` for one being written right now) is refused, never taken as absent."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            raw = run.lock_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            owner = json.loads(raw.decode("utf-8"))
+            why = lock_format_problem(owner)
+        except ValueError as exc:
+            why = f"not JSON ({str(exc)[:60]})"
+        if why is None:
+            return owner
+        if time.monotonic() >= deadline:
+            raise UserError(f"run.lock: {run.lock_path} does not parse ({why}); if no job is "
+                            f"running on this run, remove it (rm {shlex.quote(str(run.lock_path))})"
+                            " and try again")
+        time.sleep(0.05)
 
 
 def _slurm_job_alive(job_id: str) -> bool:
@@ -212,12 +283,18 @@ def _slurm_job_alive(job_id: str) -> bool:
 
 def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
     """Is the lock's owner still running? A Slurm job's lock is judged by Slurm (a job that
-    ended leaves its lock behind), a local process's by its pid on this host."""
+    ended leaves its lock behind), a local process's by its identity on this host (a pid
+    reused by another process, or a lock from before a reboot, is dead)."""
     if owner.get("slurm_job_id"):
         return (slurm_job_alive or _slurm_job_alive)(owner["slurm_job_id"])
     if owner.get("host") != socket.gethostname():
         return True  # cannot see it from here: assume alive
-    try:
+    if owner.get("boot_id"):
+        from .process_identity import boot_id, identity, launcher_problem
+
+        why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
+        return why is None
+    try:  # a lock written before locks recorded identity
         os.kill(int(owner["pid"]), 0)
     except ProcessLookupError:
         return False
@@ -233,9 +310,6 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
             fd = os.open(run.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
         except FileExistsError:
             current = read_lock(run)
-            if current is None:
-                time.sleep(0.05)  # being written right now
-                current = read_lock(run)
             if current and (current.get("slurm_job_id") and
                             current.get("slurm_job_id") == owner.get("slurm_job_id")):
                 return current  # the same Slurm job, requeued or another task
@@ -255,6 +329,9 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
 
 
 def release_lock(run: RunDir, owner: dict) -> None:
-    current = read_lock(run)
+    try:
+        current = read_lock(run, settle_s=0)
+    except UserError:
+        return  # not ours any more: whoever rewrote it clears it
     if current and current.get("pid") == owner.get("pid") and current.get("host") == owner.get("host"):
         run.lock_path.unlink(missing_ok=True)

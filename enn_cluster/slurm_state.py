@@ -76,6 +76,24 @@ def job_alive(job_id: str) -> bool:
     return bool(res is not None and res.returncode == 0 and res.stdout.strip())
 
 
+def job_fields(job_id: str) -> dict:
+    """`scontrol show job` fields of a job the controller still knows ({} otherwise)."""
+    res = _run(["scontrol", "show", "job", "-o", str(job_id)])
+    ok = res is not None and res.returncode == 0 and res.stdout.strip()
+    return parse_scontrol(res.stdout) if ok else {}
+
+
+def job_belongs_to_run(fields: dict, run_path: str, job_names: set) -> bool:
+    """Is this Slurm job one of the run's? Its script, output, workdir or comment lies in
+    the run directory, or its name is the one recorded when the run submitted it."""
+    run_path = str(run_path).rstrip("/")
+    for key in ("Command", "StdOut", "StdErr", "WorkDir", "Comment"):
+        value = fields.get(key) or ""
+        if value == run_path or value.startswith(run_path + "/"):
+            return True
+    return bool(fields.get("JobName")) and fields.get("JobName") in job_names
+
+
 def cancel(job_id: str) -> None:
     res = _run(["scancel", str(job_id)])
     if res is None or res.returncode != 0:

@@ -7,6 +7,7 @@ the kernel (copy_file_range), anything else is streamed.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import zipfile
@@ -54,8 +55,15 @@ def check_source(field: str, path: Optional[str]) -> None:
     """Fail before the run directory exists when an input file is missing or unusable."""
     if path is None or path == "synthetic":
         return
+    from .config_checks import check_regular_file, no_credentials_in_url
+
+    no_credentials_in_url(field, path)
     if not (path.endswith(".npy") or path.endswith(".npz")):
         raise UserError(f"{field}: {path!r} must be a .npy or .npz file (local path or fsspec URL)")
+    fix = "fix the path or use 'synthetic'" if field == "data.train_path" else "fix the path"
+    if "://" not in path and "::" not in path:  # a plain path: no fsspec import
+        check_regular_file(field, os.path.expanduser(path), fix)
+        return
     import fsspec
 
     try:
@@ -64,7 +72,7 @@ def check_source(field: str, path: Optional[str]) -> None:
     except (ValueError, ImportError, OSError) as exc:
         raise UserError(f"{field}: cannot open {path!r} ({exc}); check the URL and its fsspec extra")
     if not exists:
-        raise UserError(f"{field}: {path} does not exist; fix the path or use 'synthetic'")
+        raise UserError(f"{field}: {path} does not exist; {fix}")
 
 
 def check_data_sources(data: DataConfig) -> None:
@@ -149,7 +157,7 @@ def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
     bar = ProgressBar(f"stage {dest.stem}", nbytes, stream=progress) if progress else None
     running = _Tracked(bar)
     try:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+        out = _reserved_memmap(tmp, dest, shape, dtype)
         if out.size:
             fill(out, running)
         if bar is not None:
@@ -164,6 +172,34 @@ def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
         raise
     return {"file": dest.name, "shape": list(shape), "dtype": dtype.str,
             "checksum": running.hexdigest(), "nbytes": running.size}
+
+
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _reserved_memmap(tmp: Path, dest: Path, shape: tuple, dtype: np.dtype) -> np.memmap:
+    """A new .npy memmap whose blocks are claimed first (posix_fallocate): a full
+    filesystem fails here with a message, where a write through the map would die of SIGBUS."""
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+        with open(tmp, "rb+") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            try:
+                os.posix_fallocate(fh.fileno(), 0, size)
+            except OSError as exc:
+                if exc.errno not in _NO_FALLOCATE:
+                    raise
+                st = os.statvfs(tmp)
+                if st.f_bavail * st.f_frsize < size:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
+        return out
+    except OSError as exc:
+        if exc.errno not in _FULL:
+            raise
+        raise UserError(f"runs_root: no space left in {dest.parent} for {dest.name} "
+                        f"({int(np.prod(shape, dtype=np.int64)) * dtype.itemsize} bytes); "
+                        "free space there or use a runs_root with room") from None
 
 
 def _bytes(out: np.ndarray) -> np.ndarray:
@@ -311,8 +347,20 @@ def _src(path: Optional[str], key: str):
 
 
 def read_manifest(data_dir: Path) -> dict:
-    with open(Path(data_dir) / MANIFEST, encoding="utf-8") as fh:
-        return json.load(fh)
+    """The staged data's manifest; a missing or hand-edited one is one line, not a traceback."""
+    path = Path(data_dir) / MANIFEST
+    try:
+        with open(path, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise UserError(f"data/manifest.json: {path} is missing; the run's staged data is "
+                        "incomplete: make the run again") from None
+    except (ValueError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), dict):
+        raise UserError(f"data/manifest.json: {path} is not a manifest enn-submit wrote; "
+                        "make the run again")
+    return manifest
 
 
 def open_array(data_dir: Path, name: str) -> np.ndarray:

@@ -155,7 +155,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
     acquire_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
                        "submitted_by": "enn-submit"},
                  slurm_job_alive=job_alive)
-    run.record_job(kind="slurm", job_id=job_id, task=spec.task, name=spec.predict_name,
+    run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,
                    nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
                    image=spec.container_image)
     return job_id
@@ -177,14 +177,9 @@ def _check_lock(run: RunDir, job_alive) -> None:
         raise UserError(f"run directory {run.path} is in use by Slurm job "
                         f"{owner['slurm_job_id']}; wait for it or 'enn-submit cancel {run.path}'")
     if owner and not owner.get("slurm_job_id"):
-        import os
-        import socket
+        from .rundir import owner_alive
 
-        if owner.get("host") == socket.gethostname():
-            try:
-                os.kill(int(owner.get("pid", 0)), 0)
-                raise UserError(f"run directory {run.path} is in use by pid {owner['pid']} "
-                                "on this host; wait for it or stop it")
-            except ProcessLookupError:
-                pass
+        if owner_alive(owner):
+            raise UserError(f"run directory {run.path} is in use by pid {owner['pid']} on "
+                            f"{owner['host']}; wait for it or 'enn-submit cancel {run.path}'")
     run.lock_path.unlink(missing_ok=True)

@@ -45,18 +45,42 @@ def ensure_run(run: RunDir, cfg) -> Optional[str]:
     if record.exists():
         run_id = json.loads(record.read_text())["run_id"]
     else:
-        mlflow = _mlflow()
+        run_id, experiment_id = _create_mlflow_run(uri, cfg, run)
+        atomic_write_text(record, json.dumps({"run_id": run_id, "experiment_id": experiment_id,
+                                              "tracking_uri": uri}, indent=1))
+    os.environ[RUN_ID_VAR] = run_id
+    return run_id
+
+
+# MLflow's own defaults (120 s per request, 7 retries with backoff) hold a launch, and the
+# run's lock, for many minutes when the server is down. These apply unless the user set them;
+# the workers inherit them through the environment.
+CLIENT_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+
+
+def _create_mlflow_run(uri: str, cfg, run: RunDir) -> tuple[str, str]:
+    """Create the MLflow run, with bounded timeouts; an unreachable server is one line."""
+    from urllib.parse import urlsplit
+
+    mlflow = _mlflow()
+    for name, value in CLIENT_LIMITS.items():
+        os.environ.setdefault(name, value)
+    try:
         client = mlflow.tracking.MlflowClient(uri)
         name = cfg.logging.mlflow_experiment
         experiment = client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
         created = client.create_run(experiment_id, run_name=cfg.run_name,
                                     tags={"enn_cluster.run_dir": str(run.path)})
-        run_id = created.info.run_id
-        atomic_write_text(record, json.dumps({"run_id": run_id, "experiment_id": experiment_id,
-                                              "tracking_uri": uri}, indent=1))
-    os.environ[RUN_ID_VAR] = run_id
-    return run_id
+    except Exception as exc:  # mlflow raises its own, requests' and OSErrors alike
+        where = urlsplit(uri)
+        raise UserError(f"logging.mlflow_tracking_uri: cannot use the MLflow server at "
+                        f"{where.scheme}://{where.hostname or ''}"
+                        f"{':%d' % where.port if where.port else ''}{where.path[:60]} "
+                        f"({type(exc).__name__}); start it, check the URI, or clear the "
+                        "setting") from None
+    return created.info.run_id, experiment_id
 
 
 class MlflowSink:

@@ -82,3 +82,13 @@ def assert_same_run(run, reference, resumed_at_world: int, final: int = 42) -> N
         full_params(reference / "checkpoints" / f"step-{final}")
     for key in base:
         assert (mine[key] - base[key]).abs().max() < 1e-3, key
+
+
+def train_tiny(tmp: Path, name: str) -> Path:
+    """A run trained for 2 steps on 1 process with a checkpoint at step 2: its path."""
+    cfg = small_config(tmp, name, training={"max_steps": 2}, checkpoint={"every_steps": 2},
+                       parallel={"nodes": 1, "procs_per_node": 1})
+    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    done = cli("train", "--config", tmp / f"{name}.yaml", cwd=tmp)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tmp / "runs" / name

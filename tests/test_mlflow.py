@@ -47,3 +47,34 @@ def test_credentials_in_the_uri_are_refused(tmp_path):
     done = cli("train", "--config", write_config(tmp_path / "c.yaml", **cfg))
     assert done.returncode == 2 and "MLFLOW_TRACKING_TOKEN" in done.stderr
     assert "hunter2" not in done.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("uri", ["https://{t}@mlflow.example", "https://mlflow.example/?token={t}",
+                                 "https://mlflow.example/x?access_token={t}",
+                                 "s3://bucket/x.npz?X-Amz-Signature={t}"])
+def test_token_in_a_uri_is_refused_and_never_echoed(tmp_path, uri):
+    cfg = small_config(tmp_path, "leaky", logging={"mlflow_tracking_uri": uri.format(t=TOKEN)})
+    done = cli("train", "--config", write_config(tmp_path / "c.yaml", **cfg))
+    assert done.returncode == 2 and "logging.mlflow_tracking_uri" in done.stderr
+    assert TOKEN not in done.stderr and not (tmp_path / "runs").exists()
+    assert done.stderr.strip().count("\n") == 0
+
+
+def test_unreachable_server_is_one_line_and_the_lock_is_released(tmp_path):
+    """A server that accepts connections and never answers: the client gives up within
+    MLflow's request timeout (2 s here; 10 s by default instead of 120) and few retries."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # connections complete in the backlog; nothing ever answers
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = small_config(tmp_path, "dark", parallel={"nodes": 1, "procs_per_node": 1},
+                           logging={"mlflow_tracking_uri": uri})
+        done = cli("train", "--config", write_config(tmp_path / "c.yaml", **cfg),
+                   env={"MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr  # before it, train names the run directory it made
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"enn-submit: error: logging.mlflow_tracking_uri: cannot use the MLflow server at {uri}")
+    assert not (tmp_path / "runs" / "dark" / "run.lock").exists()

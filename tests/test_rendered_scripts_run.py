@@ -172,6 +172,39 @@ def test_host_side_retry_after_failures_up_to_max_restarts(stub, run_dir):
     assert stub.scontrol == []
 
 
+HOSTILE_COUNTS = ["failures[$(touch CANARY_count)]", "a[`touch CANARY_tick`]", "1+1",
+                  "-1", "x", "", "9" * 40, "0x10", "$((1))", "1\n$(touch CANARY_nl)"]
+
+
+@pytest.mark.parametrize("count", HOSTILE_COUNTS)
+def test_retry_count_file_is_data_never_code(stub, run_dir, count):
+    """The trap reads requeue/failures-JOB at run time: anything but digits is refused
+    (said once, no requeue), never evaluated (a CANARY file would appear in cwd)."""
+    spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=5)
+    (Path(run_dir) / "requeue").mkdir()
+    (Path(run_dir) / "requeue" / "failures-4242").write_text(count)
+    done = stub.run(job_spec.render_batch_script(spec), rc=1)
+    assert stub.scontrol == [] and "does not hold a retry count" in done.stderr
+    assert (Path(run_dir) / "requeue" / "failures-4242").read_text() == count
+
+
+@pytest.mark.parametrize("job_id", ["1[$(touch CANARY_job)]", "x", "0x1", "42 43"])
+def test_slurm_job_id_is_checked_before_arithmetic(stub, run_dir, job_id):
+    spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=5)
+    done = stub.run(job_spec.render_batch_script(spec), rc=1, SLURM_JOB_ID=job_id)
+    assert stub.scontrol == [] and "MASTER_PORT" not in stub.env
+    assert "not a whole number; not requeueing" in done.stderr
+
+
+def test_leading_zero_count_is_decimal(stub, run_dir):
+    spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=9)
+    (Path(run_dir) / "requeue").mkdir()
+    (Path(run_dir) / "requeue" / "failures-4242").write_text("08\n")
+    stub.run(job_spec.render_batch_script(spec), rc=1)
+    assert stub.scontrol == ["requeue 4242"]
+    assert (Path(run_dir) / "requeue" / "failures-4242").read_text() == "9\n"
+
+
 def test_submitit_script_requeues_on_the_host_too(stub, run_dir, image, tmp_path):
     spec = JobSpec(job_name="j", run_dir=run_dir, container_image=image, nodes=2,
                    gpus_per_node=2, nccl_profile="ib")
@@ -251,3 +284,17 @@ def test_cpus_per_task_reaches_srun(stub, run_dir, cpus_per_task, preset, expect
     done = stub.run(job_spec.render_batch_script(spec), SLURM_CPUS_ON_NODE="96", **extra)
     assert done.returncode == 0, done.stderr
     assert stub.env["SRUN_CPUS_PER_TASK"] == expected
+
+
+def test_possibly_empty_arrays_expand_safely_on_old_bash():
+    """bash < 4.4 (RHEL 7) treats "${a[@]}" of an empty array as unset under set -u: the
+    extra srun arguments (empty unless given) expand through ${a[@]+"${a[@]}"}."""
+    import re
+
+    for name in ("train", "predict"):
+        text = (TEMPLATES / f"{name}.sbatch").read_text()
+        rendered = job_spec.render_batch_script(JobSpec(job_name="j", run_dir="/r", task=name,
+                                                        predict_name="p"))
+        for script in (text, rendered):
+            assert re.findall(r'(?<!\+)"\$\{enn_srun_extra\[@\]\}"(?!\})', script) == []
+            assert '${enn_srun_extra[@]+"${enn_srun_extra[@]}"}' in script

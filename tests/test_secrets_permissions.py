@@ -142,7 +142,14 @@ def real_run(tmp_path_factory):
     resume = enn_submit(["resume", run, "--procs-per-node", "1", "--set",
                          "training.max_steps=3"], tmp, tokens)
     assert resume.returncode == 0, resume.stderr
-    return run, tokens, train.stdout + train.stderr + resume.stdout + resume.stderr
+    import numpy as np
+
+    np.save(tmp / "in.npy", np.zeros((16, 8), np.float32))
+    after = [enn_submit(["predict", run, "--input", tmp / "in.npy", "--procs-per-node", "1"],
+                        tmp, tokens), enn_submit(["plot", run], tmp, tokens)]
+    assert [p.returncode for p in after] == [0, 0], after[0].stderr + after[1].stderr
+    assert (run / "metrics.png").exists() and list((run / "predictions").iterdir())
+    return run, tokens, "".join(p.stdout + p.stderr for p in [train, resume, *after])
 
 
 def test_no_secret_in_any_file_of_the_run(real_run):

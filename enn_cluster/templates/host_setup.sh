@@ -1,19 +1,34 @@
 # >>> host (shared snippet: enn_cluster/templates/host_setup.sh; runs on the host before srun)
+# Every value read at run time is data: it is checked to be digits before any arithmetic
+# (bash evaluates `a[$(cmd)]` inside $((...)), so a file holding that would run cmd).
+enn_digits() { case "$1" in ''|*[!0-9]*) return 1 ;; esac; [ "${#1}" -le 12 ]; }
 # Rendezvous port from the job id, as the worker derives it: stable across requeues.
-export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+if [ -z "${MASTER_PORT:-}" ] && enn_digits "${SLURM_JOB_ID:-}"; then
+  export MASTER_PORT="$((20000 + 10#$SLURM_JOB_ID % 20000))"
+fi
 # Requeue from the host: inside a Pyxis container `scontrol` is missing. When srun returns,
 # this EXIT trap requeues the job (it resumes from the newest complete checkpoint):
 # - a worker stopped by USR2/TERM checkpointed and left RUN_DIR/requeue/JOB_ID: always;
 # - the step failed (a rank died; not exit 2, bad input): at most ENN_MAX_RESTARTS times.
 enn_requeue_if_asked() {
-  local rc=$? marker="$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
-  local failures_file="$ENN_RUN_DIR/requeue/failures-$SLURM_JOB_ID" failures=0 why
+  local rc=$? marker failures_file failures=0 why
+  if ! enn_digits "${SLURM_JOB_ID:-}" || ! enn_digits "${ENN_MAX_RESTARTS:-}"; then
+    echo "enn: SLURM_JOB_ID or ENN_MAX_RESTARTS is not a whole number; not requeueing" >&2
+    return 0
+  fi
+  marker="$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
+  failures_file="$ENN_RUN_DIR/requeue/failures-$SLURM_JOB_ID"
   if [ -e "$marker" ]; then
     rm -f -- "$marker"
     why="stopped with a checkpoint"
   elif [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ]; then
-    [ -f "$failures_file" ] && failures=$(cat -- "$failures_file")
-    if [ "$failures" -ge "$ENN_MAX_RESTARTS" ]; then
+    [ -f "$failures_file" ] && failures=$(head -c 16 -- "$failures_file" | tr -d '\n')
+    if ! enn_digits "$failures"; then
+      echo "enn: $failures_file does not hold a retry count; not requeueing (remove it to allow retries)" >&2
+      return 0
+    fi
+    failures=$((10#$failures))
+    if [ "$failures" -ge "$((10#$ENN_MAX_RESTARTS))" ]; then
       echo "enn: job $SLURM_JOB_ID failed (exit $rc) after $failures retries (limit $ENN_MAX_RESTARTS)" >&2
       return 0
     fi
