@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import signal
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -36,6 +34,7 @@ from .rundir import RunDir
 from .sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows, shard_rows)
 from .schedule import lr_at, plan_batch, replanned_total, total_steps
 from .staging import open_array, read_manifest
+from .step_math import GC_EVERY_STEPS, clip_and_norm, keep_fused, new_optimizer, scheduled_gc
 from .stop_request import StopPoller
 from .tracking import worker_sink
 
@@ -44,52 +43,6 @@ log = logging.getLogger("enn_cluster.trainer")
 
 class TrainingAborted(RuntimeError):
     """Training cannot go on (non-finite losses); the message says what to check."""
-
-
-GC_EVERY_STEPS = 100
-
-
-@contextmanager
-def scheduled_gc():
-    """Python's collector at fixed steps only, on every rank alike: a full collection
-    walks every object the model and data loader hold, and a rank paused in one stalls
-    all the others at the next collective. What exists before training (modules,
-    optimizer state) is frozen out of collections; cycles made while training are
-    collected every GC_EVERY_STEPS steps."""
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        gc.unfreeze()
-
-
-def clip_and_norm(parameters, max_norm: float) -> torch.Tensor:
-    """Global gradient norm (a device tensor: nothing waits for it), clipped to `max_norm`,
-    in one all-reduce: the sharded norm is completed once and the clip then uses it
-    (clip_grad_norm_ on DTensors reduces twice)."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    if math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes parameters
-    return norm
-
-
-def new_optimizer(params, t) -> torch.optim.Optimizer:
-    """AdamW's fused kernel, whose `found_inf` input skips a step on the device itself
-    (parameters, moments and step count untouched): the non-finite guard needs no
-    device-to-host read per step."""
-    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
-
-
-def keep_fused(optimizer: torch.optim.Optimizer) -> None:
-    """A loaded optimizer state (an older checkpoint) may carry fused=False in its groups."""
-    for group in optimizer.param_groups:
-        group["fused"], group["foreach"] = True, None
 
 
 def _saved_global_batch(state: dict, t) -> "int | None":

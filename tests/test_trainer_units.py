@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from enn_cluster.trainer import clip_and_norm, scheduled_gc
+from enn_cluster.step_math import clip_and_norm, scheduled_gc
 
 
 def test_scheduled_gc_freezes_then_restores():
