@@ -72,7 +72,9 @@ def assert_same_run(run, reference, resumed_at_world: int, final: int = 42) -> N
     for step in theirs:
         assert ours[step]["lr"] == theirs[step]["lr"], step  # exact: a pure function of the step
         assert ours[step]["epoch"] == theirs[step]["epoch"], step
-        assert math.isclose(ours[step]["loss"], theirs[step]["loss"], rel_tol=2e-3, abs_tol=1e-5), \
+        # float tolerance: the gradient sums round differently at another world size, and
+        # AdamW's m / sqrt(v) turns that noise into full-size updates where v is near 0
+        assert math.isclose(ours[step]["loss"], theirs[step]["loss"], rel_tol=1e-2, abs_tol=1e-5), \
             (step, ours[step]["loss"], theirs[step]["loss"])
     assert [r["epoch"] for r in metrics(run, "eval")][-3:] == [0, 1, 2]
     resume = metrics(run, "resume")[-1]
@@ -81,7 +83,7 @@ def assert_same_run(run, reference, resumed_at_world: int, final: int = 42) -> N
     mine, base = full_params(run / "checkpoints" / f"step-{final}"), \
         full_params(reference / "checkpoints" / f"step-{final}")
     for key in base:
-        assert (mine[key] - base[key]).abs().max() < 1e-3, key
+        assert (mine[key] - base[key]).norm() <= 1e-2 * base[key].norm(), key
 
 
 def train_tiny(tmp: Path, name: str) -> Path:
