@@ -70,7 +70,7 @@ def test_train_2x2_in_the_container_then_resume_on_one_node(pyxis_cluster, test_
     assert res.returncode == 0, res.stderr[-3000:]
     resume = metrics(run, "resume")[-1]
     assert (resume["step"], resume["from_world"], resume["world_size"]) == (28, 4, 2)
-    assert metrics(run, "train")[-1]["step"] == 28 + 28
+    assert metrics(run, "train")[-1]["step"] == 28 + 14
     assert cli("verify", run).returncode == 0
 
 

@@ -108,7 +108,7 @@ def _alive(pid):
 
 # Last in this file: it restarts the session's cluster (same state dir; one cluster at a time).
 def test_down_cleans_up_and_up_again_works(slurm_cluster):
-    assert _cluster_sh("up", slurm_cluster.state_dir, str(len(slurm_cluster.nodes))).returncode == 0
+    assert slurm_cluster.up().returncode == 0  # up again, with the same (Pyxis) settings
     assert _cluster_sh("status", slurm_cluster.state_dir).returncode == 0
     # A process that escaped its job (setsid) must not outlive the cluster.
     proc = slurm_cluster.run(["srun", "-w", "n1", "bash", "-c",

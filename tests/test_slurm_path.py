@@ -128,7 +128,9 @@ def test_killed_rank_fails_fast_and_retry_resumes(slurm_cluster, tmp_path):
     slurm_cluster.wait_job(job, ("COMPLETED",), timeout=180)
     resume = metrics(run, "resume")[-1]
     committed_before = [r["step"] for r in metrics(run, "checkpoint") if r["time"] < killed_at]
-    assert resume["step"] == max(committed_before)
+    # a save the dead rank had already finished its part of may commit just after the kill
+    committed = [r["step"] for r in metrics(run, "checkpoint") if r["time"] < resume["time"]]
+    assert resume["step"] == max(committed) >= max(committed_before)
     assert metrics(run, "train")[-1]["step"] == 300
     assert (run / "requeue" / f"failures-{job}").read_text().strip() == "1"
 
