@@ -30,11 +30,12 @@ test: venv system-deps
 # wheel is a CUDA build (several GB with its nvidia-* dependencies) that runs on CPU, so this
 # is not part of `make test`. PIP_CONFIG_FILE=/dev/null: no site pip config (a local
 # find-links or constraint file must not swap in another torch); the version check proves it.
-FLOOR_TORCH ?= 2.8.0
+FLOOR_TORCH ?= 2.9.1
 FLOOR_VENV ?= .venv-floor-$(FLOOR_TORCH)
 FLOOR_TESTS ?= tests/test_trainer_units.py tests/test_dcp_io.py tests/test_async_checkpoint.py \
 	tests/test_train_local.py tests/test_predict.py tests/test_crash_during_checkpoint.py \
-	tests/test_sampler_staging_store.py tests/test_torch_range.py
+	tests/test_sampler_staging_store.py tests/test_torch_range.py \
+	tests/test_resume_exact.py tests/test_meta_init.py tests/test_hsdp_accumulation.py
 FLOOR_CERT := $(wildcard /etc/ssl/certs/ca-certificates.crt)
 
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp
