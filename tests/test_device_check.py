@@ -33,6 +33,7 @@ def _rank(rank: int, init: str, claims: list, out: str) -> None:
     dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as fh:
         json.dump(results, fh)
+    os._exit(0)  # as the worker does (worker.exit_now): no finalisation race with gloo threads
 
 
 def test_shared_gpu_is_refused_on_every_rank(tmp_path):

@@ -94,7 +94,8 @@ def train_step(self, perm, flags=(), log_step=True):
     return out
 tr.Trainer.train_step = train_step
 code = run_task(sys.argv[1])
-print(json.dumps({"code": code, "per_step": per_step}))
+print(json.dumps({"code": code, "per_step": per_step}), flush=True)
+os._exit(0)  # as the worker leaves (worker.exit_now): no finalisation race with gloo threads
 """
 
 
