@@ -16,7 +16,7 @@ from .errors import UserError
 from .rundir import (RunDir, acquire_lock, create_run_dir, lock_owner, release_lock,
                      run_umask, update_config)
 from .staging import check_data_sources, read_manifest, stage_run_data
-from .schedule import plan_batch, total_steps
+from .schedule import plan_batch, requested_global_batch, total_steps
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def freeze_global_batch(cfg: RunConfig, shape: LaunchShape) -> RunConfig:
         return cfg
     nodes = shape.node_counts[-1]
     world = plan_mesh(cfg.parallel, nodes * shape.procs_per_node, shape.procs_per_node).world
-    gb = cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps * world
+    gb = requested_global_batch(cfg.training, world)
     return replace(cfg, training=replace(cfg.training, global_batch_size=gb))
 
 
