@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from enn_cluster import checkpoint_store as store
 from helpers import assert_same_run, cli, metrics, small_config, write_config
 
 pytestmark = pytest.mark.slurm
@@ -113,7 +114,8 @@ def test_usr2_checkpoints_requeues_on_the_host_and_resumes(slurm_cluster, tmp_pa
 
 def test_killed_rank_fails_fast_and_retry_resumes(slurm_cluster, tmp_path):
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "kill", training={"max_steps": 300}, checkpoint={"every_steps": 10}))
+        tmp_path, "kill", training={"max_steps": 300},
+        checkpoint={"every_steps": 10, "keep_last": 100}))  # every commit record stays
     job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--gpus-per-node", "2",
                   "--max-restarts", "1")
     run = tmp_path / "runs" / "kill"
@@ -128,9 +130,12 @@ def test_killed_rank_fails_fast_and_retry_resumes(slurm_cluster, tmp_path):
     slurm_cluster.wait_job(job, ("COMPLETED",), timeout=180)
     resume = metrics(run, "resume")[-1]
     committed_before = [r["step"] for r in metrics(run, "checkpoint") if r["time"] < killed_at]
-    # a save the dead rank had already finished its part of may commit just after the kill
-    committed = [r["step"] for r in metrics(run, "checkpoint") if r["time"] < resume["time"]]
-    assert resume["step"] == max(committed) >= max(committed_before)
+    # A save the dead rank had already done its part of may commit just after the kill, with
+    # no metrics record (the save's closing barrier failed): the commit records on disk decide.
+    ckpts = run / "checkpoints"
+    commits = {s: store.read_commit(store.step_dir(ckpts, s)) for s in store.committed_steps(ckpts)}
+    committed = [s for s, rec in commits.items() if rec["time"] < resume["time"]]
+    assert resume["step"] == max(committed) >= max(committed_before), (commits, resume)
     assert metrics(run, "train")[-1]["step"] == 300
     assert (run / "requeue" / f"failures-{job}").read_text().strip() == "1"
 
