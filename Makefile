@@ -21,7 +21,7 @@ system-deps:
 	bash slurm/dev/install-deps.sh
 
 demo: venv
-	$(BIN)/python -m enn_cluster.demo
+	$(BIN)/python -m enn_cluster.client.demo
 
 test: venv system-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)

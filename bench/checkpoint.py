@@ -8,10 +8,10 @@ the async part (its steps take 0.2 s, not 7 s):
 
 - `checkpoint`: per repeat, each rank writes as many random bytes as it owns in a
   checkpoint with numpy `tofile` + fsync (the raw baseline), and the group runs
-  `enn_cluster.checkpoint.save` (DCP save + per-rank checksums + commit record). Both
+  `enn_cluster.worker.checkpoint.save` (DCP save + per-rank checksums + commit record). Both
   sets of files are fsynced and their pages evicted with posix_fadvise(DONTNEED); then
   each rank `readinto`s its raw file into a warm buffer (baseline) and the group runs
-  `enn_cluster.checkpoint.load`. Repeats alternate which side goes first.
+  `enn_cluster.worker.checkpoint.load`. Repeats alternate which side goes first.
 - `async`: `Trainer.save(async_save=False)` (the blocking time of a sync save) against
   the time the loop is blocked by `Trainer.save(async_save=True)`, by optimizer steps
   waiting for the background copy of the parameters, and by the later
@@ -39,7 +39,7 @@ LARGE, SMALL, QUICK = 4096, 2048, 1024
 
 
 def _run_config(ctx: BenchContext, width: int):
-    from enn_cluster.config import config_from_dict
+    from enn_cluster.config.run_config import config_from_dict
 
     depth = 5 if ctx.quick else 9
     return config_from_dict({
@@ -69,7 +69,7 @@ def run(ctx: BenchContext, parts: list[str]) -> list[Result]:
 
 
 def _measure(ctx: BenchContext, width: int, parts: list[str]) -> dict:
-    from enn_cluster.launch import LaunchShape, prepare_run
+    from enn_cluster.client.prepare import LaunchShape, prepare_run
 
     run_dir = prepare_run(_run_config(ctx, width), LaunchShape(1, 2))
     io_root = ctx.workdir / f"ckpt-io-{width}"
@@ -94,11 +94,11 @@ def _as_info(result: Result, prefix: str) -> Result:
 def _worker(run_dir: str, parts: list[str], repeats: int, io_root: str) -> dict:
     import torch
 
-    from enn_cluster.environment import discover
-    from enn_cluster.lanes import close_lanes, open_lanes
-    from enn_cluster.rundir import RunDir
-    from enn_cluster.sampler import epoch_permutation
-    from enn_cluster.trainer import Trainer
+    from enn_cluster.worker.environment import discover
+    from enn_cluster.worker.lanes import close_lanes, open_lanes
+    from enn_cluster.storage.rundir import RunDir
+    from enn_cluster.worker.sampler import epoch_permutation
+    from enn_cluster.worker.trainer import Trainer
 
     torch.set_num_threads(1)
     env = discover(os.environ)
@@ -122,7 +122,7 @@ def _worker(run_dir: str, parts: list[str], repeats: int, io_root: str) -> dict:
 
 
 def _owned_bytes(path: Path, lanes) -> int:
-    from enn_cluster import checkpoint_store as store
+    from enn_cluster.storage import commits as store
 
     names = store.files_for_rank(path, lanes.rank)
     if lanes.rank == 0:
@@ -133,8 +133,8 @@ def _owned_bytes(path: Path, lanes) -> int:
 def _save_load(trainer, lanes, root: Path, repeats: int) -> dict:
     import numpy as np
 
-    from enn_cluster import checkpoint as ckpt
-    from enn_cluster import checkpoint_store as store
+    from enn_cluster.worker import checkpoint as ckpt
+    from enn_cluster.storage import commits as store
 
     model, opt = trainer.sm.model, trainer.optimizer
 

@@ -20,7 +20,7 @@ _PROBE = """
 import json, runpy, sys
 sys.argv = ["enn-submit"] + json.loads(sys.argv[1])
 try:
-    runpy.run_module("enn_cluster.cli", run_name="__main__")
+    runpy.run_module("enn_cluster.client.cli", run_name="__main__")
 except SystemExit:
     pass
 sys.stderr.write("\\nENN-MODULES " + json.dumps(sorted({m.split('.')[0] for m in sys.modules})) + "\\n")
@@ -32,7 +32,7 @@ def _command(ctx: BenchContext) -> tuple[list[str], str]:
     script = Path(ctx.python).parent / "enn-submit"
     if script.exists():
         return [str(script)], "enn-submit (console script)"
-    return [ctx.python, "-m", "enn_cluster.cli"], "python -m enn_cluster.cli"
+    return [ctx.python, "-m", "enn_cluster.client.cli"], "python -m enn_cluster.client.cli"
 
 
 def _config(ctx: BenchContext) -> Path:

@@ -1,4 +1,4 @@
-"""Prediction collection (`enn_cluster.collect.collect`) vs a raw concatenation.
+"""Prediction collection (`enn_cluster.client.collect.collect`) vs a raw concatenation.
 
 Setup (not timed): a run directory holding one committed prediction, written the way the
 workers write it: `chunk-NNNNNN.npy` files (`np.lib.format.write_array` + fsync), their
@@ -37,10 +37,10 @@ def _sizes(ctx: BenchContext) -> dict:
 def _make_prediction(ctx: BenchContext, s: dict):
     import numpy as np
 
-    from enn_cluster import prediction_manifest as pm
-    from enn_cluster.predict import chunk_stats, write_manifest
-    from enn_cluster.rundir import RunDir, atomic_write_text
-    from enn_cluster.checksum import file_checksum
+    from enn_cluster.storage import prediction_manifest as pm
+    from enn_cluster.worker.predict import chunk_stats, write_manifest
+    from enn_cluster.storage.rundir import RunDir, atomic_write_text
+    from enn_cluster.storage.checksum import file_checksum
 
     run = RunDir(ctx.workdir / "collect" / "run")
     pdir = run.predictions / NAME
@@ -92,7 +92,7 @@ def raw_concatenate(files: list[Path], out: Path, shape: tuple, dtype) -> None:
 def run(ctx: BenchContext) -> Result:
     import numpy as np
 
-    from enn_cluster.collect import collect
+    from enn_cluster.client.collect import collect
 
     s = _sizes(ctx)
     run_dir, pdir, manifest = _make_prediction(ctx, s)

@@ -97,8 +97,8 @@ def _rank(rank: int, world: int, port: int, shape: Shape, steps: int, out: str) 
     import torch.distributed as dist
     from torch.nn import functional as F
 
-    from enn_cluster.config import MeshPlan
-    from enn_cluster.parallel import build_mesh, wrap_model
+    from enn_cluster.config.run_config import MeshPlan
+    from enn_cluster.worker.parallel import build_mesh, wrap_model
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -9,7 +9,7 @@ import os
 import uuid
 from typing import Callable
 
-from enn_cluster.launch_local import free_port
+from enn_cluster.client.launch_local import free_port
 
 
 def run_group(entry: Callable, nprocs: int, *args) -> dict:

@@ -49,7 +49,7 @@ def _enn(ctx: BenchContext, s: dict, x: Path, y: Path, i: int) -> tuple[list[flo
     }
     path = ctx.workdir / "overhead" / f"run-{i}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    res = subprocess.run([ctx.python, "-m", "enn_cluster.cli", "train", "--config", str(path)],
+    res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", "train", "--config", str(path)],
                          capture_output=True, text=True, env=ctx.subprocess_env(), timeout=600)
     if res.returncode != 0:
         raise RuntimeError(f"enn-submit train exited {res.returncode}: {res.stderr[-800:]}")

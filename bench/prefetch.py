@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from enn_cluster.loader import BatchLoader, gather_rows
-from enn_cluster.sampler import epoch_permutation, micro_batch_rows
+from enn_cluster.worker.loader import BatchLoader, gather_rows
+from enn_cluster.worker.sampler import epoch_permutation, micro_batch_rows
 
 from .measure import BenchContext, Result, Series, ratios
 

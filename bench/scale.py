@@ -80,7 +80,7 @@ def _records(run: Path) -> list[dict]:
 def _cli(ctx: BenchContext, argv: list[str]) -> float:
     """Run enn-submit in a fresh interpreter; return the wall-clock time it was started."""
     t0 = time.time()
-    res = subprocess.run([ctx.python, "-m", "enn_cluster.cli", *argv], capture_output=True,
+    res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", *argv], capture_output=True,
                          text=True, env=ctx.subprocess_env(), timeout=900)
     if res.returncode != 0:
         raise RuntimeError(f"enn-submit {argv[0]} exited {res.returncode}: {res.stderr[-800:]}")

@@ -1,5 +1,5 @@
-"""Data staging (`enn_cluster.staging.stage_array` from a .npy) vs `shutil.copyfile`, and
-prediction collection (`enn_cluster.collect`, bench/collect.py) vs a raw concatenation.
+"""Data staging (`enn_cluster.storage.staging.stage_array` from a .npy) vs `shutil.copyfile`, and
+prediction collection (`enn_cluster.client.collect`, bench/collect.py) vs a raw concatenation.
 
 Both sides read a source whose pages were evicted (posix_fadvise DONTNEED) and make the
 result durable: the baseline is `shutil.copyfile` (sendfile in the kernel) + fsync, as
@@ -30,7 +30,7 @@ def run(ctx: BenchContext) -> list[Result]:
 def stage_result(ctx: BenchContext) -> Result:
     import numpy as np
 
-    from enn_cluster.staging import stage_array
+    from enn_cluster.storage.staging import stage_array
 
     rows = (8 << 10) if ctx.quick else (64 << 10)
     base = ctx.workdir / "staging"
@@ -65,9 +65,9 @@ def stage_result(ctx: BenchContext) -> Result:
 
 
 def collect_result(ctx: BenchContext) -> Result:
-    if importlib.util.find_spec("enn_cluster.collect") is None:
+    if importlib.util.find_spec("enn_cluster.client.collect") is None:
         return Result("collect", "collect vs raw concatenation", ">=", 0.8,
-                      skipped="not measured (enn_cluster.collect not available)")
+                      skipped="not measured (enn_cluster.client.collect not available)")
     from . import collect
 
     return collect.run(ctx)

@@ -11,11 +11,11 @@ __all__ = ["train", "predict", "Run"]
 def __getattr__(name):
     """`enn_cluster.train/predict/Run` load on first use, keeping `import enn_cluster` light."""
     if name in ("train", "predict"):
-        from . import api
+        from enn_cluster.client import api
 
         return getattr(api, name)
     if name == "Run":
-        from .run_handle import Run
+        from enn_cluster.client.run_handle import Run
 
         return Run
     raise AttributeError(f"module 'enn_cluster' has no attribute {name!r}")

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .errors import UserError
+from enn_cluster.config.run_config import ModelConfig, RunConfig
+from enn_cluster.errors import UserError
 
 
 class MLP(nn.Module):
@@ -109,3 +109,10 @@ def compute_loss(model: nn.Module, task: str, outputs: torch.Tensor, targets: to
     if task == "classification":
         return F.cross_entropy(outputs.float(), targets.long().reshape(-1))
     return F.mse_loss(outputs.float(), targets.float().reshape(outputs.shape))
+
+
+def output_size(cfg: RunConfig, manifest: dict) -> int:
+    if cfg.model.task == "classification":
+        return int(manifest.get("n_classes", 2))
+    shape = manifest["entries"]["train_y"]["shape"]
+    return math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 import render_support
-from enn_cluster.config import RunConfig
+from enn_cluster.config.run_config import RunConfig
 
 FAST = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,

@@ -78,7 +78,7 @@ def build_test_image(cache: Path, tag: str, dockerfile: Path = ROOT / "container
                      env: dict | None = None) -> tuple[Path, str]:
     """`enn-submit build` of `dockerfile` over the dev base `tag` into `cache`: (image, log)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "enn_cluster.cli", "build", "--cache-dir", str(cache),
+        [sys.executable, "-m", "enn_cluster.client.cli", "build", "--cache-dir", str(cache),
          "--dockerfile", str(dockerfile), "--build-arg", f"BASE_IMAGE={tag}",
          "--build-arg", f"PIP_INSTALL_FLAGS={PIP_FLAGS}"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,

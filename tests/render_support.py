@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster.job_spec import JobSpec
+from enn_cluster.cluster.job_spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
-TEMPLATES = ROOT / "enn_cluster" / "templates"
+TEMPLATES = ROOT / "enn_cluster" / "cluster" / "templates"
 HOSTILE = "a b 'c' \"d\" $(touch CANARY1) `touch CANARY2`; touch CANARY3 & ünï ✓ $PATH \\ *"
 
 
@@ -51,6 +51,6 @@ def golden_specs():
 
 def make_submitit_script(spec: JobSpec, folder: str) -> str:
     """submitit 1.5.4's own rendering of our parameters, through the executor that submits."""
-    from enn_cluster.submit_slurm import batch_script, slurm_executor
+    from enn_cluster.cluster.submit_slurm import batch_script, slurm_executor
 
     return batch_script(slurm_executor(spec, folder))

@@ -63,7 +63,7 @@ def _local_model():
     (42, "expected an nn.Module"),
 ])
 def test_unshippable_models_fail_fast_without_a_run_dir(tmp_path, model, needle):
-    from enn_cluster.api import check_shippable
+    from enn_cluster.client.api import check_shippable
 
     if needle is None:
         check_shippable(model)  # torch's own classes ship fine
@@ -74,7 +74,7 @@ def test_unshippable_models_fail_fast_without_a_run_dir(tmp_path, model, needle)
 
 
 def test_main_module_class_is_refused():
-    from enn_cluster.api import check_shippable
+    from enn_cluster.client.api import check_shippable
 
     cls = type("Notebook", (torch.nn.Module,), {"forward": lambda self, x: x, "__module__": "__main__"})
     with pytest.raises(UserError, match="defined in __main__"):

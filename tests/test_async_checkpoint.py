@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from enn_cluster import checkpoint_store as store
+from enn_cluster.storage import commits as store
 from helpers import cli, full_params, metrics, small_config, write_config
 
 

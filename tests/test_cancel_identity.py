@@ -13,9 +13,9 @@ import textwrap
 import pytest
 
 from enn_cluster.errors import UserError
-from enn_cluster.process_identity import boot_id, identity, launcher_problem, own_identity
-from enn_cluster.rundir import RunDir, acquire_lock, lock_owner, read_lock
-from enn_cluster.slurm_state import job_belongs_to_run, parse_scontrol
+from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem, own_identity
+from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner, read_lock
+from enn_cluster.storage.slurm_jobs import job_belongs_to_run, parse_scontrol
 from helpers import ROOT
 
 ME = own_identity()
@@ -101,7 +101,7 @@ NAMESPACE_SCRIPT = textwrap.dedent("""
     run = Path(sys.argv[1])
     victim = subprocess.Popen([sys.executable, "-c", (
         "import json, sys, time\\n"
-        "from enn_cluster.rundir import lock_owner\\n"
+        "from enn_cluster.storage.rundir import lock_owner\\n"
         "print(json.dumps(lock_owner()), flush=True)\\n"
         "time.sleep(600)\\n")], stdout=subprocess.PIPE, text=True)
     real = json.loads(victim.stdout.readline())
@@ -115,7 +115,7 @@ NAMESPACE_SCRIPT = textwrap.dedent("""
     out = {}
     def cancel(record):
         (run / "run.lock").write_text(json.dumps(record))
-        p = subprocess.run([sys.executable, "-m", "enn_cluster.cli", "cancel", str(run)],
+        p = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "cancel", str(run)],
                            capture_output=True, text=True)
         return [p.returncode, p.stdout + p.stderr, victim.poll()]
     for name, record in forged.items():

@@ -7,8 +7,8 @@ import zlib
 import numpy as np
 import pytest
 
-from enn_cluster import checkpoint_store as store
-from enn_cluster.checksum import RunningChecksum, algorithm_of, bytes_checksum, file_checksum
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.checksum import RunningChecksum, algorithm_of, bytes_checksum, file_checksum
 
 
 def test_file_and_stream_checksums_agree_and_catch_one_flipped_bit(tmp_path):
@@ -45,10 +45,10 @@ def test_unknown_algorithm_is_named():
 def test_a_prediction_staged_with_crc32_is_still_recognised(tmp_path):
     """Re-asking for a prediction made before xxh3 compares inputs by recomputing the
     staged input's checksum with the new algorithm."""
-    from enn_cluster import prediction_manifest as pm
-    from enn_cluster.prediction_request import _input_checksum
-    from enn_cluster.rundir import RunDir
-    from enn_cluster.staging import stage_array
+    from enn_cluster.storage import prediction_manifest as pm
+    from enn_cluster.client.prediction_request import _input_checksum
+    from enn_cluster.storage.rundir import RunDir
+    from enn_cluster.storage.staging import stage_array
 
     x = np.random.default_rng(1).standard_normal((50, 3)).astype(np.float32)
     run = RunDir(tmp_path / "run")

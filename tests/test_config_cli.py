@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from enn_cluster.config import (ParallelConfig, apply_overrides, config_from_dict, load_config,
+from enn_cluster.config.run_config import (ParallelConfig, apply_overrides, config_from_dict, load_config,
                                 plan_mesh)
 from enn_cluster.errors import UserError
 from helpers import ROOT, cli, small_config, write_config
@@ -91,7 +91,7 @@ def test_load_config_roundtrip(tmp_path):
 
 def test_cli_help_does_not_import_torch():
     code = ("import sys, contextlib, io\n"
-            "from enn_cluster import cli\n"
+            "from enn_cluster.client import cli\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    try: cli.main(['--help'])\n"
             "    except SystemExit: pass\n"

@@ -107,9 +107,9 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
                                                                 tmp_path):
     """slurm/*.sbatch with ENN_* variables, as an admin submits them, on a run (and a staged
     prediction) made the way `enn-submit train` / `predict` make them before submitting."""
-    from enn_cluster.config import load_config
-    from enn_cluster.launch import prepare_run, shape_from_flags
-    from enn_cluster.prediction_request import prepare_prediction
+    from enn_cluster.config.run_config import load_config
+    from enn_cluster.client.prepare import prepare_run, shape_from_flags
+    from enn_cluster.client.prediction_request import prepare_prediction
 
     cluster = pyxis_cluster(1)
     cfg = load_config(str(write_config(tmp_path / "run.yaml", **small_config(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster import control_net
+from enn_cluster.worker import control_net
 
 HEAD = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
 # a GPU node: default and 10.0.2.0/24 on eth0 (front end), 10.16.0.0/16 on ib0 (IPoIB),

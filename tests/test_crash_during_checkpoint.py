@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from enn_cluster import checkpoint_store as store
+from enn_cluster.storage import commits as store
 from helpers import ROOT, cli, metrics, small_config, write_config
 
 TRIALS = int(os.environ.get("ENN_FAULT_TRIALS", "2"))
 
 
 def _start(cfg):
-    return subprocess.Popen([sys.executable, "-m", "enn_cluster.cli", "train", "--config", str(cfg)],
+    return subprocess.Popen([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config", str(cfg)],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from enn_cluster import torch_save_layout as tsl
-from enn_cluster.checksum import file_checksum
-from enn_cluster.dcp_io import ChecksummingWriter, safe_load
+from enn_cluster.storage import torch_save_layout as tsl
+from enn_cluster.storage.checksum import file_checksum
+from enn_cluster.storage.dcp_io import ChecksummingWriter, safe_load
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -106,7 +106,7 @@ def test_a_record_that_ends_elsewhere_is_read_the_slow_way(tmp_path, caplog):
     data[first + 8:first + 16] = b"\xff" * 8  # its recorded sizes now disagree
     shard.write_bytes(bytes(data))
     loaded = _zeros(state)
-    with caplog.at_level(logging.WARNING, logger="enn_cluster.dcp_io"):
+    with caplog.at_level(logging.WARNING, logger="enn_cluster.storage.dcp_io"):
         safe_load(loaded, path)
     assert "reading it the slow way" in caplog.text
     for key in state:

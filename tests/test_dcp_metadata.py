@@ -74,7 +74,7 @@ def _rewrite_metadata(step: pathlib.Path, data: bytes) -> None:
     """Replace `.metadata` and its commit record entry, as a writer of that form would."""
     import json
 
-    from enn_cluster import checkpoint_store as store
+    from enn_cluster.storage import commits as store
 
     (step / ".metadata").write_bytes(data)
     record = store.read_commit(step)
@@ -126,7 +126,7 @@ def test_getattr_payload_fails_verify_and_predict_in_one_line(trained, tmp_path)
 def _load(data: bytes):
     import io
 
-    from enn_cluster.dcp_metadata import MetadataUnpickler
+    from enn_cluster.storage.dcp_metadata import MetadataUnpickler
 
     return MetadataUnpickler(io.BytesIO(data)).load()
 
@@ -162,7 +162,7 @@ def test_unlisted_modules_refused_before_import(tmp_path):
         import pickle, sys
         sys.path.insert(0, {str(tmp_path)!r})
         import torch
-        from enn_cluster.dcp_metadata import MetadataUnpickler, load_metadata
+        from enn_cluster.storage.dcp_metadata import MetadataUnpickler, load_metadata
         import io
         for module, name in [("torch.onnx", "export"), ("enn_probe_mod", "x"),
                              ("torch._dynamo", "optimize"), ("torch", "onnx"),

@@ -18,7 +18,7 @@ def _rank(rank: int, init: str, claims: list, out: str) -> None:
     import torch.distributed as dist
 
     from enn_cluster.errors import UserError
-    from enn_cluster.lanes import Lanes, check_devices
+    from enn_cluster.worker.lanes import Lanes, check_devices
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     lanes = Lanes(control=dist.group.WORLD, checkpoint=None, device=torch.device("cpu"),

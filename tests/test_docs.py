@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster import config_docs, site
-from enn_cluster.cli import build_parser
+from enn_cluster.config import docs as config_docs
+from enn_cluster.cluster import site
+from enn_cluster.client.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -113,7 +114,7 @@ def test_config_fields_and_descriptions_must_match():
 
 
 def test_config_docs_does_not_import_torch():
-    code = ("import sys, enn_cluster.config_docs as d; d.render_config_reference(); "
+    code = ("import sys, enn_cluster.config.docs as d; d.render_config_reference(); "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.call([sys.executable, "-c", code], cwd=ROOT) == 0
 
@@ -165,8 +166,10 @@ def test_command_mentions_are_parsed():
 
 def test_architecture_names_every_module():
     text = (DOCS / "architecture.md").read_text(encoding="utf-8")
-    missing = [p.name for p in sorted((ROOT / "enn_cluster").glob("*.py"))
-               if f"`{p.name}`" not in text]
+    pkg = ROOT / "enn_cluster"
+    names = [p.relative_to(pkg).as_posix() for p in sorted(pkg.rglob("*.py"))
+             if p.name != "__init__.py" or p.parent == pkg]
+    missing = [n for n in names if f"`{n}`" not in text]
     assert not missing, f"docs/architecture.md has no paragraph for: {', '.join(missing)}"
 
 

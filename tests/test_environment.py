@@ -1,7 +1,7 @@
 """Rank/world/master discovery from Slurm, torchrun and the local launcher (pure)."""
 import pytest
 
-from enn_cluster.environment import (clean_environment, discover, expand_hostlist,
+from enn_cluster.worker.environment import (clean_environment, discover, expand_hostlist,
                                      expand_tasks_per_node, port_for_job)
 from enn_cluster.errors import UserError
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster import exec_env, job_spec
+from enn_cluster.worker import exec_env
+from enn_cluster.cluster import job_spec
 from enn_cluster.errors import UserError
-from enn_cluster.exec_env import Plugin
-from enn_cluster.job_spec import JobSpec
+from enn_cluster.worker.exec_env import Plugin
+from enn_cluster.cluster.job_spec import JobSpec
 from helpers import small_config, write_config
 
 # Where images really keep aws-ofi-nccl (exec_env.EFA_PLUGIN_DIRS cites the sources):

@@ -52,7 +52,7 @@ def test_a_worker_refuses_a_run_held_by_a_live_process_with_exit_2(tmp_path):
     direct = subprocess.run([sys.executable, "-m", "enn_cluster.worker", str(run)],
                             capture_output=True, text=True, timeout=120, env=_env())
     slurm_entry = subprocess.run(
-        [sys.executable, "-c", "import sys; from enn_cluster.submit_slurm import worker_entry; "
+        [sys.executable, "-c", "import sys; from enn_cluster.cluster.submit_slurm import worker_entry; "
          "worker_entry(sys.argv[1], 'train', None, None)", str(run)],
         capture_output=True, text=True, timeout=120, env=_env())
     for res in (direct, slurm_entry):

@@ -10,13 +10,13 @@ import os
 import numpy as np
 import pytest
 
-from enn_cluster import collect as col
-from enn_cluster import file_copy
-from enn_cluster import prediction_manifest as pm
-from enn_cluster import staging
-from enn_cluster.checksum import file_checksum
+from enn_cluster.client import collect as col
+from enn_cluster.storage import file_copy
+from enn_cluster.storage import prediction_manifest as pm
+from enn_cluster.storage import staging
+from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.errors import UserError
-from enn_cluster.rundir import RunDir, atomic_write_text
+from enn_cluster.storage.rundir import RunDir, atomic_write_text
 
 
 class _Tty(io.StringIO):

@@ -16,10 +16,11 @@ import yaml
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from enn_cluster import config_checks, job_spec
-from enn_cluster.config import config_from_dict
+from enn_cluster.config import checks as config_checks
+from enn_cluster.cluster import job_spec
+from enn_cluster.config.run_config import config_from_dict
 from enn_cluster.errors import UserError
-from enn_cluster.job_spec import JobSpec
+from enn_cluster.cluster.job_spec import JobSpec
 from fuzz_support import ANY, ARGV_SAFE, FLOATS, HOSTILE, PIECES, PROCS, shellcheck
 from helpers import ROOT, small_config
 
@@ -40,7 +41,7 @@ def no_torch(tmp_path_factory):
 def enn_submit(args, cwd: Path, no_torch: Path, timeout: float = 60):
     env = dict(os.environ, PYTHONPATH=f"{no_torch}{os.pathsep}{ROOT}")
     env.pop("ENN_SITE_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "enn_cluster.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *args], cwd=cwd, env=env,
                           capture_output=True, timeout=timeout)
 
 
@@ -217,7 +218,7 @@ def test_inputs_that_crashed_before(workdir, no_torch, args, needle):
 
 
 def test_default_job_name_from_a_run_name_with_spaces():
-    from enn_cluster.submit_slurm import default_job_name
+    from enn_cluster.cluster.submit_slurm import default_job_name
 
     assert default_job_name("my run=1 ü") == "enn-my_run_1_ü"
     assert job_spec._NAME.match(default_job_name("$(x);`y`"))
@@ -232,7 +233,7 @@ def test_hostile_run_name_trains_locally_verbatim(tmp_path):
                        parallel={"nodes": 1, "procs_per_node": 1})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-m", "enn_cluster.cli", "train", "--config",
+    res = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
                           "run.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=180)
     assert res.returncode == 0, res.stderr
@@ -240,7 +241,7 @@ def test_hostile_run_name_trains_locally_verbatim(tmp_path):
     assert (run / "checkpoints" / "step-1" / "commit.json").exists()
     assert yaml.safe_load((run / "config.yaml").read_text())["run_name"] == name
     assert not list(tmp_path.rglob("CANARY*"))
-    status = subprocess.run([sys.executable, "-m", "enn_cluster.cli", "status", str(run)],
+    status = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "status", str(run)],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "step-1" in status.stdout, status.stdout + status.stderr
 

@@ -19,11 +19,12 @@ import yaml
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from enn_cluster import job_spec, site
-from enn_cluster.config import (RunConfig, apply_overrides, config_from_dict, dump_config,
+from enn_cluster.cluster import job_spec
+from enn_cluster.cluster import site
+from enn_cluster.config.run_config import (RunConfig, apply_overrides, config_from_dict, dump_config,
                                 load_config, read_yaml)
 from enn_cluster.errors import UserError
-from enn_cluster.job_spec import JobSpec
+from enn_cluster.cluster.job_spec import JobSpec
 from fuzz_support import (ANY, CONFIGS, FAST, HOSTILE, NUMBERS, SHELL, mostly, one_line_error,
                           shellcheck)
 
@@ -50,7 +51,7 @@ def test_any_config_validates_or_names_the_field(data):
 
 def as_printed(message: str) -> str:
     """What the CLI prints: cli.one_line escapes a newline from a raw path or value."""
-    from enn_cluster.cli import one_line
+    from enn_cluster.client.cli import one_line
 
     return one_line(message)
 

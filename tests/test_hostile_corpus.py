@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from enn_cluster.cli import main
+from enn_cluster.client.cli import main
 from helpers import cli, train_tiny
 from hostile_cases import ALL
 

@@ -28,7 +28,7 @@ def _data():
 
 
 def _accumulate(sm, rank, sync_fn):
-    from enn_cluster.model_setup import gradient_sync
+    from enn_cluster.worker.model_setup import gradient_sync
 
     x, y = _data()
     for k in range(ACCUM):
@@ -42,7 +42,7 @@ def _accumulate(sm, rank, sync_fn):
 
 
 def _old_path(sm, sync):
-    from enn_cluster.model_setup import _communicate
+    from enn_cluster.worker.model_setup import _communicate
 
     return _communicate(sm.model.set_requires_gradient_sync, sync)
 
@@ -51,9 +51,9 @@ def _rank(rank: int, init: str, out: str) -> None:
     sys.path.insert(0, str(ROOT))
     import torch.distributed as dist
 
-    from enn_cluster.config import MeshPlan
-    from enn_cluster.model_setup import ShardedModel
-    from enn_cluster.parallel import build_mesh, wrap_model
+    from enn_cluster.config.run_config import MeshPlan
+    from enn_cluster.worker.model_setup import ShardedModel
+    from enn_cluster.worker.parallel import build_mesh, wrap_model
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     plan = MeshPlan("hsdp", 2, 2)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster import enroot_layout
+from enn_cluster.cluster import enroot_layout
 from enn_cluster.errors import ToolMissing, UserError
-from enn_cluster.image import (builder_env, build_image, context_entries, find_cached_image,
+from enn_cluster.cluster.image import (builder_env, build_image, context_entries, find_cached_image,
                                image_for, image_key, image_path, is_ignored, parse_dockerignore)
 from pyxis_fixture import build_args
 

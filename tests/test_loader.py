@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from enn_cluster.loader import BatchLoader, gather_rows
-from enn_cluster.sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows)
+from enn_cluster.worker.loader import BatchLoader, gather_rows
+from enn_cluster.worker.sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows)
 
 
 def _reference_batch(x, y, rows, scaler):

@@ -15,8 +15,8 @@ from helpers import ROOT, cli, small_config, write_config
 PROBE = r"""
 import json, os, sys
 import torch
-from enn_cluster import model_setup, trainer as tr
-from enn_cluster.worker import run_task
+from enn_cluster.worker import model_setup, trainer as tr
+from enn_cluster.worker.entry import run_task
 
 def rss_peak_mb():
     for line in open("/proc/self/status"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from enn_cluster.cli import load_flagged_config
+from enn_cluster.client.launching import load_flagged_config
 from helpers import cli
 
 

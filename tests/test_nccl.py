@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from enn_cluster import nccl
+from enn_cluster.config import nccl
 from enn_cluster.errors import UserError
 
 

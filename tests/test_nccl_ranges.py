@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from enn_cluster import nccl
+from enn_cluster.config import nccl
 
 DOCUMENTED = {
     "NCCL_IB_TIMEOUT": range(1, 32),

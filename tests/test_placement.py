@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from enn_cluster import placement
+from enn_cluster.worker import placement
 
 
 @pytest.mark.parametrize("text,cpus", [

@@ -6,8 +6,8 @@ import subprocess
 import sys
 import time
 
-from enn_cluster.metrics import read_metrics
-from enn_cluster.plot import plot_series
+from enn_cluster.storage.metrics import read_metrics
+from enn_cluster.client.plot import plot_series
 from helpers import ROOT, cli, small_config, write_config
 
 
@@ -16,7 +16,7 @@ def test_follow_a_live_run_then_plot_it_with_its_restart(tmp_path):
                        checkpoint={"every_steps": 10},
                        parallel={"nodes": 1, "procs_per_node": 2, "max_restarts": 1})
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    train = subprocess.Popen([sys.executable, "-m", "enn_cluster.cli", "train", "--config",
+    train = subprocess.Popen([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
                               str(write_config(tmp_path / "c.yaml", **cfg))],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     run = tmp_path / "runs" / "live"
@@ -53,7 +53,7 @@ def test_plot_and_status_refuse_what_is_not_a_run(tmp_path):
 
 
 def test_wait_describes_state_and_reason_and_knows_jobs_that_never_start():
-    from enn_cluster.slurm_state import describe, never_starts
+    from enn_cluster.storage.slurm_jobs import describe, never_starts
 
     assert describe({"state": "PENDING", "reason": "Priority"}) == "PENDING (Reason=Priority)"
     assert describe({"state": "RUNNING", "reason": "None"}) == "RUNNING"
@@ -64,7 +64,7 @@ def test_wait_describes_state_and_reason_and_knows_jobs_that_never_start():
 
 def test_status_knows_slurm_jobs_that_only_left_worker_logs():
     """Issue 15 item 8: a job from slurm/*.sbatch records nothing in jobs.jsonl."""
-    from enn_cluster.status import with_unrecorded_slurm_jobs
+    from enn_cluster.client.status import with_unrecorded_slurm_jobs
 
     recorded = [{"kind": "slurm", "job_id": "5", "time": 10.0}]
     dirs = [("slurm-5-r0", 11.0), ("slurm-9-r0", 20.0), ("slurm-9-r1", 30.0), ("local-r0", 40.0),

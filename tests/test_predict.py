@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import enn_cluster
-from enn_cluster import prediction_manifest as pm
+from enn_cluster.storage import prediction_manifest as pm
 from helpers import cli, small_config, write_config
 
 ATOL = 1e-5

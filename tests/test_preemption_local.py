@@ -30,7 +30,7 @@ def test_signal_checkpoints_and_resume_is_exact(uninterrupted, tmp_path, sig):
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "pre", training={"max_steps": STEPS}, checkpoint={"every_steps": 1000}))
     run = tmp_path / "runs" / "pre"
-    proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.cli", "train", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config", str(cfg)],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -62,7 +62,7 @@ def test_second_job_on_a_live_run_is_refused(tmp_path):
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "busy", training={"max_steps": 400}, parallel={"nodes": 1, "procs_per_node": 1}))
     run = tmp_path / "runs" / "busy"
-    proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.cli", "train", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config", str(cfg)],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

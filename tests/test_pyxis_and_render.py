@@ -14,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from enn_cluster import job_spec, nccl, pyxis
+from enn_cluster.cluster import job_spec
+from enn_cluster.config import nccl
+from enn_cluster.cluster import pyxis
 from enn_cluster.errors import UserError
-from enn_cluster.job_spec import JobSpec
+from enn_cluster.cluster.job_spec import JobSpec
 from render_support import GOLDEN, ROOT, TEMPLATES, golden_specs, make_submitit_script, shellcheck
 
 
@@ -199,8 +201,8 @@ def test_rendered_parameters_match_the_template(name):
 
 
 def test_modules_do_not_import_torch():
-    code = ("import sys, enn_cluster.job_spec, enn_cluster.site, enn_cluster.pyxis, "
-            "enn_cluster.nccl; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, enn_cluster.cluster.job_spec, enn_cluster.cluster.site, enn_cluster.cluster.pyxis, "
+            "enn_cluster.config.nccl; assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -233,8 +235,8 @@ def test_any_text_survives_the_quoting(tmp_path_factory, values, arg):
 
 def test_one_failure_retry_default_for_cli_and_admin_templates():
     """Issue 15 item 6: the CLI (parallel.max_restarts), JobSpec and slurm/*.sbatch agree."""
-    from enn_cluster.config import ParallelConfig
-    from enn_cluster.job_spec import DEFAULT_MAX_RESTARTS
+    from enn_cluster.config.run_config import ParallelConfig
+    from enn_cluster.cluster.job_spec import DEFAULT_MAX_RESTARTS
 
     assert ParallelConfig().max_restarts == DEFAULT_MAX_RESTARTS
     for name in ("train.sbatch", "predict.sbatch"):

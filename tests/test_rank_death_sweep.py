@@ -44,7 +44,7 @@ def _worker_pids(run):
 def test_random_rank_killed_at_random_step(reference, tmp_path, trial):
     rnd = random.Random(trial)
     run = tmp_path / "runs" / "kill"
-    proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.cli", "train", "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
                              str(_cfg(tmp_path, "kill")), "--max-restarts", "2"],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

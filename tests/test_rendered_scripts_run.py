@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster import job_spec, nccl
-from enn_cluster.job_spec import JobSpec
+from enn_cluster.cluster import job_spec
+from enn_cluster.config import nccl
+from enn_cluster.cluster.job_spec import JobSpec
 from render_support import HOSTILE, TEMPLATES, golden_specs, make_submitit_script, shellcheck
 
 SRUN_STUB = """#!/bin/bash

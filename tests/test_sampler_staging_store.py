@@ -4,12 +4,12 @@ import json
 import numpy as np
 import pytest
 
-from enn_cluster import checkpoint_store as store
-from enn_cluster.config import DataConfig, ModelConfig
+from enn_cluster.storage import commits as store
+from enn_cluster.config.run_config import DataConfig, ModelConfig
 from enn_cluster.errors import UserError
-from enn_cluster.sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows,
+from enn_cluster.worker.sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows,
                                  shard_rows)
-from enn_cluster.staging import read_manifest, stage_array, stage_run_data
+from enn_cluster.storage.staging import read_manifest, stage_array, stage_run_data
 
 
 def test_every_row_once_per_epoch_at_any_world_and_resume_point():

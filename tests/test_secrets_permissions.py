@@ -40,7 +40,7 @@ def secrets() -> dict[str, str]:
 def enn_submit(args, cwd, env_extra, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(ROOT), **env_extra)
     env.pop("ENN_SITE_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "enn_cluster.cli", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *map(str, args)], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=timeout,
                           preexec_fn=lambda: os.umask(0))  # prove modes are set, not inherited
 
@@ -80,11 +80,12 @@ def test_env_secrets_never_reach_a_rendered_script(tmp_path, flags):
 def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     """The other way a job reaches Slurm: submitit's parameters and the sbatch file it
     writes into RUN_DIR/slurm/ (built here without sbatch)."""
-    from enn_cluster import job_spec
-    from enn_cluster.cli import build_parser
-    from enn_cluster.cli_ops import check_slurm_spec
-    from enn_cluster.config import config_from_dict
-    from enn_cluster.launch import LaunchShape
+    from enn_cluster.cluster import job_spec
+    from enn_cluster.client.cli import build_parser
+    from enn_cluster.client.cli_ops import slurm_request
+    from enn_cluster.client.launching import check_slurm_spec
+    from enn_cluster.config.run_config import config_from_dict
+    from enn_cluster.client.prepare import LaunchShape
     from render_support import make_submitit_script
 
     tokens = secrets()
@@ -97,7 +98,7 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     args = build_parser().parse_args(["train", "--cluster", "slurm", "--container",
                                       "/shared/images/enn.sqsh", "--site", str(site)])
     cfg = config_from_dict(small_config(tmp_path, "sec"))
-    spec = check_slurm_spec(args, cfg, "train", LaunchShape(2, 2), 0)
+    spec = check_slurm_spec(slurm_request(args), cfg, "train", LaunchShape(2, 2), 0)
     text = repr(job_spec.submitit_parameters(spec)) + repr(job_spec.submitit_executor_kwargs(spec))
     text += make_submitit_script(spec, str(tmp_path / "submitit"))
     text += job_spec.render_batch_script(spec)
@@ -111,8 +112,8 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
 @pytest.mark.parametrize("override", ["model.kwargs.hf_token={value}",
                                       "data.eval_path=s3://AKIAEXAMPLE:{value}@bucket/x.npz"])
 def test_a_secret_in_a_config_field_is_not_frozen(tmp_path, override):
-    from enn_cluster.config import load_config
-    from enn_cluster.rundir import create_run_dir
+    from enn_cluster.config.run_config import load_config
+    from enn_cluster.storage.rundir import create_run_dir
 
     value = secrets()["HF_TOKEN"]
     path = tmp_path / "run.yaml"
@@ -276,7 +277,7 @@ def _planted_checkpoint(src: Path, dst: Path, sentinel: Path) -> Path:
 def test_dcp_metadata_payload_runs_in_torch_and_not_in_ours(real_run, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from enn_cluster.dcp_io import SafeFileSystemReader
+    from enn_cluster.storage.dcp_io import SafeFileSystemReader
 
     run, _, _ = real_run
     sentinel = tmp_path / "PWNED_metadata"
@@ -292,7 +293,7 @@ def test_dcp_metadata_payload_runs_in_torch_and_not_in_ours(real_run, tmp_path):
 def test_dcp_bytes_entries_load_only_plain_data(tmp_path):
     import torch
 
-    from enn_cluster.dcp_io import SafeLoadPlanner
+    from enn_cluster.storage.dcp_io import SafeLoadPlanner
 
     sentinel = tmp_path / "PWNED_bytes"
     buf = io.BytesIO()
@@ -312,7 +313,7 @@ def test_safe_load_reads_a_real_checkpoint_like_dcp(real_run):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from enn_cluster.dcp_io import SafeFileSystemReader, safe_load
+    from enn_cluster.storage.dcp_io import SafeFileSystemReader, safe_load
 
     run, _, _ = real_run
     step = run / "checkpoints" / "step-3"

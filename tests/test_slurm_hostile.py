@@ -87,9 +87,9 @@ def leaks(root: Path, values) -> list[str]:
 def test_rendered_script_with_hostile_values_runs_on_slurm(slurm_cluster, tmp_path, hostile):
     """`render_batch_script` with a hostile env value (newlines included), interpreter
     path and srun argument, submitted with plain sbatch: 1 node x 2 tasks train 2 steps."""
-    from enn_cluster import job_spec
-    from enn_cluster.config import config_from_dict
-    from enn_cluster.launch import LaunchShape, prepare_run
+    from enn_cluster.cluster import job_spec
+    from enn_cluster.config.run_config import config_from_dict
+    from enn_cluster.client.prepare import LaunchShape, prepare_run
 
     shape = LaunchShape(1, 2)
     cfg = config_from_dict(small_config(tmp_path, "hostile", training={"max_steps": 2},
@@ -145,7 +145,7 @@ def test_hostile_interpreter_and_srun_args_through_enn_submit(slurm_cluster, tmp
            "MLFLOW_TRACKING_TOKEN": token}
     env.pop("ENN_SITE_CONFIG", None)
     res = subprocess.run(
-        [sys.executable, "-m", "enn_cluster.cli", "train", "--config", "run.yaml",
+        [sys.executable, "-m", "enn_cluster.client.cli", "train", "--config", "run.yaml",
          "--cluster", "slurm", "--container", "none", "--time", "10", "--site", str(site),
          "--python", str(python), "--job-name", "enn-ĥostile", "--gpus-per-node", "0",
          "--procs-per-node", "2", "--nodes", "1", "--wait"],
@@ -191,7 +191,7 @@ def test_hostile_names_never_reach_slurm(slurm_cluster, tmp_path, hostile, flags
         args += ["--container", "none"]
     before = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout
     env = {**slurm_cluster.env, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "enn_cluster.cli", "train", "--config",
+    res = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
                           "run.yaml", "--cluster", "slurm", "--time", "10", *args],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2, res.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster import checkpoint_store as store
+from enn_cluster.storage import commits as store
 from helpers import assert_same_run, cli, metrics, small_config, write_config
 
 pytestmark = pytest.mark.slurm

@@ -1,8 +1,8 @@
 """stop_request: a stop asked for through the run directory (issue 15, item 1)."""
 from __future__ import annotations
 
-from enn_cluster import stop_request
-from enn_cluster.stop_request import StopPoller, record, requested, stop_file
+from enn_cluster.worker import stop_request
+from enn_cluster.worker.stop_request import StopPoller, record, requested, stop_file
 
 
 def test_record_and_requested_are_per_job(tmp_path):

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from enn_cluster import checkpoint_store as store
+from enn_cluster.storage import commits as store
 from helpers import cli, metrics, small_config, write_config
 
 

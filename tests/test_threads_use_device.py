@@ -11,16 +11,17 @@ from pathlib import Path
 
 import torch
 
-from enn_cluster import placement
+from enn_cluster.worker import placement
 
 PACKAGE = Path(__file__).resolve().parents[1] / "enn_cluster"
 STARTS_THREAD = re.compile(r"threading\.Thread\(|ThreadPoolExecutor\(")
-HOST_ONLY = {"staging.py": "runs on the submit host before any worker; no device"}
+HOST_ONLY = {"storage/staging.py": "runs on the submit host before any worker; no device"}
 
 
 def test_every_worker_thread_selects_its_device():
-    starters = sorted(p.name for p in PACKAGE.glob("*.py") if STARTS_THREAD.search(p.read_text()))
-    assert "loader.py" in starters and "checkpoint_async.py" in starters
+    starters = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                      if STARTS_THREAD.search(p.read_text()))
+    assert "worker/loader.py" in starters and "worker/checkpoint_async.py" in starters
     missing = [name for name in starters if name not in HOST_ONLY
                and "use_device(" not in (PACKAGE / name).read_text()
                and "initializer=use_device" not in (PACKAGE / name).read_text()]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from enn_cluster import checkpoint_store as store
+from enn_cluster.storage import commits as store
 from helpers import ROOT, cli, full_params, metrics, small_config, write_config
 
 PACKAGE = ROOT / "enn_cluster"
@@ -66,7 +66,7 @@ def test_no_private_torch_name_is_touched_at_import_time():
     """A torch release may move or drop any private name; importing our modules (the
     worker imports most of them) must not depend on one."""
     bad = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         scan = _ImportTimeTorch()
         scan.visit(ast.parse(path.read_text(), str(path)))
         bad += [f"{path.name}:{line}: {name}" for line, name in scan.found if _private(name)]

@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from enn_cluster.step_math import clip_and_norm, scheduled_gc
+from enn_cluster.worker.step_math import clip_and_norm, scheduled_gc
 
 
 def test_scheduled_gc_freezes_then_restores():
@@ -70,8 +70,8 @@ def test_clip_and_norm_clips_fsdp2_gradients(tmp_path):
 SYNC_COUNTER = r"""
 import inspect, json, os, sys
 import torch
-from enn_cluster import trainer as tr
-from enn_cluster.worker import run_task
+from enn_cluster.worker import trainer as tr
+from enn_cluster.worker.entry import run_task
 
 conversions = []
 def counting(name):

@@ -18,7 +18,7 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 readonly repo_root
 readonly recipe="${repo_root}/containers/dev/Dockerfile.testbase"
 # The runtime requirements of pyproject.toml, torch pinned by constraints-dev.txt.
-readonly requirements=(torch submitit pyyaml numpy fsspec xxhash)
+readonly requirements=(torch submitit pyyaml numpy fsspec xxhash tqdm)
 
 # crun fails on this kind of host; our containers.conf selects runc (see the notes).
 if [[ -z "${CONTAINERS_CONF:-}" ]] && command -v runc >/dev/null 2>&1; then

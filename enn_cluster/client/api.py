@@ -1,0 +1,233 @@
+"""The Python API: `train()` and `predict()` drive the same runtime as `enn-submit`.
+
+A call does not loop over `model.forward()` in the caller's process. It stages the data
+into memmaps, writes the model's current weights as the run's step-0 checkpoint, freezes
+the config, launches workers (local elastic workers, or Slurm tasks through submitit) and
+reads back their artifacts.
+
+    >>> import numpy as np, torch, enn_cluster
+    >>> x = np.random.randn(512, 8).astype("float32"); y = x[:, :1] ** 2
+    >>> run = enn_cluster.train(torch.nn.Sequential(torch.nn.Linear(8, 1)), x, y,
+    ...                         training={"epochs": 2}, parallel={"nodes": 1, "procs_per_node": 2})
+    >>> preds = enn_cluster.predict(run, x)          # numpy array, rows in input order
+"""
+from __future__ import annotations
+
+import importlib
+import pickle
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from enn_cluster.client.launching import launch_detached, slurm_spec, wait_for_job
+from enn_cluster.client.prepare import LaunchShape, prepare_run, run_local
+from enn_cluster.client.run_handle import Run
+from enn_cluster.cluster.submit_slurm import SlurmRequest, submit
+from enn_cluster.config.run_config import (
+    RunConfig,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    read_yaml,
+)
+from enn_cluster.errors import UserError
+from enn_cluster.storage.rundir import RunDir
+
+MODEL_PICKLE = "model.pkl"
+
+
+def unpickled_model(n_features: int, n_outputs: int, path: str):
+    """Factory the workers call for a module given as an instance: its pickled structure."""
+    with open(path, "rb") as fh:
+        return pickle.load(fh)
+
+
+def check_shippable(model: Any) -> None:
+    """What ships to workers must import there: refuse early, before anything is written."""
+    if isinstance(model, str):
+        module, sep, attr = model.partition(":")
+        if not sep or not module or not attr:
+            raise UserError(f"model: {model!r} is not 'package.module:factory'")
+        return
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model: expected an nn.Module or 'module:factory', got {type(model).__name__}")
+    for sub in model.modules():
+        cls = type(sub)
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+            raise UserError(f"model: class {where} is defined in __main__, a notebook or a "
+                            "function; workers cannot import it. Move it to a module on "
+                            "PYTHONPATH (or pass 'module:factory')")
+        try:
+            found = importlib.import_module(cls.__module__)
+            for part in cls.__qualname__.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError):
+            found = None
+        if found is not cls:
+            raise UserError(f"model: class {where} is not importable by that path; "
+                            "define it at the top level of an importable module")
+    try:
+        pickle.dumps(model)
+    except Exception as exc:  # pickle raises many types; all mean the same to the user
+        raise UserError(f"model: cannot be pickled for the workers ({exc}); remove lambdas "
+                        "and open handles from it or pass 'module:factory'")
+
+
+def _config(config: Union[None, str, dict, RunConfig], overrides: dict) -> RunConfig:
+    if isinstance(config, RunConfig):
+        data = config_to_dict(config)
+    elif isinstance(config, (str, Path)):
+        data = read_yaml(str(config))
+    else:
+        data = dict(config or {})
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            data = apply_overrides(data, [f"{section}.{k}={v!r}" if isinstance(v, str)
+                                          else f"{section}.{k}={v}" for k, v in values.items()])
+        else:
+            data[section] = values
+    return config_from_dict(data)
+
+
+def _arrays(X, y, eval_data) -> dict:
+    arrays = {"x": X}
+    if y is not None:
+        arrays["y"] = y
+    if eval_data is not None:
+        arrays["eval_x"], arrays["eval_y"] = eval_data
+    return arrays
+
+
+def _write_step0(model, run: RunDir) -> None:
+    """The module's current weights, as a committed DCP checkpoint at step 0."""
+    import torch.distributed.checkpoint as dcp
+
+    from enn_cluster.storage import commits as store
+
+    path = store.step_dir(run.checkpoints, 0)
+    path.mkdir(parents=True)
+    state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    files = store.checksum_files(path, store.unowned_files(path, 1))
+    store.write_commit(path, 0, files, world_size=1, contents=["model"], source="api")
+
+
+def _slurm_request(cluster: dict, shape: LaunchShape) -> SlurmRequest:
+    """The API's `cluster=` dict as the CLI's Slurm flags would give it."""
+    keys = ("partition", "account", "qos", "time", "container", "python", "site",
+            "job_name", "signal_grace", "cpus_per_task")
+    return SlurmRequest(**{k: cluster.get(k) for k in keys},
+                        nodes=str(cluster.get("nodes", shape.nodes)),
+                        mounts=tuple(cluster.get("mounts", ())),
+                        exclusive=bool(cluster.get("exclusive", False)))
+
+
+def _shape(cfg: RunConfig, cluster: Optional[dict]) -> LaunchShape:
+    from enn_cluster.client.prepare import shape_from_flags
+
+    c = cluster or {}
+    gpus = c.get("gpus_per_node")
+    if cluster is not None and gpus is None:  # a Slurm job: the site config may know
+        from enn_cluster.cluster.site import load_site
+
+        gpus = load_site(c.get("site")).gpus_per_node
+    return shape_from_flags(cfg, c.get("nodes"), gpus, c.get("procs_per_node"))
+
+
+def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[dict] = None,
+          run_dir: Optional[str] = None, wait: bool = True, **overrides) -> Run:
+    """Train `model` (an nn.Module or 'module:factory') on X/y; returns a `Run` handle.
+
+    `config` is a RunConfig, a dict or a YAML path; keyword sections override it
+    (`training={"epochs": 3}`). `cluster=None` runs locally; a dict such as
+    `{"nodes": 2, "gpus_per_node": 8, "partition": "gpu", "container": "/img.sqsh"}` submits
+    to Slurm. `wait=False` returns at once; `Run.open(path)` re-attaches later.
+    """
+    check_shippable(model)
+    if run_dir is not None:
+        overrides = {**overrides, "run_name": Path(run_dir).name,
+                     "runs_root": str(Path(run_dir).resolve().parent)}
+    cfg = _config(config, overrides)
+    if isinstance(model, str):
+        cfg.model.name = model
+    shape = _shape(cfg, cluster)
+    restarts = cfg.parallel.max_restarts
+
+    def populate(run: RunDir) -> None:
+        if not isinstance(model, str):
+            with open(run.path / MODEL_PICKLE, "wb") as fh:
+                pickle.dump(model, fh)
+            _write_step0(model, run)
+
+    if not isinstance(model, str):
+        final = Path(cfg.runs_root).expanduser().resolve() / cfg.run_name
+        cfg.model.name = "enn_cluster.client.api:unpickled_model"
+        cfg.model.kwargs = {"path": str(final / MODEL_PICKLE)}
+    run = prepare_run(cfg, shape, arrays=_arrays(X, y, eval_data), populate_extra=populate)
+    return _start(run, "train", shape, restarts, cluster, wait)
+
+
+def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int, cluster, wait: bool,
+           name: Optional[str] = None, step: Optional[int] = None) -> Run:
+    if cluster is not None:
+        job = submit(run, slurm_spec(_slurm_request(cluster, shape), run, task, shape, restarts,
+                                     name=name), step=step)
+        if wait and wait_for_job(job) != 0:
+            raise RuntimeError(f"Slurm job {job} for {run.path} did not complete; "
+                               f"see 'enn-submit logs {run.path}'")
+        return Run.open(run.path)
+    if not wait:
+        launch_detached(run, task, shape, restarts)
+        return Run.open(run.path)
+    code = run_local(run, task, shape, restarts, name=name, step=step)
+    if code != 0:
+        raise RuntimeError(f"workers for {run.path} exited with code {code}; "
+                           f"see 'enn-submit logs {run.path}'")
+    return Run.open(run.path)
+
+
+IN_MEMORY_LIMIT = 1 << 30  # larger outputs come back as a read-only memmap
+
+
+def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict] = None,
+            name: Optional[str] = None, raw: bool = False, out: Optional[str] = None,
+            chunk_rows: Optional[int] = None, batch_size: Optional[int] = None):
+    """Predict X with a complete checkpoint of a run (default: the newest); rows in order.
+
+    Same path as `enn-submit predict` + `collect`: X is staged, workers (local, or Slurm
+    with `cluster=`) write verified chunks, and they are assembled into
+    `predictions/<name>/assembled.npy` (or `out`). Outputs over 1 GiB come back as a
+    read-only memmap. `raw=True` skips target de-normalisation.
+
+        >>> preds = enn_cluster.predict(run, x_test)             # doctest: +SKIP
+    """
+    import numpy as np
+
+    from enn_cluster.client.collect import collect
+    from enn_cluster.client.prediction_request import (
+        DEFAULT_BATCH_SIZE,
+        DEFAULT_CHUNK_ROWS,
+        prepare_prediction,
+    )
+
+    run = RunDir(Path(getattr(run_or_dir, "path", run_or_dir)).resolve())
+    cfg = run.load_config()
+    shape = _shape(cfg, cluster)
+    request = prepare_prediction(run, X, name=name, step=step,
+                                 chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS,
+                                 batch_size=batch_size or DEFAULT_BATCH_SIZE)
+    if not request.complete:
+        _start(run, "predict", shape, cfg.parallel.max_restarts, cluster, True,
+               name=request.name, step=request.step)
+    target = out or str(request.path / ("assembled-raw.npy" if raw else "assembled.npy"))
+    result = collect(run, request.name, target, raw=raw, overwrite=out is None)
+    for line in result.warnings:
+        import warnings
+
+        warnings.warn(f"prediction {request.name}: {line}", RuntimeWarning, stacklevel=2)
+    if out is not None and "://" in out:
+        return out
+    array = np.load(target, mmap_mode="r")
+    return np.array(array) if array.nbytes <= IN_MEMORY_LIMIT else array

@@ -1,0 +1,333 @@
+"""`enn-submit`: the command line. Parses flags, calls launch/collect/status functions.
+
+Bad input ends with one line on stderr and exit code 2. torch is imported only by the
+commands that run workers, so `--help`, `render` and `status` stay fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from enn_cluster.client.cli_ops import (
+    cmd_cancel,
+    cmd_logs,
+    cmd_render,
+    launch_from_flags,
+    slurm_request,
+)
+from enn_cluster.client.launching import (
+    check_control_files,
+    check_slurm_spec,
+    load_flagged_config,
+    max_restarts,
+)
+from enn_cluster.errors import UserError
+
+
+def one_line(text: str) -> str:
+    """A message as one line: control characters and line breaks from a path or a value
+    (newlines, vertical tabs, NEL, U+2028, terminal escapes) shown as escapes."""
+    import unicodedata
+
+    return "".join(repr(c)[1:-1] if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                   else c for c in text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags end like every other bad input: one line on stderr, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def _add_shape_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", choices=("local", "slurm"), default="local",
+                   help="where workers run: local processes (default) or Slurm via submitit")
+    p.add_argument("--nodes", default=None,
+                   help="nodes (simulated when local); on Slurm MIN-MAX takes what is granted")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (0: CPU)")
+    p.add_argument("--procs-per-node", type=int, default=None,
+                   help="processes per node on CPU (default: GPUs per node, or the config)")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="retries after a worker failure (default: parallel.max_restarts)")
+    g = p.add_argument_group("Slurm (with --cluster slurm; the site config fills the rest)")
+    g.add_argument("--partition")
+    g.add_argument("--account")
+    g.add_argument("--qos")
+    g.add_argument("--time", help="minutes or a Slurm time string (e.g. 2-00:00:00)")
+    g.add_argument("--exclusive", action="store_true")
+    g.add_argument("--container", default=None,
+                   help="squashfs path or registry image for Pyxis; 'none' runs bare metal")
+    g.add_argument("--mount", dest="mounts", action="append", default=[], metavar="SRC:DST[:FLAGS]")
+    g.add_argument("--python", default=None, help="interpreter the tasks run (inside the container)")
+    g.add_argument("--site", default=None, help="site config YAML (default: search order, see docs)")
+    g.add_argument("--job-name", default=None)
+    g.add_argument("--cpus-per-task", type=int, default=None,
+                   help="CPUs per task (default: site, else the node's CPUs / tasks per node)")
+    g.add_argument("--signal-grace", type=int, default=None,
+                   help="seconds between the USR2 warning and the time limit")
+    g.add_argument("--wait", action="store_true", help="block until the Slurm job ends")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="enn-submit", description="Distributed PyTorch training and prediction on "
+        "Slurm + Pyxis/Enroot, or locally (the embedded default).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="make a run directory, stage data, train")
+    p.add_argument("--config", required=False, default=None, help="run YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set training.lr=1e-4 (repeatable)")
+    p.add_argument("--run-name", default=None, help="shortcut for --set run_name=NAME")
+    p.add_argument("--runs-root", default=None, help="shortcut for --set runs_root=DIR")
+    _add_shape_flags(p)
+
+    p = sub.add_parser("prepare", help="make a run directory and stage data, without launching "
+                       "(for torchrun or a site's own srun line)")
+    p.add_argument("--config", required=False, default=None, help="run YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--run-name", default=None, help="shortcut for --set run_name=NAME")
+    p.add_argument("--runs-root", default=None, help="shortcut for --set runs_root=DIR")
+    _add_shape_flags(p)
+
+    p = sub.add_parser("resume", help="continue a run from its newest complete checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_shape_flags(p)
+
+    from enn_cluster.client.cli_predict import register as register_prediction
+
+    register_prediction(sub, _add_shape_flags, COMMANDS)
+
+    p = sub.add_parser("build", help="build containers/Dockerfile into an Enroot squashfs (cached)")
+    p.add_argument("--dockerfile", default="containers/Dockerfile")
+    p.add_argument("--context", default=".", help="build context (the repository root)")
+    p.add_argument("--cache-dir", default=None, help="image cache (default $ENN_IMAGE_CACHE, "
+                   "the site's image_cache, "
+                   "or ~/.cache/enn_cluster/images; on a cluster: the shared filesystem)")
+    p.add_argument("--build-arg", dest="build_args", action="append", default=[],
+                   metavar="KEY=VALUE", help="e.g. BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3")
+    p.add_argument("--builder", choices=("podman", "docker"), default=None)
+    p.add_argument("--site", default=None, help="site config YAML (its image_cache)")
+
+    p = sub.add_parser("render", help="print the Slurm batch script for a run or config (dry run)")
+    p.add_argument("target", help="a run directory or a run YAML")
+    p.add_argument("--task", choices=("train", "predict"), default="train")
+    p.add_argument("--name", default=None, help="prediction name (--task predict)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_shape_flags(p)
+
+    p = sub.add_parser("logs", help="a rank's log of the newest attempt")
+    p.add_argument("run_dir")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--follow", action="store_true", help="keep printing while the run is live")
+
+    p = sub.add_parser("cancel", help="cancel the run's Slurm job or stop its local launcher")
+    p.add_argument("run_dir")
+
+    p = sub.add_parser("verify", help="check every committed checkpoint against its record")
+    p.add_argument("run_dir")
+
+    p = sub.add_parser("status", help="last step, checkpoints, jobs of a run")
+    p.add_argument("run_dir")
+    p.add_argument("--follow", action="store_true",
+                   help="a live one-line status until the run's job ends")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+
+    p = sub.add_parser("plot", help="PNG of loss, validation loss, lr and throughput")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
+    return parser
+
+
+def _load_train_config(args):
+    return load_flagged_config(args.config, args.overrides, args.site, args.run_name,
+                               args.runs_root)
+
+
+def _site_shape_defaults(args) -> None:
+    """A Slurm job's GPUs per node come from the site config when the flag is not given."""
+    if getattr(args, "gpus_per_node", 0) is None and \
+            (getattr(args, "cluster", None) == "slurm" or args.command == "render"):
+        from enn_cluster.cluster.site import load_site
+
+        args.gpus_per_node = load_site(args.site).gpus_per_node
+
+
+def cmd_train(args) -> int:
+    from enn_cluster.client.prepare import prepare_run, shape_from_flags
+
+    cfg = _load_train_config(args)
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    restarts = max_restarts(args.max_restarts, cfg)
+    spec = None
+    if args.cluster == "slurm":  # refuse a job Slurm cannot take before the run exists
+        spec = check_slurm_spec(slurm_request(args), cfg, "train", shape, restarts)
+    run = prepare_run(cfg, shape)
+    if args.cluster != "slurm":
+        print(f"run directory: {run.path}", file=sys.stderr)
+        return launch_from_flags(args, run, "train", shape, restarts)
+    try:
+        code = launch_from_flags(args, run, "train", shape, restarts, spec=spec)
+    except UserError:
+        if not run.jobs():  # sbatch refused: the run this command made has never run
+            import shutil
+
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
+    print(f"run directory: {run.path}", file=sys.stderr)
+    return code
+
+
+def cmd_prepare(args) -> int:
+    """The run directory an external launcher then starts workers in; the shape given
+    here fixes the run's global batch, as a first launch would."""
+    import shlex
+
+    from enn_cluster.client.prepare import prepare_run, shape_from_flags
+
+    cfg = _load_train_config(args)
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    run = prepare_run(cfg, shape)
+    path = shlex.quote(str(run.path))
+    print(run.path)
+    print(f"start every task with: python -m enn_cluster.worker {path} --task train\n"
+          f"  e.g. torchrun --nnodes {shape.nodes} --nproc-per-node {shape.procs_per_node} "
+          f"-m enn_cluster.worker {path} --task train", file=sys.stderr)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from enn_cluster.client.prepare import prepare_resume, shape_from_flags
+    from enn_cluster.storage.rundir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    cfg = run.load_config()
+    check_control_files(run)  # before prepare_resume re-freezes the config
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    cfg = prepare_resume(run, cfg, shape, args.overrides)
+    return launch_from_flags(args, run, "train", shape, max_restarts(args.max_restarts, cfg))
+
+
+def cmd_build(args) -> int:
+    from enn_cluster.cluster.image import build_image
+    from enn_cluster.cluster.site import load_site
+    from enn_cluster.cluster.submit_slurm import image_cache_dir
+
+    build_args = {}
+    for item in args.build_args:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--build-arg {item!r}: expected KEY=VALUE")
+        build_args[key] = value
+    for flag, path in (("--dockerfile", args.dockerfile), ("--context", args.context)):
+        if not Path(path).exists():
+            raise UserError(f"{flag}: {path} does not exist")
+    cache = Path(args.cache_dir) if args.cache_dir else \
+        image_cache_dir(load_site(args.site).image_cache)
+    image = build_image(args.dockerfile, args.context, cache, build_args=build_args,
+                        builder=args.builder)
+    print(image)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from enn_cluster.storage import commits as store
+    from enn_cluster.storage.rundir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    bad = 0
+    steps = store.list_steps(run.checkpoints)
+    if not steps:
+        print(f"{run.checkpoints}: no checkpoints")
+    for step in steps:
+        path = store.step_dir(run.checkpoints, step)
+        if store.read_commit(path) is None:
+            print(f"step-{step}: incomplete (no commit record), never used for resume")
+            continue
+        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+        bad += bool(problems)
+        print(f"step-{step}: " + ("OK" if not problems else "CORRUPT: " + "; ".join(problems)))
+    return 1 if bad else 0
+
+
+def cmd_status(args) -> int:
+    from enn_cluster.client.status import format_status, run_status
+
+    path = Path(args.run_dir).resolve()
+    if not (path / "config.yaml").exists():
+        raise UserError(f"RUN_DIR: {path} is not a run directory (no config.yaml)")
+    if args.follow:
+        return _follow_status(path, max(args.interval, 0.1))
+    print(format_status(run_status(path)))
+    return 0
+
+
+def _follow_status(path: Path, interval: float) -> int:
+    """Redraw one line in place on a terminal; elsewhere print a line when it changes."""
+    import time
+
+    from enn_cluster.client.status import live, progress_line, run_status
+
+    tty, previous = sys.stdout.isatty(), None
+    while True:
+        st = run_status(path)
+        line = progress_line(st)
+        if line != previous:
+            sys.stdout.write(f"\r\033[K{line}" if tty else line + "\n")
+            sys.stdout.flush()
+            previous = line
+        if not live(st):
+            break
+        time.sleep(interval)
+    if tty:
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from enn_cluster.client.plot import plot_series, write_plot
+    from enn_cluster.storage.metrics import read_metrics
+    from enn_cluster.storage.rundir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    run.load_config()
+    series = plot_series(read_metrics(run.metrics))
+    if not series["loss"][0]:
+        raise UserError(f"RUN_DIR: {run.metrics} has no training steps to plot yet")
+    from enn_cluster.storage.rundir import run_umask
+
+    with run_umask():  # 0640 like the rest of the run, whatever the caller's umask
+        out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
+                         title=run.path.name)
+    print(out)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "resume": cmd_resume, "verify": cmd_verify,
+            "status": cmd_status, "build": cmd_build, "plot": cmd_plot}
+
+
+COMMANDS.update(render=cmd_render, logs=cmd_logs, cancel=cmd_cancel)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _site_shape_defaults(args)
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"enn-submit: error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

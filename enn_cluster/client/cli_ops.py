@@ -1,0 +1,93 @@
+"""The CLI's run commands that need no torch (render, logs, cancel), and the one place
+parsed Slurm flags become a SlurmRequest. The work itself is in `launching`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from enn_cluster.client.launching import (
+    ConfigOnlyRun,
+    cancel_run,
+    launch,
+    load_flagged_config,
+    slurm_spec,
+)
+from enn_cluster.cluster.submit_slurm import SlurmRequest
+from enn_cluster.errors import UserError
+from enn_cluster.storage.rundir import RunDir, read_lock
+
+
+def slurm_request(args) -> SlurmRequest:
+    """The Slurm flags of a parsed command line (render has no --wait)."""
+    return SlurmRequest(
+        partition=args.partition, account=args.account, qos=args.qos, time=args.time,
+        container=args.container, python=args.python, site=args.site, job_name=args.job_name,
+        signal_grace=args.signal_grace, cpus_per_task=getattr(args, "cpus_per_task", None),
+        mounts=tuple(args.mounts or ()), exclusive=bool(args.exclusive),
+        nodes=None if args.nodes is None else str(args.nodes),
+        wait=bool(getattr(args, "wait", False)))
+
+
+def launch_from_flags(args, run: RunDir, task: str, shape, restarts: int, name=None,
+                      step=None, spec=None) -> int:
+    """Start the workers where --cluster says; the CLI's one way to run a task."""
+    slurm = slurm_request(args) if args.cluster == "slurm" else None
+    return launch(run, task, shape, restarts, slurm, name=name, step=step, spec=spec)
+
+
+def cmd_render(args) -> int:
+    """Print, byte for byte, the batch script `train`/`resume`/`predict --cluster slurm`
+    would hand to sbatch for this run (dry run, nothing written)."""
+    from enn_cluster.client.prepare import shape_from_flags
+    from enn_cluster.cluster.submit_slurm import batch_script, slurm_executor, submitit_folder
+    from enn_cluster.storage.rundir import run_dir_for
+
+    target = Path(args.target)
+    if (target / "config.yaml").exists():
+        run = RunDir(target.resolve())
+        cfg = run.load_config()
+    else:
+        cfg = load_flagged_config(str(target), args.overrides, args.site)
+        run = run_dir_for(cfg)
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
+
+    spec_run = run if (run.path / "config.yaml").exists() else ConfigOnlyRun(run.path, cfg)
+    spec = slurm_spec(slurm_request(args), spec_run, args.task, shape, restarts, args.name)
+    sys.stdout.write(batch_script(slurm_executor(spec, submitit_folder(run.path))))
+    return 0
+
+
+def _latest_log_dir(run: RunDir) -> Path:
+    dirs = [d for d in run.logs.iterdir() if d.is_dir()] if run.logs.exists() else []
+    if not dirs:
+        raise UserError(f"{run.path}: no logs yet")
+    return max(dirs, key=lambda d: d.stat().st_mtime)
+
+
+def cmd_logs(args) -> int:
+    run = RunDir(Path(args.run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    path = _latest_log_dir(run) / f"rank-{args.rank}.log"
+    if not path.exists():
+        raise UserError(f"--rank {args.rank}: no log at {path}")
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        sys.stdout.write(fh.read())
+        sys.stdout.flush()
+        while args.follow:
+            line = fh.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            elif read_lock(run) is None:
+                break  # nothing holds the run: the job is over
+            else:
+                time.sleep(0.5)
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    return cancel_run(RunDir(Path(args.run_dir).resolve()))

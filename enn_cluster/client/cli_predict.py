@@ -1,0 +1,94 @@
+"""`enn-submit predict` and `enn-submit collect`.
+
+predict: choose the checkpoint, stage the input, launch the workers (locally or on Slurm,
+same flags as train). collect: verify the committed chunks and assemble them in order.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from enn_cluster.errors import UserError
+
+
+def register(sub, add_shape_flags, commands) -> None:
+    """Add the prediction subcommands to the parser and their handlers to `commands`."""
+    p = sub.add_parser("predict", help="predict with a checkpoint: chunks + manifest in the run")
+    p.add_argument("run_dir")
+    p.add_argument("--input", default=None,
+                   help=".npy/.npz path or fsspec URL (not needed to continue NAME)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--name", default=None,
+                   help="prediction name (default: INPUT-step-N); an existing one continues")
+    p.add_argument("--chunk-rows", type=int, default=None, help="rows per chunk file")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per forward pass")
+    add_shape_flags(p)
+
+    p = sub.add_parser("collect", help="verify a prediction and assemble it in input order")
+    p.add_argument("run_dir")
+    p.add_argument("--name", default=None, help="prediction name (default: the only one)")
+    p.add_argument("--out", required=True, help=".npy path or fsspec URL to write")
+    p.add_argument("--raw", action="store_true",
+                   help="model outputs as they are (no target de-normalisation)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    commands.update(predict=cmd_predict, collect=cmd_collect)
+
+
+def cmd_predict(args) -> int:
+    from enn_cluster.client.cli_ops import launch_from_flags
+    from enn_cluster.client.launching import check_control_files, max_restarts
+    from enn_cluster.client.prediction_request import (
+        DEFAULT_BATCH_SIZE,
+        DEFAULT_CHUNK_ROWS,
+        prepare_prediction,
+    )
+    from enn_cluster.client.prepare import check_model_importable, shape_from_flags
+    from enn_cluster.storage.rundir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    cfg = run.load_config()
+    check_control_files(run)
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    restarts = max_restarts(args.max_restarts, cfg)
+    check_model_importable(cfg.model.name)
+    if args.input is not None:
+        from enn_cluster.storage.staging import check_source
+
+        check_source("--input", args.input)
+    request = prepare_prediction(
+        run, args.input, name=args.name, step=args.step,
+        chunk_rows=DEFAULT_CHUNK_ROWS if args.chunk_rows is None else args.chunk_rows,
+        batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
+    hint = f"enn-submit collect {run.path} --name {request.name} --out FILE.npy"
+    if request.complete:
+        print(f"prediction {request.name} is already complete; assemble it with: {hint}",
+              file=sys.stderr)
+        print(request.name)
+        return 0
+    code = launch_from_flags(args, run, "predict", shape, restarts, name=request.name,
+                      step=request.step)
+    if args.cluster == "local":  # on Slurm, stdout carries the job id
+        if code == 0:
+            print(f"prediction {request.name} committed; assemble it with: {hint}",
+                  file=sys.stderr)
+        print(request.name)
+    return code
+
+
+def cmd_collect(args) -> int:
+    from enn_cluster.client.collect import collect
+    from enn_cluster.storage.rundir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    if not (run.path / "config.yaml").exists():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory")
+    result = collect(run, args.name, args.out, raw=args.raw, overwrite=args.overwrite)
+    print(f"collected {result.name} (step-{result.step}): {result.shape[0]} rows of shape "
+          f"{tuple(result.shape[1:])}", file=sys.stderr)
+    for line in result.notes:
+        print(line, file=sys.stderr)
+    for line in result.warnings:
+        print(f"warning: {line}: predictions are almost identical across samples; "
+              "see docs/troubleshooting.md", file=sys.stderr)
+    print(result.out)
+    return 0

@@ -1,0 +1,199 @@
+"""Client side: verify a committed prediction and assemble its rows in input order.
+
+One pass over the chunks: each chunk's data is copied in the kernel (copy_file_range)
+into the output .npy under a temporary name, then the whole chunk file is checksummed
+from the page cache; only when every chunk verified and every row is covered exactly
+once is the result renamed to (or uploaded as) `--out`. On any problem nothing is
+written there, and the error lists every bad or missing chunk. No torch.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, TextIO
+
+import numpy as np
+
+from enn_cluster.errors import UserError
+from enn_cluster.storage import prediction_manifest as pm
+from enn_cluster.storage.checksum import RunningChecksum, algorithm_of, file_checksum
+from enn_cluster.storage.file_copy import kernel_copy
+from enn_cluster.storage.rundir import RunDir, fsync_dir
+from enn_cluster.storage.staging import progress_bar, read_npy_header
+
+
+@dataclass
+class CollectResult:
+    out: str
+    name: str
+    shape: tuple
+    step: int
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def find_prediction(run: RunDir, name: Optional[str]) -> str:
+    """The named prediction, or the only one there is."""
+    names = sorted(p.name for p in run.predictions.glob("*") if (p / pm.REQUEST).exists()) \
+        if run.predictions.exists() else []
+    if name is not None:
+        if name not in names:
+            raise UserError(f"--name: no prediction {name!r} in {run.predictions}; "
+                            f"there are: {', '.join(names) or 'none'}")
+        return name
+    if len(names) != 1:
+        raise UserError(f"--name: {run.path} has {len(names)} predictions "
+                        f"({', '.join(names) or 'none'}); pass --name NAME")
+    return names[0]
+
+
+def read_committed(pdir: Path) -> dict:
+    try:
+        return json.loads((pdir / pm.MANIFEST).read_text())
+    except FileNotFoundError:
+        done = len(list(pdir.glob("chunk-*.json")))
+        request = json.loads((pdir / pm.REQUEST).read_text())
+        total = len(pm.plan_chunks(request["input"]["shape"][0], request["chunk_rows"]))
+        raise UserError(f"prediction {pdir.name}: not complete ({done} of {total} chunks "
+                        f"committed); continue it with 'enn-submit predict "
+                        f"{pdir.parent.parent} --name {pdir.name}'")
+
+
+def verify_chunks(pdir: Path, manifest: dict) -> list[str]:
+    """Coverage, sizes and checksums of a committed prediction, without assembling it."""
+    problems = pm.coverage_problems(manifest["chunks"], manifest["n_rows"])
+    for rec in manifest["chunks"]:
+        try:
+            size, checksum = file_checksum(pdir / rec["file"], like=rec["checksum"])
+        except FileNotFoundError:
+            problems.append(f"{rec['file']}: missing")
+            continue
+        except ValueError as exc:  # a checksum algorithm this version does not know
+            problems.append(f"{rec['file']}: {exc}")
+            continue
+        if size != rec["nbytes"] or checksum != rec["checksum"]:
+            problems.append(f"{rec['file']}: does not match its record (corrupt or truncated)")
+    return problems
+
+
+def _checksum_file(fh, size: int, running: RunningChecksum) -> None:
+    """Checksum a file through a read-only map: its pages are in the page cache."""
+    with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as view:
+            running.update(view)
+
+
+def _copy_chunk(path: Path, rec: dict, out_fd: int, offset: int, room: int,
+                bar) -> Optional[str]:
+    """Copy one chunk's data (at most `room` bytes) to `offset` of the output in the
+    kernel, then checksum the whole chunk file against its record; a problem, or None."""
+    try:
+        running = RunningChecksum(algorithm_of(rec["checksum"]))
+    except ValueError as exc:
+        return f"{rec['file']}: {exc}"
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return f"{rec['file']}: missing"
+    with fh:
+        try:
+            shape, fortran, dtype = read_npy_header(fh)
+        except (ValueError, OSError) as exc:
+            return f"{rec['file']}: unreadable header ({exc})"
+        if list(shape) != rec["shape"] or np.dtype(dtype).str != rec["dtype"] or fortran:
+            return f"{rec['file']}: holds {shape} {dtype}, its record says {rec['shape']} {rec['dtype']}"
+        start, size = fh.tell(), os.fstat(fh.fileno()).st_size
+        bar.update(start)
+        kernel_copy(fh.fileno(), out_fd, start, offset, min(size - start, room),
+                    lambda pos, n: bar.update(n))
+        _checksum_file(fh, size, running)
+    if size != rec["nbytes"] or running.hexdigest() != rec["checksum"]:
+        return (f"{rec['file']}: {'size' if size != rec['nbytes'] else 'checksum'} "
+                "does not match its record (corrupt or truncated)")
+    return None
+
+
+def _assemble(pdir: Path, manifest: dict, tmp: Path, raw: bool, stream) -> list[str]:
+    n = manifest["n_rows"]
+    problems = pm.coverage_problems(manifest["chunks"], n)
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(manifest["dtype"]),
+                                    shape=(n,) + tuple(manifest["output_shape"]))
+    row_bytes = out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
+    bar = progress_bar(f"collect {pdir.name}", sum(r["nbytes"] for r in manifest["chunks"]),
+                       stream or sys.stderr)
+    scaler = None if raw else manifest.get("scaler")
+    with open(tmp, "rb+") as fo:
+        for rec in sorted(manifest["chunks"], key=lambda r: r["rows"][0]):
+            start, stop = (min(max(r, 0), n) for r in rec["rows"])
+            if problems and any(rec["file"] in p for p in problems):
+                continue
+            problem = _copy_chunk(pdir / rec["file"], rec, fo.fileno(),
+                                  out.offset + start * row_bytes, (stop - start) * row_bytes, bar)
+            if problem:
+                problems.append(problem)
+            elif scaler and stop > start:  # the map sees what the kernel wrote
+                flat = out[start:stop].reshape(stop - start, -1)
+                flat *= np.asarray(scaler["std"], flat.dtype)
+                flat += np.asarray(scaler["mean"], flat.dtype)
+    bar.close()
+    out.flush()
+    del out
+    return problems
+
+
+def _target(out: str):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(out)
+    local = type(fs).__name__ == "LocalFileSystem"
+    return fs, path, local
+
+
+def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
+            overwrite: bool = False, stream: Optional[TextIO] = None) -> CollectResult:
+    """Verify and assemble prediction `name` of `run` into `out` (.npy path or fsspec URL)."""
+    from enn_cluster.config.checks import no_credentials_in_url
+
+    no_credentials_in_url("--out", str(out))
+    if str(out).startswith("memory://"):
+        raise UserError("--out: memory:// is gone when enn-submit exits; give a file path "
+                        "or a URL of lasting storage")
+    name = find_prediction(run, name)
+    pdir = run.predictions / name
+    manifest = read_committed(pdir)
+    if not str(out).endswith(".npy"):
+        raise UserError(f"--out: {out!r} must end in .npy (local path or fsspec URL)")
+    fs, path, local = _target(out)
+    if fs.exists(path) and not overwrite:
+        raise UserError(f"--out: {out} exists; choose another path or pass --overwrite")
+    if local:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}")
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="enn-collect-")) / "out.npy"
+    try:
+        problems = _assemble(pdir, manifest, tmp, raw, stream)
+        if problems:
+            raise UserError(f"collect {name}: {len(problems)} problem(s), nothing written to "
+                            f"{out}: " + "; ".join(problems) +
+                            f". Recompute them with 'enn-submit predict {run.path} --name {name}'")
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        if local:
+            os.replace(tmp, path)
+            fsync_dir(Path(path).parent)
+        else:
+            fs.put_file(str(tmp), path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        if not local:
+            tmp.parent.rmdir()
+    scale = manifest["scaler"]["std"] if manifest.get("scaler") else None
+    warnings = pm.collapse_warnings(manifest.get("stats"), scale)
+    return CollectResult(str(out), name, (manifest["n_rows"], *manifest["output_shape"]),
+                         manifest["step"], warnings, pm.summary_lines(manifest))

@@ -1,0 +1,148 @@
+"""The embedded default: N local worker processes under torch's elastic launcher.
+
+torchrun's machinery (not hand-written multiprocessing) gives us what a cluster gives:
+the whole group is torn down when one worker dies, and restarted up to `max_restarts`
+times, each restart resuming from the newest complete checkpoint. Each worker is a fresh
+`python -m enn_cluster.worker` process, as under torchrun and Slurm: nothing of the
+caller's `__main__` (a plain script, a notebook, `python -c`) is re-run in the workers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+from enn_cluster.config.launch_env import (
+    LAUNCH_ID_VAR,
+    LAUNCHER_PID_VAR,
+    LOCK_HELD_VAR,
+    SIM_NODES_VAR,
+)
+
+EXIT_STOPPED = 75  # as the worker's: stopped with a committed checkpoint
+log = logging.getLogger("enn_cluster.client.launch_local")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_args(run_dir: str, task: str, name: Optional[str], step: Optional[int]) -> list[str]:
+    """The interpreter's arguments for one worker: the same entry point as every launcher."""
+    args = ["-u", "-m", "enn_cluster.worker", run_dir, "--task", task]
+    if name is not None:
+        args += ["--name", name]
+    if step is not None:
+        args += ["--step", str(step)]
+    return args
+
+
+def caller_pythonpath(path: list[str], prefixes: tuple[str, ...], existing: str = "") -> str:
+    """PYTHONPATH for workers: what the caller could import from (its script's folder, a
+    notebook's cwd, tests' folders), as multiprocessing's spawn would have passed on;
+    the interpreter's own stdlib and site-packages come by themselves."""
+    dirs = [p for p in existing.split(os.pathsep) if p]
+    for entry in path:
+        full = os.path.abspath(entry or os.curdir)
+        if any(full == pre or full.startswith(pre + os.sep) for pre in prefixes):
+            continue
+        if full not in dirs and os.path.isdir(full):
+            dirs.append(full)
+    return os.pathsep.join(dirs)
+
+
+def parse_parent_pid(stat: str) -> int:
+    """The ppid field of /proc/PID/stat (the command name may hold spaces and ')')."""
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def child_pids(parent: int) -> list[int]:
+    """Live direct children of `parent`, from /proc (workers run in sessions of their own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                if parse_parent_pid(fh.read()) == parent:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+@contextmanager
+def _environ(updates: dict):
+    saved = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per_node: int = 2,
+                 max_restarts: int = 0, name: Optional[str] = None,
+                 step: Optional[int] = None, launch_id: str = "local") -> int:
+    """Run the worker on nodes x procs_per_node local processes; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    worker_env = {
+        SIM_NODES_VAR: str(nodes),
+        "PYTHONPATH": caller_pythonpath(sys.path, tuple({sys.prefix, sys.base_prefix,
+                                                          sys.exec_prefix}),
+                                        os.environ.get("PYTHONPATH", "")),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        LOCK_HELD_VAR: "1",  # run_local holds the run lock for them
+        LAUNCHER_PID_VAR: str(os.getpid()),  # they die with us (worker.die_with_launcher)
+        LAUNCH_ID_VAR: launch_id}
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nodes * procs_per_node,
+        run_id=f"enn-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
+        monitor_interval=0.5, start_method="spawn")
+    marker = Path(run_dir) / "requeue" / "local"
+    marker.unlink(missing_ok=True)
+    previous = signal.signal(signal.SIGUSR2, _forward_to_workers)
+    try:
+        with _environ(worker_env):  # the workers inherit it; the caller's is left as it was
+            results = elastic_launch(config, sys.executable)(*worker_args(run_dir, task, name, step))
+    except SignalException as exc:
+        # TERM/INT/HUP reached the launcher; the agent passed it on to the workers, which
+        # checkpoint at the next step boundary and leave the marker ("requeue me")
+        log.warning("launcher stopped by signal %s", exc.sigval)
+        if marker.exists():
+            marker.unlink()
+            return EXIT_STOPPED
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        first = next(iter(exc.failures.values()), None)
+        code = getattr(first, "exitcode", 1) or 1
+        return code if code > 0 else 1
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    marker.unlink(missing_ok=True)
+    return 0 if results is not None else 1  # every worker exited 0 (else ChildFailedError)
+
+
+def _forward_to_workers(signum, frame) -> None:
+    """USR2 to the launcher means what it means to a worker: checkpoint and stop."""
+    for pid in child_pids(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,210 @@
+"""Run a task of a run, watch it, cancel it: the functions behind both the CLI and the
+Python API. They take values (a LaunchShape, a SlurmRequest), never parsed CLI flags, so
+the two front ends cannot drift; each front end only turns its own input into these.
+
+No torch here: these must answer fast on a login node.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec, submit
+from enn_cluster.errors import UserError
+from enn_cluster.storage.rundir import RunDir, read_lock, run_dir_for
+
+if TYPE_CHECKING:  # prepare stages data (numpy): imported by the commands that launch
+    from enn_cluster.client.prepare import LaunchShape
+
+
+def load_flagged_config(config: Optional[str], overrides: list, site: Optional[str],
+                        run_name: Optional[str] = None, runs_root: Optional[str] = None):
+    """The config file, then --set (YAML values), then the name flags (verbatim strings:
+    'exp #3' stays 'exp #3', 0010 stays 0010); the site's runs_root where none is named."""
+    from enn_cluster.config.run_config import load_config, read_yaml
+
+    verbatim = {k: v for k, v in (("run_name", run_name), ("runs_root", runs_root))
+                if v is not None}
+    if runs_root is None and not any(o.startswith("runs_root=") for o in overrides):
+        from enn_cluster.cluster.site import load_site
+
+        site_root = load_site(site).runs_root
+        if site_root and "runs_root" not in (read_yaml(config) if config else {}):
+            verbatim["runs_root"] = site_root
+    return load_config(config, overrides, verbatim)
+
+
+def max_restarts(requested: Optional[int], cfg) -> int:
+    value = cfg.parallel.max_restarts if requested is None else requested
+    if value < 0:
+        raise UserError(f"--max-restarts: {value} must be >= 0")
+    return value
+
+
+def check_control_files(run: RunDir) -> None:
+    """A hand-edited run.lock or jobs.jsonl is refused in one line before anything is
+    written (the lock would otherwise be found only after the config was re-frozen)."""
+    read_lock(run)
+    run.jobs()
+
+
+def launch(run: RunDir, task: str, shape: LaunchShape, restarts: int,
+           slurm: Optional[SlurmRequest] = None, name: Optional[str] = None,
+           step: Optional[int] = None, spec=None) -> int:
+    """Start the workers: through Slurm when `slurm` is given, else here (local launcher).
+    `spec`: the JobSpec already built from `slurm` for this run (built once per submit)."""
+    from enn_cluster.client.prepare import run_local
+
+    if slurm is not None:
+        return submit_to_slurm(slurm, run, task, shape, restarts, name=name, step=step,
+                               spec=spec)
+    code = run_local(run, task, shape, restarts, name=name, step=step)
+    if code == 0 and task == "train":
+        print(f"done: checkpoints in {run.checkpoints}, metrics in {run.metrics}", file=sys.stderr)
+    elif code == 75:
+        print(f"stopped with a committed checkpoint; continue with: enn-submit resume {run.path}",
+              file=sys.stderr)
+    return code
+
+
+def launch_detached(run: RunDir, task: str, shape: LaunchShape, restarts: int) -> subprocess.Popen:
+    """`launch` (local) in a process of its own session that outlives the caller: a
+    notebook's `wait=False`. Its output goes to logs/api-launcher.log."""
+    spec = json.dumps({"run": str(run.path), "task": task, "nodes": shape.nodes,
+                       "procs_per_node": shape.procs_per_node,
+                       "gpus_per_node": shape.gpus_per_node, "restarts": restarts})
+    with open(run.logs / "api-launcher.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "enn_cluster.client.launching", spec],
+                                stdout=log, stderr=log, start_new_session=True)
+
+
+def slurm_spec(request: SlurmRequest, run: RunDir, task: str, shape: LaunchShape,
+               restarts: int, name: Optional[str] = None):
+    return build_spec(request, run, task, shape, restarts, name=name)
+
+
+def submit_to_slurm(request: SlurmRequest, run: RunDir, task: str, shape: LaunchShape,
+                    restarts: int, name: Optional[str] = None, step: Optional[int] = None,
+                    spec=None) -> int:
+    spec = spec or slurm_spec(request, run, task, shape, restarts, name)
+    job_id = submit(run, spec, step=step)
+    print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
+    print(job_id)
+    return wait_for_job(job_id) if request.wait else 0
+
+
+def wait_for_job(job_id: str, poll_s: float = 1.0) -> int:
+    """Block until the job leaves Slurm's live states, printing each new state and reason;
+    0 only when it COMPLETED. A job Slurm will never start as asked is cancelled at once."""
+    from enn_cluster.storage.slurm_jobs import (
+        LIVE_STATES,
+        cancel,
+        describe,
+        job_state,
+        never_starts,
+    )
+
+    shown = None
+    while True:
+        state = job_state(job_id)
+        if describe(state) != shown:
+            shown = describe(state)
+            print(f"Slurm job {job_id}: {shown}", file=sys.stderr, flush=True)
+        if never_starts(state):
+            cancel(job_id)
+            raise UserError(f"Slurm job {job_id} can never start: Reason={state['reason']} "
+                            "(beyond the partition's, account's or QOS's limits); cancelled "
+                            "it: ask for fewer nodes, GPUs or less --time, or another --partition")
+        if state["state"] not in LIVE_STATES:
+            return 0 if state["state"] == "COMPLETED" else 1
+        time.sleep(poll_s)
+
+
+class ConfigOnlyRun(RunDir):
+    """A run directory that does not exist yet: render needs its path and config only."""
+
+    def __init__(self, path: Path, cfg) -> None:
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "_cfg", cfg)
+
+    def load_config(self):
+        return self._cfg
+
+
+def check_slurm_spec(request: SlurmRequest, cfg, task: str, shape: LaunchShape, restarts: int,
+                     name: Optional[str] = None):
+    """Build (and so validate) the job for a run that does not exist yet: bad Slurm flags,
+    a run directory path Pyxis cannot carry, are refused before anything is written."""
+    from enn_cluster.client.prepare import with_shape
+
+    run = run_dir_for(cfg)
+    return slurm_spec(request, ConfigOnlyRun(run.path, with_shape(cfg, shape)), task, shape,
+                      restarts, name)
+
+
+def cancel_run(run: RunDir) -> int:
+    """Cancel the run's live Slurm job, or stop its local launcher: only a job or process
+    proven to be this run's is signalled (a forged lock or jobs.jsonl names someone else's)."""
+    from enn_cluster.storage.slurm_jobs import job_alive
+
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    owner = read_lock(run)
+    jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
+    if jobs and job_alive(str(jobs[-1]["job_id"])):
+        return _cancel_slurm(run, str(jobs[-1]["job_id"]), jobs)
+    if owner and not owner.get("slurm_job_id"):
+        return _stop_launcher(run, owner)
+    print(f"{run.path}: nothing is running")
+    return 0
+
+
+def _cancel_slurm(run: RunDir, job_id: str, jobs: list) -> int:
+    from enn_cluster.storage.slurm_jobs import cancel, job_belongs_to_run, job_fields
+
+    fields = job_fields(job_id)
+    names = {str(j["job_name"]) for j in jobs if str(j.get("job_id")) == job_id
+             and j.get("job_name")}
+    if not job_belongs_to_run(fields, str(run.path), names):
+        raise UserError(f"jobs.jsonl: Slurm job {job_id} (name {fields.get('JobName')!r}) is not "
+                        f"this run's (neither its name nor its paths match {run.path}); "
+                        "not cancelling it: use scancel yourself if you mean it")
+    cancel(job_id)
+    print(f"cancelled Slurm job {job_id}")
+    return 0
+
+
+def _stop_launcher(run: RunDir, owner: dict) -> int:
+    import socket
+
+    from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem
+
+    why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
+    if why == "not running":
+        print(f"{run.path}: nothing is running (the lock's launcher has exited)")
+        return 0
+    if why is not None:
+        raise UserError(f"run.lock: not signalling pid {owner.get('pid')}: {why}; if the run "
+                        f"is not running, remove {run.lock_path}")
+    os.kill(owner["pid"], signal.SIGTERM)
+    print(f"sent SIGTERM to local launcher pid {owner['pid']}")
+    return 0
+
+
+if __name__ == "__main__":  # launch_detached's child
+    from enn_cluster.client.prepare import LaunchShape
+
+    _spec = json.loads(sys.argv[1])
+    try:
+        sys.exit(launch(RunDir(Path(_spec["run"])), _spec["task"],
+                        LaunchShape(_spec["nodes"], _spec["procs_per_node"], _spec["gpus_per_node"]),
+                        _spec["restarts"]))
+    except UserError as exc:
+        print(f"enn-submit: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,208 @@
+"""Client side of `predict`, before any worker runs: choose the checkpoint, stage the
+input, write the request. No torch.
+
+`predictions/<name>/` appears all at once (staged under a temporary name, then renamed),
+so a bad input never leaves a half-made prediction. Asking again for an existing name
+continues that prediction; a different input or step under the same name is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from enn_cluster.errors import UserError
+from enn_cluster.storage import commits as store
+from enn_cluster.storage import prediction_manifest as pm
+from enn_cluster.storage.checksum import algorithm_of, bytes_checksum
+from enn_cluster.storage.rundir import (
+    DIR_MODE,
+    RunDir,
+    atomic_write_text,
+    fsync_dir,
+    run_umask,
+    sigterm_unwinds,
+)
+from enn_cluster.storage.staging import read_manifest, stage_array
+
+DEFAULT_CHUNK_ROWS = 65536
+DEFAULT_BATCH_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class PredictionRequest:
+    name: str
+    path: Path
+    step: int
+    complete: bool  # manifest committed: nothing left for workers to do
+
+
+def output_shape(cfg, manifest: dict) -> list[int]:
+    """Rows of predictions look like rows of training targets (or class logits)."""
+    if cfg.model.task == "classification":
+        return [int(manifest.get("n_classes", 2))]
+    return list(manifest["entries"]["train_y"]["shape"][1:])
+
+
+def default_name(source: Any, step: int, checksum: str) -> str:
+    """A file's stem and the step; an in-memory array is named by its content."""
+    if isinstance(source, (str, Path)):
+        stem = Path(str(source).rstrip("/")).name.rsplit(".", 1)[0]
+        stem = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_"
+                       for c in stem).lstrip("._-")
+        return f"{stem[:100] or 'input'}-step-{step}"
+    return f"array-{checksum.rsplit(':', 1)[-1]}-step-{step}"
+
+
+def _choose_step(run: RunDir, step: Optional[int]) -> int:
+    """The given step, or the newest committed one, that verifies by checksum and whose
+    metadata loads: workers must never be started on a checkpoint they cannot read."""
+    committed = store.committed_steps(run.checkpoints)
+    if not committed:
+        raise UserError(f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
+                        "resume it first")
+    if step is not None and step not in committed:
+        raise UserError(f"--step: step-{step} is not a complete checkpoint of {run.path}; "
+                        f"choose one of {', '.join(map(str, committed))}")
+    skipped = []
+    for cand in [step] if step is not None else committed[::-1]:
+        path = store.step_dir(run.checkpoints, cand)
+        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+        if not problems:
+            if skipped:
+                print(f"using step-{cand}: newer {', '.join(skipped)} failed verification "
+                      "(see enn-submit verify)", file=sys.stderr)
+            return cand
+        skipped.append(f"step-{cand}")
+        first = problems[0]
+    raise UserError(f"--step: {', '.join(skipped)} of {run.path} cannot be loaded ({first}); "
+                    f"run 'enn-submit verify {run.path}'")
+
+
+def _check_input(entry: dict, run: RunDir) -> None:
+    features = read_manifest(run.data_dir)["entries"]["train_x"]["shape"][1:]
+    if entry["shape"][1:] != features:
+        raise UserError(f"--input: rows have shape {tuple(entry['shape'][1:])} but the model "
+                        f"was trained on rows of shape {tuple(features)}")
+    if entry["shape"][0] < 1:
+        raise UserError("--input: has no rows")
+
+
+def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] = None,
+                       step: Optional[int] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                       batch_size: int = DEFAULT_BATCH_SIZE) -> PredictionRequest:
+    """Create (or re-open) `predictions/<name>/` with the staged input and request.json."""
+    cfg = run.load_config()
+    if chunk_rows < 1 or batch_size < 1:
+        raise UserError("--chunk-rows / --batch-size: must be >= 1")
+    if name is not None:
+        _checked_name(name)
+    existing = _existing(run, name)
+    if existing is not None and source is None:
+        if step is not None and step != existing["step"]:
+            raise UserError(f"--step: prediction {name!r} was made from step-{existing['step']}; "
+                            "use another --name for another step")
+        return _request(run, existing)
+    if isinstance(source, str):
+        from enn_cluster.config.run_config import no_credentials_in_url
+
+        no_credentials_in_url("--input", source)
+    if source is None:
+        raise UserError(f"--input: required (no prediction named {name!r} to continue in "
+                        f"{run.predictions})")
+    if existing is not None and step is None:
+        step = existing["step"]
+    step = _choose_step(run, step)
+    with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
+        return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size)
+
+
+def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chunk_rows: int,
+                   batch_size: int) -> PredictionRequest:
+    """Stage the input and write the request under a temporary name, then rename it into
+    place; the temporary directory goes on every exit path."""
+    tmp = run.predictions / f".staging-{os.getpid()}-{time.time_ns()}"
+    run.predictions.mkdir(mode=DIR_MODE, exist_ok=True)
+    key = cfg.data.x_key if str(source).endswith(".npz") else None
+    tmp.mkdir(mode=DIR_MODE)
+    try:
+        entry = stage_array(source, tmp / pm.INPUT, key=key, progress=sys.stderr)
+        _check_input(entry, run)
+        name = name or default_name(source, step, entry["checksum"])
+        final = run.predictions / name
+        existing = _existing(run, name)
+        if existing is not None:
+            return _reuse(run, existing, entry, step)
+        manifest = read_manifest(run.data_dir)
+        request = {"name": name, "step": step, "input": entry, "chunk_rows": chunk_rows,
+                   "batch_size": batch_size, "output_shape": output_shape(cfg, manifest),
+                   "scaler": manifest.get("target_scaler"), "created": time.time()}
+        atomic_write_text(tmp / pm.REQUEST, json.dumps(request, indent=1, sort_keys=True))
+        os.rename(tmp, final)
+        fsync_dir(run.predictions)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PredictionRequest(name, final, step, False)
+
+
+def _checked_name(name: str) -> str:
+    try:
+        return pm.check_name(name)
+    except ValueError as exc:
+        raise UserError(str(exc))
+
+
+def _existing(run: RunDir, name: Optional[str]) -> Optional[dict]:
+    if name is None:
+        return None
+    try:
+        return json.loads((run.predictions / name / pm.REQUEST).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _request(run: RunDir, request: dict) -> PredictionRequest:
+    """Re-open a prediction; a committed one whose chunks no longer verify is reopened
+    for the workers (they redo exactly the chunks that fail their records)."""
+    from enn_cluster.client.collect import verify_chunks
+
+    path = run.predictions / request["name"]
+    manifest_path = path / pm.MANIFEST
+    if not manifest_path.exists():
+        return PredictionRequest(request["name"], path, request["step"], False)
+    problems = verify_chunks(path, json.loads(manifest_path.read_text()))
+    if problems:
+        manifest_path.rename(path / f"{pm.MANIFEST}.failed-{time.time_ns()}")
+        print(f"prediction {request['name']}: recomputing: " + "; ".join(problems),
+              file=sys.stderr)
+        return PredictionRequest(request["name"], path, request["step"], False)
+    return PredictionRequest(request["name"], path, request["step"], True)
+
+
+def _input_checksum(run: RunDir, request: dict, like: str) -> str:
+    """The recorded input checksum, recomputed from the staged input when it was made
+    with another algorithm (a prediction staged before checksums moved to xxh3)."""
+    recorded = request["input"]["checksum"]
+    if algorithm_of(recorded) == algorithm_of(like):
+        return recorded
+    staged = np.load(run.predictions / request["name"] / pm.INPUT, mmap_mode="r")
+    return bytes_checksum(staged.reshape(-1).view(np.uint8), like=like)
+
+
+def _reuse(run: RunDir, existing: dict, entry: dict, step: int) -> PredictionRequest:
+    name = existing["name"]
+    if entry["checksum"] != _input_checksum(run, existing, like=entry["checksum"]) or \
+            entry["shape"] != existing["input"]["shape"]:
+        raise UserError(f"--name: prediction {name!r} already holds another input; pick "
+                        f"another --name or remove {run.predictions / name}")
+    if step != existing["step"]:
+        raise UserError(f"--step: prediction {name!r} was made from step-{existing['step']}; "
+                        "use another --name for another step")
+    return _request(run, existing)

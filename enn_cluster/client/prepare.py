@@ -1,0 +1,166 @@
+"""From a user's request to running workers: make the run, stage data, launch.
+
+The CLI and the Python API both call these functions, so both drive the same code.
+Nothing here imports torch at module import time (the CLI must start fast).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from enn_cluster.config.checks import node_range
+from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
+from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
+from enn_cluster.errors import UserError
+from enn_cluster.storage.rundir import (
+    RunDir,
+    acquire_lock,
+    create_run_dir,
+    lock_owner,
+    release_lock,
+    run_umask,
+    update_config,
+)
+from enn_cluster.storage.staging import check_data_sources, read_manifest, stage_run_data
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """How many processes, where: nodes x procs per node (one per GPU on GPU nodes)."""
+
+    nodes: int
+    procs_per_node: int
+    gpus_per_node: int = 0
+    max_nodes: int = 0  # --nodes MIN-MAX on Slurm: any count up to this may be granted
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def node_counts(self) -> tuple:
+        return tuple(range(self.nodes, max(self.max_nodes, self.nodes) + 1))
+
+
+def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],
+                     procs_per_node: Optional[int]) -> LaunchShape:
+    nodes, max_nodes = node_range(nodes) if nodes is not None else (cfg.parallel.nodes,) * 2
+    gpus = gpus_per_node or 0
+    procs = procs_per_node if procs_per_node is not None else (gpus or cfg.parallel.procs_per_node)
+    if procs < 1:
+        raise UserError(f"--procs-per-node: {procs} must be >= 1")
+    if gpus < 0:
+        raise UserError(f"--gpus-per-node: {gpus} must be >= 0")
+    if gpus and procs != gpus:
+        raise UserError(f"--procs-per-node: {procs} differs from --gpus-per-node {gpus}; "
+                        "GPU runs use one process per GPU")
+    return LaunchShape(nodes, procs, gpus, max_nodes)
+
+
+def mesh_plans(cfg: RunConfig, shape: LaunchShape) -> dict[int, MeshPlan]:
+    """The mesh at every node count the job may get, fewest first: planned once per launch
+    and passed to the checks below (a mesh Slurm could grant but we cannot build is refused
+    here, not at start)."""
+    return {nodes: plan_mesh(cfg.parallel, nodes * shape.procs_per_node, shape.procs_per_node)
+            for nodes in shape.node_counts}
+
+
+def check_shape(cfg: RunConfig, shape: LaunchShape, meshes: dict[int, MeshPlan],
+                n_rows: Optional[int] = None) -> None:
+    """Everything that would make workers fail at start, checked before launch: the split of
+    the run's global batch over each mesh, and the step budget once the rows are known."""
+    for plan in meshes.values():
+        batch = plan_batch(cfg.training, plan.world, shape.procs_per_node)
+        if n_rows is not None:
+            total_steps(cfg.training, n_rows, batch.global_batch)
+
+
+def freeze_global_batch(cfg: RunConfig, meshes: dict[int, MeshPlan]) -> RunConfig:
+    """The first launch fixes the run's global batch (per-device x accumulation x ranks),
+    at the most nodes it may get: fewer nodes then accumulate more, never a bigger micro-batch."""
+    if cfg.training.global_batch_size:
+        return cfg
+    world = meshes[max(meshes)].world
+    gb = requested_global_batch(cfg.training, world)
+    return replace(cfg, training=replace(cfg.training, global_batch_size=gb))
+
+
+def check_model_importable(name: str) -> None:
+    """A `module:factory` model must import in the workers; find it now, without running it."""
+    if ":" not in name:
+        return
+    import importlib.util
+
+    module = name.split(":", 1)[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UserError(f"model.name: module {module!r} is not importable; put it on "
+                        "PYTHONPATH (every node must see it) or pip install it")
+
+
+def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:
+    return replace(cfg, parallel=replace(cfg.parallel, nodes=shape.nodes,
+                                         procs_per_node=shape.procs_per_node))
+
+
+def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = None,
+                populate_extra=None) -> RunDir:
+    """Validate, then create the run directory with staged data (all or nothing)."""
+    cfg = with_shape(replace(cfg, runs_root=str(Path(cfg.runs_root).expanduser().resolve())),
+                     shape)
+    meshes = mesh_plans(cfg, shape)  # the mesh before the batch
+    cfg = freeze_global_batch(cfg, meshes)
+    check_shape(cfg, shape, meshes)
+    check_model_importable(cfg.model.name)
+    if not arrays:
+        check_data_sources(cfg.data)
+
+    def populate(run: RunDir) -> None:
+        manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays, progress=sys.stderr)
+        check_shape(cfg, shape, meshes, manifest["train_rows"][1] - manifest["train_rows"][0])
+        if populate_extra is not None:
+            populate_extra(run)
+
+    return create_run_dir(cfg, populate)
+
+
+def prepare_resume(run: RunDir, cfg: RunConfig, shape: LaunchShape,
+                   overrides: list[str]) -> RunConfig:
+    """Re-freeze the run's config (`cfg`, as loaded by the caller) with a new shape and any
+    overrides; data stays as staged."""
+    from enn_cluster.config.run_config import apply_overrides, config_from_dict, config_to_dict
+
+    data = apply_overrides(config_to_dict(cfg), overrides) if overrides else config_to_dict(cfg)
+    new = with_shape(config_from_dict(data), shape)
+    manifest = read_manifest(run.data_dir)
+    check_shape(new, shape, mesh_plans(new, shape),
+                manifest["train_rows"][1] - manifest["train_rows"][0])
+    if new != cfg:
+        update_config(run, new)
+    return new
+
+
+def run_local(run: RunDir, task: str, shape: LaunchShape, max_restarts: int,
+              name: Optional[str] = None, step: Optional[int] = None) -> int:
+    """Hold the run lock while local workers run; record the launch in jobs.jsonl."""
+    from enn_cluster.client.launch_local import launch_local
+    from enn_cluster.storage.tracking import ensure_run
+
+    owner = acquire_lock(run, lock_owner())
+    try:
+        ensure_run(run, run.load_config())
+        run.record_job(kind="local", task=task, pid=os.getpid(), nodes=shape.nodes,
+                       procs_per_node=shape.procs_per_node, name=name)
+        with run_umask():  # the workers inherit it: checkpoints, logs, metrics
+            return launch_local(str(run.path), task, nodes=shape.nodes,
+                                procs_per_node=shape.procs_per_node,
+                                max_restarts=max_restarts, name=name, step=step,
+                                launch_id=f"local-{len(run.jobs())}")
+    finally:
+        release_lock(run, owner)

@@ -1,0 +1,88 @@
+"""`Run`: a handle on a run directory, for the Python API. Everything is read back from
+the directory (and Slurm), so a handle re-attached later sees what the first one saw."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.metrics import read_metrics
+from enn_cluster.storage.rundir import RunDir, read_lock
+
+
+class Run:
+    def __init__(self, path: Path) -> None:
+        self.dir = RunDir(Path(path).resolve())
+
+    @classmethod
+    def open(cls, path) -> "Run":
+        run = cls(Path(path))
+        run.dir.load_config()  # a clear error now if it is not a run directory
+        return run
+
+    @property
+    def path(self) -> Path:
+        return self.dir.path
+
+    @property
+    def config(self):
+        return self.dir.load_config()
+
+    def metrics(self, kind: Optional[str] = None) -> list[dict]:
+        """Rank-0 metrics records (kind: train, eval, checkpoint, resume)."""
+        return list(read_metrics(self.dir.metrics, kind))
+
+    @property
+    def latest_checkpoint(self) -> Optional[int]:
+        return store.latest_committed(self.dir.checkpoints)
+
+    def status(self) -> dict:
+        from enn_cluster.client.status import run_status
+
+        return run_status(self.path)
+
+    def running(self) -> bool:
+        return self.status()["lock"] is not None
+
+    def wait(self, timeout: Optional[float] = None, poll_s: float = 1.0) -> "Run":
+        """Block until no job holds the run (local launcher or Slurm job ended)."""
+        deadline = None if timeout is None else time.time() + timeout
+        time.sleep(min(poll_s, 0.5))
+        while self.running() or (read_lock(self.dir) is None and not self.dir.jobs()):
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"{self.path} still running after {timeout} s")
+            time.sleep(poll_s)
+        return self
+
+    def cancel(self) -> None:
+        from enn_cluster.client.launching import cancel_run
+
+        cancel_run(self.dir)
+
+    def load_model(self, step: Optional[int] = None):
+        """The model with the full weights of a complete checkpoint, in this process."""
+        from enn_cluster.models import build_model, output_size
+        from enn_cluster.storage.dcp_io import safe_load
+        from enn_cluster.storage.staging import read_manifest
+
+        step = self.latest_checkpoint if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{self.path}: no complete checkpoint")
+        cfg, manifest = self.config, read_manifest(self.dir.data_dir)
+        model = build_model(cfg.model, tuple(manifest["entries"]["train_x"]["shape"][1:]),
+                            output_size(cfg, manifest))
+        state = {"model": model.state_dict()}
+        safe_load(state, store.step_dir(self.dir.checkpoints, step))
+        model.load_state_dict(state["model"])
+        return model.eval()
+
+    def plot(self, out=None) -> Path:
+        """PNG of loss, validation loss, lr and throughput (needs matplotlib)."""
+        from enn_cluster.client.plot import plot_series, write_plot
+
+        target = Path(out) if out is not None else self.path / "metrics.png"
+        return write_plot(plot_series(read_metrics(self.dir.metrics)), target, self.path.name)
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, latest_checkpoint={self.latest_checkpoint})"

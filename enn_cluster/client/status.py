@@ -1,0 +1,145 @@
+"""What a run is doing, read from its directory (and Slurm, for Slurm jobs). No torch."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.metrics import read_metrics
+from enn_cluster.storage.rundir import RunDir, read_lock
+
+
+def run_status(path: Path) -> dict:
+    run = RunDir(Path(path))
+    last_train, last_eval, resumes, start = None, None, 0, None
+    for rec in read_metrics(run.metrics):
+        kind = rec.get("kind")
+        if kind == "train":
+            last_train = rec
+        elif kind == "eval":
+            last_eval = rec
+        elif kind == "resume":
+            resumes += 1
+        elif kind == "start":
+            start = rec
+    jobs = with_unrecorded_slurm_jobs(run.jobs(), _slurm_log_dirs(run))
+    status = {
+        "run_dir": str(run.path),
+        "last_step": last_train["step"] if last_train else None,
+        "last_loss": last_train["loss"] if last_train else None,
+        "last_eval_loss": last_eval["eval_loss"] if last_eval else None,
+        "resumes": resumes,
+        "total_steps": start["total_steps"] if start else None,
+        "step_time_s": last_train.get("step_time_s") if last_train else None,
+        "samples_per_s": last_train.get("samples_per_s") if last_train else None,
+        "checkpoints": store.committed_steps(run.checkpoints),
+        "last_checkpoint": store.latest_committed(run.checkpoints),
+        "jobs": jobs,
+        "lock": _live_lock(run),
+    }
+    slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
+    if slurm_jobs:
+        from enn_cluster.storage.slurm_jobs import job_state
+
+        status["slurm"] = job_state(str(slurm_jobs[-1]["job_id"]))
+    return status
+
+
+_SLURM_ATTEMPT = re.compile(r"^slurm-(\d+)-r\d+$")  # worker log dirs: slurm-<job>-r<restart>
+
+
+def _slurm_log_dirs(run: RunDir) -> list[tuple[str, float]]:
+    """(name, mtime) of the workers' per-attempt log directories."""
+    if not run.logs.is_dir():
+        return []
+    return [(d.name, d.stat().st_mtime) for d in run.logs.iterdir() if d.is_dir()]
+
+
+def with_unrecorded_slurm_jobs(jobs: list[dict], log_dirs: list[tuple[str, float]]) -> list[dict]:
+    """`jobs` plus the Slurm jobs only the workers' logs know (slurm/*.sbatch submitted by
+    hand records nothing in jobs.jsonl), in time order."""
+    known = {str(j.get("job_id")) for j in jobs}
+    found: dict[str, float] = {}
+    for name, mtime in log_dirs:
+        match = _SLURM_ATTEMPT.match(name)
+        if match and match.group(1) not in known:
+            found[match.group(1)] = max(mtime, found.get(match.group(1), 0.0))
+    if not found:
+        return jobs
+    extra = [{"kind": "slurm", "job_id": job, "time": t, "source": "logs"}
+             for job, t in found.items()]
+    return sorted(jobs + extra, key=lambda j: j.get("time", 0.0))
+
+
+def _live_lock(run: RunDir):
+    """The lock's owner, only while it is alive (a finished job leaves its lock behind)."""
+    owner = read_lock(run)
+    if not owner:
+        return None
+    if owner.get("slurm_job_id"):
+        from enn_cluster.storage.slurm_jobs import job_alive
+
+        return owner if job_alive(str(owner["slurm_job_id"])) else None
+    from enn_cluster.storage.rundir import owner_alive
+
+    return owner if owner_alive(owner) else None
+
+
+def format_status(st: dict) -> str:
+    lines = [f"run:             {st['run_dir']}",
+             f"last step:       {st['last_step']} (loss {st['last_loss']})",
+             f"last eval loss:  {st['last_eval_loss']}",
+             f"checkpoints:     {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}",
+             f"last complete:   {('step-%s' % st['last_checkpoint']) if st['last_checkpoint'] is not None else 'none'}",
+             f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
+    if st.get("slurm"):
+        s = st["slurm"]
+        lines.append(f"slurm job:       {s.get('job_id')} {s.get('state')} "
+                     f"(restarts {s.get('restarts', 0)})")
+    if st["lock"]:
+        owner = st["lock"]
+        lines.append(f"in use by:       pid {owner.get('pid')} on {owner.get('host')}"
+                     + (f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else ""))
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _num(value) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)  # "nan" strings
+
+
+def live(st: dict) -> bool:
+    """Is something still going to happen to this run (a live lock or a live Slurm job)?"""
+    if st["lock"]:
+        return True
+    from enn_cluster.storage.slurm_jobs import LIVE_STATES
+
+    return bool(st.get("slurm")) and st["slurm"].get("state") in LIVE_STATES
+
+
+def progress_line(st: dict) -> str:
+    """The one-line live view of `enn-submit status --follow`."""
+    step, total = st["last_step"], st.get("total_steps")
+    parts = [f"step {step if step is not None else '-'}" + (f"/{total}" if total else "")]
+    if step is not None and total:
+        parts[0] += f" ({100.0 * step / total:.0f}%)"
+    if st["last_loss"] is not None:
+        parts.append(f"loss {_num(st['last_loss'])}")
+    if st["last_eval_loss"] is not None:
+        parts.append(f"eval {_num(st['last_eval_loss'])}")
+    if st.get("samples_per_s"):
+        parts.append(f"{st['samples_per_s']:.0f} samples/s")
+    if step is not None and total and st.get("step_time_s") and st["lock"]:
+        parts.append(f"ETA {_duration((total - step) * st['step_time_s'])}")
+    last = st["last_checkpoint"]
+    parts.append(f"ckpt {'step-%d' % last if last is not None else 'none'}")
+    if st.get("slurm"):
+        parts.append(f"slurm {st['slurm'].get('state')}")
+    parts.append("running" if st["lock"] else "not running")
+    return " | ".join(parts)

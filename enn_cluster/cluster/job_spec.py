@@ -1,0 +1,363 @@
+"""One Slurm job, as data, and the two ways it reaches Slurm.
+
+`JobSpec` is validated once (a `UserError` names the flag and the fix), then
+`render_batch_script` fills the admin template (what `enn-submit render` prints) and
+`submitit_parameters` feeds submitit. Both launch the same worker command with the same
+srun and Pyxis flags and the same host-side requeue snippet. Every value that lands in
+a shell line goes through `shlex.quote`; `#SBATCH` lines are not shell, so values that
+would break them are refused instead. Pure: no torch, no subprocess.
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Mapping, Optional, Union
+
+from enn_cluster.cluster import pyxis
+from enn_cluster.config.checks import node_range
+
+# the tests read time_minutes and _NAME from here too
+from enn_cluster.cluster.slurm_values import (
+    _NAME,
+    _fail,
+    _int,
+    check_line,
+    check_srun_arg,
+    check_word,
+    parse_sbatch_arg,
+    time_minutes,
+)
+from enn_cluster.config import nccl
+
+TASKS = ("train", "predict")
+WORKER_MODULE = "enn_cluster.worker"
+# Failure retries when nobody chose: the same for the CLI (parallel.max_restarts) and the
+# admin templates (ENN_MAX_RESTARTS); tests pin all three together.
+DEFAULT_MAX_RESTARTS = 0
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """Everything one job needs; lists become tuples and 'none' image becomes None."""
+
+    job_name: str
+    run_dir: str
+    task: str = "train"
+    predict_name: Optional[str] = None
+    nodes: Union[int, str] = 1  # N, or "MIN-MAX" for an elastic allocation
+    gpus_per_node: int = 1  # one task per GPU
+    procs_per_node: int = 1  # tasks per node when gpus_per_node == 0 (CPU runs)
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[float] = None  # 0: all of each node's memory (--mem=0)
+    time: Union[int, str] = 60  # minutes, or a Slurm time string
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    exclusive: bool = False
+    signal_grace_s: int = 90
+    container_image: Optional[str] = None  # squashfs path or registry ref; None: bare metal
+    container_mounts: tuple[str, ...] = ()
+    container_workdir: Optional[str] = None
+    container_env: tuple[str, ...] = nccl.CONTAINER_ENV_NAMES
+    nccl_profile: str = "auto"
+    env: Mapping[str, str] = field(default_factory=dict)  # extra task variables; kept as pairs
+    python: str = "python3"
+    setup_lines: tuple[str, ...] = ()
+    extra_sbatch_args: tuple[str, ...] = ()
+    extra_srun_args: tuple[str, ...] = ()
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        for name in ("container_mounts", "container_env", "setup_lines",
+                     "extra_sbatch_args", "extra_srun_args"):
+            value = getattr(self, name)
+            fix(name, (value,) if isinstance(value, str) else tuple(value or ()))
+        lo, hi = node_range(self.nodes)
+        fix("nodes", lo if lo == hi else f"{lo}-{hi}")
+        if pyxis.is_bare_metal(self.container_image):
+            fix("container_image", None)
+        if not isinstance(self.env, Mapping):
+            raise _fail("--env", f"{self.env!r} is not a mapping", "give NAME=VALUE pairs")
+        fix("env", tuple(self.env.items()))
+        _validate(self)
+
+    @property
+    def time_minutes(self) -> int:
+        return time_minutes(self.time)
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        return node_range(self.nodes)
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.gpus_per_node or self.procs_per_node
+
+    @property
+    def mounts(self) -> tuple[pyxis.Mount, ...]:
+        """User mounts, then the run directory at its own path (the worker reads it)."""
+        return (*pyxis.parse_mounts(self.container_mounts),
+                pyxis.Mount(self.run_dir, self.run_dir))
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        """--container-env: the spec's names plus the extra variables it exports."""
+        return pyxis.check_env_names((*self.container_env, *(k for k, _ in self.env)))
+
+    @property
+    def worker_args(self) -> list[str]:
+        args = ["-m", WORKER_MODULE, self.run_dir, "--task", self.task]
+        return args + (["--name", self.predict_name] if self.task == "predict" else [])
+
+
+def _validate(s: JobSpec) -> None:
+    check_word(s.job_name, "--job-name", _NAME)
+    pyxis.check_path(s.run_dir, "RUN_DIR", "run directory")
+    if "%" in s.run_dir or posixpath.normpath(s.run_dir) != s.run_dir:
+        raise _fail("RUN_DIR", f"{s.run_dir!r} has '%', '.', '..', '//' or a trailing '/'",
+                    "give the plain absolute path ('%' is a log-name pattern in Slurm)")
+    if s.task not in TASKS:
+        raise _fail("--task", f"{s.task!r} is not a task", "use train or predict")
+    if s.task == "predict":
+        if not s.predict_name:
+            raise _fail("--name", "predict needs a prediction name", "pass --name NAME")
+        check_word(s.predict_name, "--name", _NAME)
+    time_minutes(s.time)
+    _int(s.gpus_per_node, "--gpus-per-node", 0)
+    _int(s.procs_per_node, "--procs-per-node", 1)
+    if s.cpus_per_task is not None:
+        _int(s.cpus_per_task, "--cpus-per-task", 1)
+    if s.mem_gb is not None and (isinstance(s.mem_gb, bool) or
+                                 not isinstance(s.mem_gb, (int, float)) or s.mem_gb < 0):
+        raise _fail("--mem-gb", f"{s.mem_gb!r} is not a size", "give GB per node, 0 for all")
+    for flag in ("partition", "account", "qos"):
+        check_word(getattr(s, flag), f"--{flag}")
+    _int(s.signal_grace_s, "--signal-grace", 1)
+    _int(s.max_restarts, "--max-restarts", 0)
+    if s.time_minutes * 60 <= s.signal_grace_s + 60:
+        raise _fail("--time", f"{s.time!r} leaves no run time before the USR2 warning "
+                    f"({s.signal_grace_s} s before the end; Slurm may send it 60 s early)",
+                    f"give more than {(s.signal_grace_s + 60) // 60 + 1} minutes or a "
+                    "smaller --signal-grace")
+    if not isinstance(s.exclusive, bool):
+        raise _fail("--exclusive", f"{s.exclusive!r} is not true/false", "give a boolean")
+    _validate_container(s)
+    check_line(s.python, "--python")
+    if not s.python.strip():
+        raise _fail("--python", "empty interpreter", "give python3 or a path")
+    nccl.check_profile(s.nccl_profile, "--nccl-profile")
+    for name, value in s.env:
+        pyxis.check_env_names([name], "--env")
+        if not isinstance(value, str) or "\0" in value:
+            raise _fail("--env", f"{name}={value!r} is not a string", "give text values")
+    for i, line in enumerate(s.setup_lines):
+        check_line(line, f"setup_lines[{i}]")
+    for i, arg in enumerate(s.extra_sbatch_args):
+        parse_sbatch_arg(arg, f"--sbatch-arg[{i}]")
+    for i, arg in enumerate(s.extra_srun_args):
+        check_srun_arg(arg, f"--srun-arg[{i}]")
+
+
+def _validate_container(s: JobSpec) -> None:
+    if s.container_image is None:
+        if s.container_mounts or s.container_workdir:
+            raise _fail("--container-mounts", "mounts or workdir given without an image",
+                        "pass --container-image, or drop them for bare metal")
+        return
+    pyxis.check_image(s.container_image)
+    pyxis.parse_mounts(s.container_mounts)
+    if s.container_workdir is not None:
+        pyxis.check_path(s.container_workdir, "--container-workdir")
+    pyxis.check_env_names(s.container_env)
+
+
+# -- shared pieces --------------------------------------------------------------------
+
+def _q(value, *, element: bool = False) -> str:
+    """shlex.quote, plus quotes where shlex leaves safe text bare but shellcheck objects:
+    a leading '=' (`X==a`, SC1097) and commas in an array element (SC2054)."""
+    text = shlex.quote(str(value))
+    if not text.startswith("'") and (text.startswith("=") or (element and "," in text)):
+        text = f"'{text}'"
+    return text
+
+
+# shellcheck flags characters inside single quotes that look like shell (SC2016: '$' and
+# '`'; SC1003: '\'; SC2089/SC2090: quotes; SC2088: '~'). Here they are the user's literal text, quoted
+# on purpose by shlex.quote, so the line before such a value says so.
+_LINT_CODES = (("SC2016", "$`"), ("SC1003", "\\"), ("SC2089,SC2090", "'\""), ("SC2088", "~"))
+
+
+def _literal(*values) -> list[str]:
+    text = "".join(map(str, values))
+    codes = [code for code, chars in _LINT_CODES if any(c in text for c in chars)]
+    return [f"# shellcheck disable={','.join(codes)}  # literal text, quoted on purpose"] \
+        if codes else []
+
+
+def _template(name: str) -> str:
+    return resources.files("enn_cluster.cluster").joinpath("templates", name).read_text("utf-8")
+
+
+def host_setup_lines() -> list[str]:
+    """The host-side snippet (MASTER_PORT, requeue EXIT trap) both paths share."""
+    return _template("host_setup.sh").splitlines()
+
+
+def env_lines(spec: JobSpec) -> list[str]:
+    """Extra variables (always set), then the profile's NCCL defaults, each skipped at run
+    time when the job's environment (the submitter's, a module) already has it."""
+    lines = [line for k, v in spec.env for line in (*_literal(v), f"export {k}={_q(v)}")]
+    lines.append(f"export {nccl.PROFILE_VAR}={_q(spec.nccl_profile)}")
+    for name, value in nccl.script_env(spec.nccl_profile).items():
+        lines.append(f'[ -n "${{{name}+x}}" ] || export {name}={_q(value)}')
+    return lines + cpu_lines(spec)
+
+
+def cpu_lines(spec: JobSpec) -> list[str]:
+    """CPUs per task for srun, which since Slurm 22.05 no longer inherits --cpus-per-task
+    from sbatch (it reads SRUN_CPUS_PER_TASK). Default: the node's CPUs in this allocation
+    (SLURM_CPUS_ON_NODE) divided by the tasks per node, at least 1."""
+    n = spec.tasks_per_node
+    value = (str(spec.cpus_per_task) if spec.cpus_per_task else
+             f"$(( ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} > 0 ? ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} : 1 ))")
+    return ["# srun reads SRUN_CPUS_PER_TASK (Slurm >= 22.05 does not pass sbatch's on)",
+            f'[ -n "${{SRUN_CPUS_PER_TASK+x}}" ] || export SRUN_CPUS_PER_TASK={value}']
+
+
+SRUN_BASE_FLAGS = ("--kill-on-bad-exit=1",)
+
+
+def srun_args(spec: JobSpec) -> list[str]:
+    """srun arguments before the interpreter: ours, Pyxis flags, then the user's extras."""
+    flags = pyxis.srun_container_flags(spec.container_image, spec.mounts,
+                                       spec.container_workdir, spec.env_names)
+    return [*SRUN_BASE_FLAGS, *flags, *spec.extra_srun_args]
+
+
+def srun_shell_lines() -> list[str]:
+    """`srun_args` as bash over the admin templates' ENN_* variables: their `srun` block,
+    generated from the same flag list (`admin_template` puts it in)."""
+    lines = [f"enn_srun_args+=({' '.join(SRUN_BASE_FLAGS)})", 'if [ -n "$ENN_IMAGE" ]; then',
+             "  # The run directory is mounted at its own path: the worker reads RUN_DIR inside."]
+    for flag, _, value, optional in pyxis.CONTAINER_FLAGS:
+        add = f'enn_srun_args+=("{flag}={value}")' if value else f"enn_srun_args+=({flag})"
+        lines += [f'  if [ -n "{value}" ]; then', f"    {add}", "  fi"] if optional \
+            else [f"  {add}"]
+    # bash < 4.4 (RHEL 7): an empty array is "unbound" under set -u unless expanded so
+    return lines + ["fi", 'enn_srun_args+=(${enn_srun_extra[@]+"${enn_srun_extra[@]}"})']
+
+
+def admin_template(text: str) -> str:
+    """A checked-in admin template with its `srun` block generated (tests hold
+    enn_cluster/cluster/templates/ and slurm/ to this; ENN_UPDATE_GOLDEN=1 rewrites them)."""
+    return replace_block(text, "srun", srun_shell_lines())
+
+
+def worker_command(spec: JobSpec) -> list[str]:
+    return [spec.python, *spec.worker_args]
+
+
+def _mem(spec: JobSpec) -> Optional[str]:
+    if spec.mem_gb is None:
+        return None
+    if spec.mem_gb == 0:
+        return "0"
+    return f"{int(spec.mem_gb)}G" if spec.mem_gb == int(spec.mem_gb) else f"{int(spec.mem_gb * 1024)}M"
+
+
+# -- submitit ---------------------------------------------------------------------------
+
+def submitit_parameters(spec: JobSpec) -> dict:
+    """Keyword arguments for `AutoExecutor(...).update_parameters(**...)` on Slurm (names
+    checked against submitit 1.5.4's `_make_sbatch_string` signature)."""
+    lo, hi = spec.node_range
+    # B: the warning goes to the batch shell alone (stop_request.py says why)
+    extra: dict = {"requeue": True, "open-mode": "append",
+                   "signal": f"B:USR2@{spec.signal_grace_s}"}
+    if lo != hi:
+        extra["nodes"] = f"{lo}-{hi}"
+    if spec.mem_gb == 0:
+        extra["mem"] = "0"  # submitit would write 0GB
+    extra.update(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)
+    params = {
+        "name": spec.job_name, "nodes": lo, "tasks_per_node": spec.tasks_per_node,
+        "timeout_min": spec.time_minutes, "slurm_signal_delay_s": spec.signal_grace_s,
+        "slurm_srun_args": srun_args(spec), "slurm_additional_parameters": extra,
+        "slurm_setup": [
+            "# enn_cluster: host-side setup (job_spec.submitit_parameters)",
+            f"ENN_RUN_DIR={_q(spec.run_dir)}", f"ENN_MAX_RESTARTS={spec.max_restarts}",
+            *spec.setup_lines, *env_lines(spec), *host_setup_lines()],
+    }
+    optional = {"gpus_per_node": spec.gpus_per_node or None, "cpus_per_task": spec.cpus_per_task,
+                "mem_gb": spec.mem_gb or None, "slurm_partition": spec.partition,
+                "slurm_account": spec.account, "slurm_qos": spec.qos,
+                "slurm_exclusive": True if spec.exclusive else None}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def submitit_executor_kwargs(spec: JobSpec) -> dict:
+    """`AutoExecutor(folder, **...)`: the interpreter srun starts. `python` is a
+    constructor argument in submitit 1.5.4, not an update_parameters one; submitit puts it
+    in the script unquoted, so it is quoted here."""
+    return {"slurm_python": _q(spec.python)}
+
+
+# -- batch script -----------------------------------------------------------------------
+
+def sbatch_lines(spec: JobSpec) -> list[str]:
+    lo, hi = spec.node_range
+    opts = [("job-name", spec.job_name), ("nodes", f"{lo}-{hi}" if lo != hi else lo),
+            ("ntasks-per-node", spec.tasks_per_node),
+            ("gpus-per-node", spec.gpus_per_node or None), ("cpus-per-task", spec.cpus_per_task),
+            ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
+            ("account", spec.account), ("qos", spec.qos),
+            ("exclusive", True if spec.exclusive else None), ("requeue", True),
+            ("open-mode", "append"), ("signal", f"B:USR2@{spec.signal_grace_s}"),
+            ("output", f"{spec.run_dir}/logs/%x-%j.out"),
+            *(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)]
+    return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}"
+            for k, v in opts if v is not None]
+
+
+def parameter_lines(spec: JobSpec) -> list[str]:
+    """The template's parameter block with this spec's values (same names, fixed)."""
+    values = [("ENN_RUN_DIR", spec.run_dir)]
+    if spec.task == "predict":
+        values.append(("ENN_PREDICT_NAME", spec.predict_name))
+    values += [("ENN_IMAGE", spec.container_image or ""),
+               ("ENN_MOUNTS", ",".join(str(m) for m in pyxis.parse_mounts(spec.container_mounts))),
+               ("ENN_WORKDIR", spec.container_workdir or ""),
+               ("ENN_CONTAINER_ENV", ",".join(spec.env_names)), ("ENN_PYTHON", spec.python),
+               ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts),
+               ("ENN_NCCL_PROFILE", spec.nccl_profile)]
+    lines = [line for k, v in values for line in (*_literal(v), f"{k}={_q(v)}")]
+    return lines + _literal(*spec.extra_srun_args) + [
+        "enn_srun_extra=(" + " ".join(_q(a, element=True) for a in spec.extra_srun_args) + ")"]
+
+
+def replace_block(text: str, name: str, lines: list[str]) -> str:
+    """Replace what lies between '# >>> NAME' and '# <<< NAME' (markers kept)."""
+    start = re.search(rf"^# >>> {re.escape(name)}\b.*\n", text, re.M)
+    end = re.search(rf"^# <<< {re.escape(name)}\n", text, re.M)
+    if not start or not end or end.start() < start.end():
+        raise ValueError(f"template has no '{name}' block")
+    body = "".join(line + "\n" for line in lines)
+    return text[:start.end()] + body + text[end.start():]
+
+
+def render_batch_script(spec: JobSpec, template: Optional[str] = None) -> str:
+    """The exact batch script for `spec` (`enn-submit render`): the admin template with
+    its usage, sbatch, parameter, setup and nccl blocks filled in."""
+    text = template if template is not None else _template(f"{spec.task}.sbatch")
+    usage = [f"# Rendered by enn-submit for job {spec.job_name}: submit it with `sbatch FILE`.",
+             "# Values are fixed here; slurm/*.sbatch takes them from ENN_* variables.",
+             "# On USR2 the worker checkpoints; the EXIT trap below requeues from the host."]
+    for name, lines in (("usage", usage), ("sbatch", sbatch_lines(spec)),
+                        ("parameters", parameter_lines(spec)),
+                        ("setup", list(spec.setup_lines)), ("nccl", env_lines(spec))):
+        text = replace_block(text, name, lines)
+    return text

@@ -1,0 +1,216 @@
+"""The site config an HPC admin writes once (YAML, no Python): partition, account,
+mounts, image, NCCL profile, extra sbatch/srun arguments, setup lines.
+
+Why a file: users should not repeat cluster facts on every command. Lookup order (the
+first file found wins, files are not layered):
+  1. `--site FILE`            (must exist)
+  2. `$ENN_SITE_CONFIG`       (must exist)
+  3. `./enn-site.yaml`
+  4. `~/.config/enn_cluster/site.yaml`
+  5. `/etc/enn_cluster/site.yaml`
+Values then layer as `merge(DEFAULTS, site, cli_flags)`: a command-line flag wins over
+the site file, which wins over the defaults. Parsing is pure; only `load_site` reads files.
+See slurm/site.example.yaml for every key, documented.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from enn_cluster.cluster import pyxis, slurm_values
+from enn_cluster.config import nccl
+from enn_cluster.errors import UserError
+
+ENV_VAR = "ENN_SITE_CONFIG"
+LOCAL_NAME = "enn-site.yaml"
+USER_PATH = ".config/enn_cluster/site.yaml"  # under the home directory
+SYSTEM_PATH = "/etc/enn_cluster/site.yaml"
+
+DEFAULTS: dict[str, Any] = {
+    "partition": None, "account": None, "qos": None, "mounts": (), "runs_root": None,
+    "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
+    "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
+    "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
+}
+
+_LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
+_INTS = ("signal_grace_s", "gpus_per_node", "cpus_per_task")
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """One site file; None means 'not set here' (DEFAULTS or flags decide)."""
+
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    mounts: Optional[tuple[str, ...]] = None  # SRC:DST[:FLAGS] for every container job
+    runs_root: Optional[str] = None  # where run directories go (shared filesystem)
+    image_cache: Optional[str] = None  # where built squashfs images go (shared filesystem)
+    image: Optional[str] = None  # default container image; "none": bare metal
+    nccl_profile: Optional[str] = None  # auto | efa | ib | socket | none
+    gpus_per_node: Optional[int] = None
+    extra_sbatch_args: Optional[tuple[str, ...]] = None
+    extra_srun_args: Optional[tuple[str, ...]] = None
+    setup_lines: Optional[tuple[str, ...]] = None  # shell lines run on the host first
+    python: Optional[str] = None  # interpreter inside the container
+    signal_grace_s: Optional[int] = None  # USR2 this many seconds before the time limit
+    time: Optional[Union[int, str]] = None  # default time limit (minutes or Slurm time)
+    cpus_per_task: Optional[int] = None  # default: the node's CPUs / tasks per node
+    socket_ifname: Optional[str] = None  # control-plane NIC (gloo + NCCL bootstrap)
+    source: Optional[str] = field(default=None, compare=False)  # the file it came from
+
+    def overrides(self) -> dict[str, Any]:
+        """The keys this site sets."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "source" and getattr(self, f.name) is not None}
+
+
+KEYS = tuple(f.name for f in dataclasses.fields(SiteConfig) if f.name != "source")
+
+
+def _where(source: Optional[str]) -> str:
+    return f" (in {source})" if source else ""
+
+
+def _typed(key: str, value: Any, source: Optional[str]) -> Any:
+    """Check one value's YAML type; lists become tuples."""
+    where = _where(source)
+    if key in _LISTS:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"site.{key}: expected a list of strings, got "
+                            f"{type(value).__name__}{where}; write one item per '- ' line")
+        return tuple(value)
+    if key in _INTS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"site.{key}: expected a whole number, got {value!r}{where}")
+        return value
+    if key == "time":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise UserError(f"site.time: expected minutes or a Slurm time string like "
+                            f"04:00:00, got {value!r}{where}")
+        return value
+    if not isinstance(value, str) or not value:
+        raise UserError(f"site.{key}: expected a non-empty string, got {value!r}{where}")
+    return value
+
+
+def _check_values(site: SiteConfig) -> None:
+    """Meaning, not just type: each error names site.<key> and the fix."""
+    where = _where(site.source)
+    try:
+        for flag in ("partition", "account", "qos"):
+            slurm_values.check_word(getattr(site, flag), f"site.{flag}")
+        for i, mount in enumerate(site.mounts or ()):
+            pyxis.parse_mount(mount, f"site.mounts[{i}]")
+        for key in ("runs_root", "image_cache"):
+            if getattr(site, key) is not None:
+                pyxis.check_path(getattr(site, key), f"site.{key}")
+        if site.image is not None and not pyxis.is_bare_metal(site.image):
+            pyxis.check_image(site.image, "site.image")
+        if site.nccl_profile is not None:
+            nccl.check_profile(site.nccl_profile, "site.nccl_profile")
+        if site.time is not None:
+            slurm_values.time_minutes(site.time, "site.time")
+        if site.signal_grace_s is not None and site.signal_grace_s < 1:
+            raise UserError(f"site.signal_grace_s: {site.signal_grace_s} must be >= 1 second")
+        if site.socket_ifname is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}",
+                                                               site.socket_ifname):
+            raise UserError(f"site.socket_ifname: {site.socket_ifname!r} is not an interface "
+                            "name; give one name such as eth0 or ib0 (see `ip -br link`)")
+        if site.cpus_per_task is not None and site.cpus_per_task < 1:
+            raise UserError(f"site.cpus_per_task: {site.cpus_per_task} must be >= 1; "
+                            "leave it out for the node's CPUs divided by its tasks")
+        if site.gpus_per_node is not None and site.gpus_per_node < 0:
+            raise UserError(f"site.gpus_per_node: {site.gpus_per_node} must be >= 0")
+        for i, arg in enumerate(site.extra_sbatch_args or ()):
+            slurm_values.parse_sbatch_arg(arg, f"site.extra_sbatch_args[{i}]")
+        for i, arg in enumerate(site.extra_srun_args or ()):
+            slurm_values.check_srun_arg(arg, f"site.extra_srun_args[{i}]")
+        for i, line in enumerate(site.setup_lines or ()):
+            slurm_values.check_line(line, f"site.setup_lines[{i}]")
+    except UserError as exc:
+        raise UserError(f"{exc}{where}") from None
+
+
+def parse_site(data: Any, source: Optional[str] = None) -> SiteConfig:
+    """A parsed YAML document -> SiteConfig (an empty document is an empty config)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise UserError(f"site: the file must be a mapping of keys{_where(source)}; "
+                        "see slurm/site.example.yaml")
+    unknown = sorted(str(k) for k in data if k not in KEYS)
+    if unknown:
+        raise UserError(f"site.{unknown[0]}: unknown key{_where(source)}; "
+                        f"known keys: {', '.join(KEYS)}")
+    values = {k: _typed(k, v, source) for k, v in data.items() if v is not None}
+    site = SiteConfig(**values, source=source)
+    _check_values(site)
+    return site
+
+
+def search_paths(flag: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
+                 cwd: Optional[str] = None, home: Optional[str] = None,
+                 system_path: str = SYSTEM_PATH) -> list[tuple[Path, bool]]:
+    """Candidate files in lookup order, each with 'must exist'."""
+    environ = os.environ if environ is None else environ
+    out: list[tuple[Path, bool]] = []
+    if flag:
+        out.append((Path(flag), True))
+    if environ.get(ENV_VAR):
+        out.append((Path(environ[ENV_VAR]), True))
+    out.append((Path(cwd or os.getcwd()) / LOCAL_NAME, False))
+    home = home if home is not None else environ.get("HOME") or os.path.expanduser("~")
+    out.append((Path(home) / USER_PATH, False))
+    out.append((Path(system_path), False))
+    return out
+
+
+def find_site_file(flag: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
+                   cwd: Optional[str] = None, home: Optional[str] = None,
+                   system_path: str = SYSTEM_PATH) -> Optional[Path]:
+    for path, required in search_paths(flag, environ, cwd, home, system_path):
+        if path.is_file():
+            return path
+        if required:
+            origin = "--site" if flag and path == Path(flag) else f"${ENV_VAR}"
+            raise UserError(f"site: {origin} names {str(path)!r}, which is not a file; "
+                            "fix the path or drop it")
+    return None
+
+
+def load_site(flag: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
+              cwd: Optional[str] = None, home: Optional[str] = None,
+              system_path: str = SYSTEM_PATH) -> SiteConfig:
+    """The first site file in lookup order, parsed; an empty config when there is none."""
+    path = find_site_file(flag, environ, cwd, home, system_path)
+    if path is None:
+        return SiteConfig()
+    import yaml  # here, not at import: the CLI's fast paths never need it
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"site: cannot read {path}: {exc}; fix its permissions") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"site: {path}{at} is not valid YAML "
+                        f"({getattr(exc, 'problem', None) or exc}); fix the syntax") from None
+    return parse_site(data, str(path))
+
+
+def merge(defaults: Mapping[str, Any], site: Union[SiteConfig, Mapping[str, Any]],
+          cli_flags: Mapping[str, Any]) -> dict[str, Any]:
+    """defaults < site < command-line flags; None in a layer means 'not given there'.
+    Lists are replaced, not concatenated: a flag's list is the whole list."""
+    out = dict(defaults)
+    layers = (site.overrides() if isinstance(site, SiteConfig) else site, cli_flags)
+    for layer in layers:
+        out.update({k: v for k, v in layer.items() if v is not None})
+    return out

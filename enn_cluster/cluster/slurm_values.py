@@ -1,0 +1,95 @@
+"""Checks on single Slurm values (names, times, sbatch/srun arguments, lines bound for a
+shell), each raising a UserError that names the flag and the fix. Shared by the job
+spec and the site config. Pure.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional, Union
+
+from enn_cluster.errors import UserError
+
+# sbatch options JobSpec owns; extra_sbatch_args may not repeat them.
+MANAGED_SBATCH = frozenset({
+    "job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem",
+    "time", "partition", "account", "qos", "exclusive", "signal", "requeue", "no-requeue",
+    "open-mode", "output", "error"})
+MANAGED_SRUN = ("--container-", "--no-container-", "--output", "--error", "--kill-on-bad-exit")
+
+_NAME = re.compile(r"^\w[\w.+-]*\Z")  # job / prediction names (unicode letters allowed)
+_SLURM_WORD = re.compile(r"^[\w.,+-]+\Z")  # partition, account, qos
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*\Z")
+_SBATCH_UNSAFE = re.compile(r"[\s'\"\\#$`]|[\x00-\x1f\x7f]")
+_TIME = re.compile(r"^(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?\Z")
+
+
+def time_minutes(value: Union[int, str], field_name: str = "--time") -> int:
+    """Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) or int -> minutes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        minutes = value
+    elif isinstance(value, str) and _TIME.match(value.strip()):
+        d, a, b, c = _TIME.match(value.strip()).groups()
+        nums = [int(x) for x in (a, b, c) if x is not None]
+        if d is not None:  # D-HH[:MM[:SS]]
+            h, m, s = (nums + [0, 0])[:3]
+            secs = ((int(d) * 24 + h) * 60 + m) * 60 + s
+        elif len(nums) == 3:
+            secs = (nums[0] * 60 + nums[1]) * 60 + nums[2]
+        else:  # MM or MM:SS
+            secs = nums[0] * 60 + (nums[1] if len(nums) == 2 else 0)
+        minutes = -(-secs // 60)
+    else:
+        raise UserError(f"{field_name}: {value!r} is not a time; give minutes (240) or a "
+                        "Slurm time like 04:00:00 or 1-12:00:00")
+    if minutes <= 0:
+        raise UserError(f"{field_name}: {value!r} must be at least one minute")
+    return minutes
+
+
+def _fail(flag: str, problem: str, fix: str) -> UserError:
+    return UserError(f"{flag}: {problem}; {fix}")
+
+
+def check_line(line: str, flag: str) -> str:
+    if not isinstance(line, str) or "\n" in line or "\r" in line or "\0" in line:
+        raise _fail(flag, f"{line!r} is not one line", "give one command or argument per item")
+    return line
+
+
+def parse_sbatch_arg(arg: str, flag: str = "--sbatch-arg") -> tuple[str, Union[str, bool]]:
+    """'--key=value' or '--key' -> (key, value|True), safe on an #SBATCH line."""
+    check_line(arg, flag)
+    key, eq, value = arg.partition("=")
+    key = key[2:] if key.startswith("--") else ""
+    if not _SBATCH_KEY.match(key) or (eq and not value):
+        raise _fail(flag, f"{arg!r} is not a long sbatch option",
+                    "write --option=value, e.g. --constraint=a100")
+    if key in MANAGED_SBATCH:
+        raise _fail(flag, f"--{key} is set by enn_cluster", "use its own flag or site key")
+    if _SBATCH_UNSAFE.search(value):
+        raise _fail(flag, f"{arg!r} has spaces, quotes, '#', '$' or '\\'",
+                    "#SBATCH lines cannot carry them; drop those characters")
+    return key, (value if eq else True)
+
+
+def check_srun_arg(arg: str, flag: str = "--srun-arg") -> str:
+    check_line(arg, flag)
+    if not arg.startswith("-"):
+        raise _fail(flag, f"{arg!r} is not an option", "write --option=value (one item each)")
+    if arg.startswith(MANAGED_SRUN):
+        raise _fail(flag, f"{arg!r} is set by enn_cluster",
+                    "use the container/image flags or site keys instead")
+    return arg
+
+
+def _int(value, flag: str, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise _fail(flag, f"{value!r} is not a whole number >= {lo}", f"give one >= {lo}")
+    return value
+
+
+def check_word(value: Optional[str], flag: str, pattern=_SLURM_WORD) -> Optional[str]:
+    if value is not None and (not isinstance(value, str) or not pattern.match(value)):
+        raise _fail(flag, f"{value!r} has characters an #SBATCH line cannot carry",
+                    "use letters, digits and . _ - +")
+    return value

@@ -1,0 +1,194 @@
+"""Submit a run's task to Slurm through submitit: one task per GPU, the same worker entry.
+
+`job_spec` decides every flag (pure, golden-tested); this module only turns CLI flags and
+the site config into a JobSpec, hands it to submitit, and records the job in the run.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from enn_cluster.errors import UserError
+from enn_cluster.storage.rundir import RunDir, acquire_lock, run_umask
+from enn_cluster.worker.slurm_entry import worker_entry
+
+
+def default_job_name(run_name: str) -> str:
+    """'enn-' + the run name, with what an #SBATCH line cannot carry made '_' (a run name
+    may hold spaces or '='; the user did not ask for them in a job name)."""
+    import re
+
+    return re.sub(r"[^\w.+-]", "_", f"enn-{run_name}")[:64]
+
+
+def image_cache_dir(site_cache: Optional[str]) -> Path:
+    """--cache-dir aside: $ENN_IMAGE_CACHE, then the site's image_cache, then ~/.cache."""
+    from enn_cluster.cluster.image import default_cache_dir
+
+    if site_cache and not os.environ.get("ENN_IMAGE_CACHE"):
+        return Path(site_cache).expanduser()
+    return default_cache_dir()
+
+
+def default_image(site_cache: Optional[str]) -> Path:
+    """No --container and no site image: the image built from ./containers/Dockerfile."""
+    from enn_cluster.cluster.image import image_for
+
+    dockerfile = Path("containers/Dockerfile")
+    if not dockerfile.is_file():
+        raise UserError("--container: no image given (flag or site config) and no "
+                        "containers/Dockerfile here to find a built one for; pass --container "
+                        "IMAGE, or --container none to run without Pyxis")
+    try:
+        return image_for(dockerfile, ".", image_cache_dir(site_cache))
+    except UserError as exc:
+        raise UserError(f"--container: {exc} (or pass --container IMAGE / none)") from None
+
+
+@dataclass(frozen=True)
+class SlurmRequest:
+    """What the user asked of Slurm, from CLI flags or the API's `cluster=` dict; None means
+    "the site config's, else the default". `nodes` may be a range "MIN-MAX"."""
+
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: Optional[str] = None
+    container: Optional[str] = None
+    python: Optional[str] = None
+    site: Optional[str] = None
+    job_name: Optional[str] = None
+    signal_grace: Optional[int] = None
+    cpus_per_task: Optional[int] = None
+    mounts: tuple = ()
+    exclusive: bool = False
+    nodes: Optional[str] = None
+    wait: bool = False
+
+    @property
+    def nodes_range(self) -> Optional[str]:
+        return self.nodes if self.nodes and "-" in self.nodes else None
+
+
+def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: int,
+               name: Optional[str] = None):
+    """Flags win over the site config, which wins over defaults (site.merge)."""
+    from enn_cluster.cluster.job_spec import JobSpec
+    from enn_cluster.cluster.site import DEFAULTS, load_site, merge
+
+    flags = {"partition": req.partition, "account": req.account, "qos": req.qos,
+             "time": req.time, "image": req.container, "python": req.python,
+             "signal_grace_s": req.signal_grace,
+             "cpus_per_task": req.cpus_per_task,
+             "mounts": tuple(req.mounts) if req.mounts else None}
+    opts = merge(DEFAULTS, load_site(req.site), flags)
+    if opts["image"] is None:
+        opts["image"] = str(default_image(opts["image_cache"]))
+    bare = opts["image"] == "none"
+    cfg = run.load_config()
+    return JobSpec(
+        job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
+        run_dir=str(run.path),
+        task=task, predict_name=name, nodes=req.nodes_range or shape.nodes,
+        gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
+        cpus_per_task=opts["cpus_per_task"],
+        env={"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {},
+        time=opts["time"], partition=opts["partition"], account=opts["account"],
+        qos=opts["qos"], exclusive=bool(req.exclusive), signal_grace_s=opts["signal_grace_s"],
+        container_image=None if bare else opts["image"],
+        container_mounts=() if bare else tuple(opts["mounts"]),
+        nccl_profile=opts["nccl_profile"],
+        # bare metal: the tasks run this very interpreter (same venv on a shared filesystem)
+        python=req.python or (sys.executable if bare else opts["python"]),
+        setup_lines=tuple(opts["setup_lines"]), extra_sbatch_args=tuple(opts["extra_sbatch_args"]),
+        extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
+
+
+def submitit_folder(run_dir: Path) -> Path:
+    """Where submitit keeps a job's pickles and logs; the batch script names it."""
+    return Path(run_dir) / "slurm" / "%j"
+
+
+def slurm_executor(spec, folder: Path):
+    """The submitit executor that submits `spec`, and that `render` asks for the script.
+    Building it needs no srun here (submitit checks for one; sbatch is what needs Slurm)."""
+    import shutil
+
+    import submitit
+    from submitit.slurm.slurm import SlurmExecutor
+
+    from enn_cluster.cluster.job_spec import submitit_executor_kwargs, submitit_parameters
+
+    original = SlurmExecutor.__dict__["affinity"]
+    if shutil.which("srun") is None:
+        SlurmExecutor.affinity = classmethod(lambda cls: 2)
+    try:
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
+                                         **submitit_executor_kwargs(spec))
+    finally:
+        SlurmExecutor.affinity = original
+    executor.update_parameters(**submitit_parameters(spec))
+    return executor
+
+
+def batch_script(executor) -> str:
+    """The exact text `executor.submit` writes and hands to sbatch: submitit's own
+    rendering with the command it submits (`enn-submit render` prints this)."""
+    inner = executor._executor
+    return inner._make_submission_file_text(inner._submitit_command_str, "")
+
+
+def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
+    """Submit and record; refuse while another live job holds the run."""
+    import shutil
+
+    from enn_cluster.storage.slurm_jobs import job_alive
+    from enn_cluster.storage.tracking import ensure_run
+
+    if shutil.which("sbatch") is None:
+        raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
+                        "login node (`enn-submit render` shows the script from anywhere)")
+    _check_lock(run, job_alive)
+    ensure_run(run, run.load_config())  # exported to the job with the environment
+    executor = slurm_executor(spec, submitit_folder(run.path))
+    try:
+        with run_umask():  # sbatch hands it to the job (SLURM_UMASK): what the tasks write
+            job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
+                                  step)
+    except subprocess_errors() as exc:
+        raise UserError(f"sbatch refused the job: {str(exc).strip().splitlines()[-1]}")
+    job_id = str(job.job_id)
+    acquire_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
+                       "submitted_by": "enn-submit"},
+                 slurm_job_alive=job_alive)
+    run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,
+                   nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
+                   image=spec.container_image)
+    return job_id
+
+
+def subprocess_errors():
+    import subprocess
+
+    import submitit
+
+    return (subprocess.CalledProcessError, submitit.core.utils.FailedJobError)
+
+
+def _check_lock(run: RunDir, job_alive) -> None:
+    from enn_cluster.storage.rundir import read_lock
+
+    owner = read_lock(run)
+    if owner and owner.get("slurm_job_id") and job_alive(owner["slurm_job_id"]):
+        raise UserError(f"run directory {run.path} is in use by Slurm job "
+                        f"{owner['slurm_job_id']}; wait for it or 'enn-submit cancel {run.path}'")
+    if owner and not owner.get("slurm_job_id"):
+        from enn_cluster.storage.rundir import owner_alive
+
+        if owner_alive(owner):
+            raise UserError(f"run directory {run.path} is in use by pid {owner['pid']} on "
+                            f"{owner['host']}; wait for it or 'enn-submit cancel {run.path}'")
+    run.lock_path.unlink(missing_ok=True)

@@ -1,0 +1,70 @@
+# >>> host (shared snippet: enn_cluster/cluster/templates/host_setup.sh; runs on the host before srun)
+# Every value read at run time is data: it is checked to be digits before any arithmetic
+# (bash evaluates `a[$(cmd)]` inside $((...)), so a file holding that would run cmd).
+enn_digits() { case "$1" in ''|*[!0-9]*) return 1 ;; esac; [ "${#1}" -le 12 ]; }
+# Rendezvous port from the job id, as the worker derives it: stable across requeues.
+if [ -z "${MASTER_PORT:-}" ] && enn_digits "${SLURM_JOB_ID:-}"; then
+  export MASTER_PORT="$((20000 + 10#$SLURM_JOB_ID % 20000))"
+fi
+# Requeue from the host: inside a Pyxis container `scontrol` is missing. When srun returns,
+# this EXIT trap requeues the job (it resumes from the newest complete checkpoint):
+# - a worker stopped by USR2/TERM checkpointed and left RUN_DIR/requeue/JOB_ID: always;
+# - the step failed (a rank died; not exit 2, bad input): at most ENN_MAX_RESTARTS times.
+enn_requeue_if_asked() {
+  local rc=$? marker failures_file failures=0 why
+  if ! enn_digits "${SLURM_JOB_ID:-}" || ! enn_digits "${ENN_MAX_RESTARTS:-}"; then
+    echo "enn: SLURM_JOB_ID or ENN_MAX_RESTARTS is not a whole number; not requeueing" >&2
+    return 0
+  fi
+  marker="$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
+  failures_file="$ENN_RUN_DIR/requeue/failures-$SLURM_JOB_ID"
+  if [ -e "$marker" ]; then
+    rm -f -- "$marker"
+    why="stopped with a checkpoint"
+  elif [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ]; then
+    [ -f "$failures_file" ] && failures=$(head -c 16 -- "$failures_file" | tr -d '\n')
+    if ! enn_digits "$failures"; then
+      echo "enn: $failures_file does not hold a retry count; not requeueing (remove it to allow retries)" >&2
+      return 0
+    fi
+    failures=$((10#$failures))
+    if [ "$failures" -ge "$((10#$ENN_MAX_RESTARTS))" ]; then
+      echo "enn: job $SLURM_JOB_ID failed (exit $rc) after $failures retries (limit $ENN_MAX_RESTARTS)" >&2
+      return 0
+    fi
+    echo "$((failures + 1))" > "$failures_file"
+    why="failed (exit $rc), retry $((failures + 1)) of $ENN_MAX_RESTARTS"
+  else
+    return 0
+  fi
+  echo "enn: requeueing job $SLURM_JOB_ID: $why" >&2
+  scontrol requeue "$SLURM_JOB_ID" || echo "enn: scontrol requeue $SLURM_JOB_ID failed; resubmit to continue from the checkpoint" >&2
+}
+trap enn_requeue_if_asked EXIT
+# Stop requests reach the workers through the run directory, never as a step signal: under
+# Pyxis with use_squashfuse=1 a step signal also kills Enroot's fuse daemons ("Bus error").
+# Slurm's warning (--signal=B:USR2@N) and `scancel --batch --signal=USR2 JOB` reach this
+# shell only; the trap records RUN_DIR/requeue/stop-JOB_ID, which rank 0 polls every step.
+# What an earlier attempt of this job id left (a Slurm-side requeue kills this shell before
+# its EXIT trap runs) must neither stop nor requeue this attempt.
+enn_stop_file="$ENN_RUN_DIR/requeue/stop-$SLURM_JOB_ID"
+rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
+enn_request_stop() {
+  mkdir -p -- "$ENN_RUN_DIR/requeue" && date +%s > "$enn_stop_file"
+  echo "enn: USR2: asked the workers to checkpoint and stop" >&2
+}
+trap enn_request_stop USR2
+# srun runs in the background while this shell waits, so that the USR2 trap runs at once
+# (bash runs traps only between commands). A function, so submitit's srun line uses it too.
+srun() {
+  local pid rc
+  command srun "$@" &
+  pid=$!
+  while :; do
+    wait "$pid" && rc=0 || rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  rm -f -- "$enn_stop_file"
+  return "$rc"
+}
+# <<< host

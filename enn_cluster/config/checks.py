@@ -1,0 +1,157 @@
+"""Checks on single config values, each raising a UserError that names the key and the fix.
+
+Kept apart from the dataclasses in config.py so the rules (bounds, secrets, path text,
+YAML shape) read in one place.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Any, Optional
+
+from enn_cluster.errors import UserError
+
+MAX_SEED = 2**32 - 1  # numpy and torch both take it; negative seeds fail in numpy
+MAX_YAML_DEPTH = 32
+MAX_YAML_VALUES = 100_000
+
+
+_METRICS_PATH = re.compile(r"metrics\.jsonl|metrics(/[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}){1,4}\.jsonl")
+
+
+def check_metrics_path(key: str, value: str) -> None:
+    """The metrics file is `metrics.jsonl` or lies under `metrics/`: any other name in the
+    run directory may be a control file (run.lock, config.yaml, jobs.jsonl) it would corrupt."""
+    if not _METRICS_PATH.fullmatch(str(value)):
+        raise UserError(f"{key}: {str(value)[:80]!r} must be metrics.jsonl or a .jsonl file "
+                        "under metrics/ (e.g. metrics/train.jsonl); the run directory's other "
+                        "names are its control files")
+
+
+MAX_COUNT = 10**9  # epochs and steps: far beyond any run, far below int64 step counters
+
+
+def _bounded(key: str, value: Any, most: int) -> None:
+    if not 0 < value <= most:
+        raise UserError(f"{key}: {value!r} must be a positive integer of at most {most}")
+
+
+def _positive(key: str, value: Any) -> None:
+    if not value > 0:
+        raise UserError(f"{key}: {value!r} must be a positive integer")
+
+
+def _non_negative(key: str, value: Any) -> None:
+    if value < 0:
+        raise UserError(f"{key}: {value!r} must be >= 0")
+
+
+def _seed(key: str, value: int) -> None:
+    if not 0 <= value <= MAX_SEED:
+        raise UserError(f"{key}: {value!r} must be between 0 and {MAX_SEED}")
+
+
+_SECRET_NAME = re.compile(r"token|secret|passw|api_?key|credential|auth(?!or)", re.IGNORECASE)
+
+
+def _no_secret_keys(where: str, tree: Any) -> None:
+    """config.yaml is frozen into a group-readable run directory: no secrets in it."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, list) else ()
+    for key, value in items:
+        name = f"{where}.{key}"
+        if isinstance(key, str) and _SECRET_NAME.search(key) and value not in (None, ""):
+            raise UserError(f"{name}: looks like a secret, and the config is frozen into the "
+                            "run directory; read it from an environment variable instead")
+        _no_secret_keys(name, value)
+
+
+_SECRET_QUERY = re.compile(r"token|secret|passw|sig(nature)?$|credential|api_?key|^key$|^code$"
+                           r"|auth(?!or)", re.IGNORECASE)
+
+
+def no_credentials_in_url(key: str, value: Optional[str],
+                          where: str = "the environment or the fsspec config") -> None:
+    """A URL with credentials (user:password@, TOKEN@, ?token=, ?access_token=, a signature)
+    would be frozen into config.yaml and echoed in messages; refuse it without echoing it."""
+    if not value or "://" not in value:
+        return
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(value)
+        userinfo = parts.username is not None or parts.password is not None
+        query = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    except ValueError:
+        raise UserError(f"{key}: is not a valid URL (not shown: it may hold a secret); "
+                        "check it") from None
+    if userinfo or any(_SECRET_QUERY.search(k) for k in query):
+        what = "user or token before '@'" if userinfo else "credential in its query string"
+        raise UserError(f"{key}: the URL holds a {what}, and the config is frozen into the "
+                        f"run directory; give credentials through {where} instead")
+
+
+def check_regular_file(key: str, path: str, fix: str) -> None:
+    """Missing, a directory, a FIFO or a device: refused by name (reading a FIFO blocks
+    forever, a device never ends)."""
+    import os
+    import stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UserError(f"{key}: {path} does not exist; {fix}") from None
+    except OSError as exc:
+        raise UserError(f"{key}: cannot open {path} ({exc.strerror}); {fix}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise UserError(f"{key}: {path} is {kind}; {fix}")
+
+
+def _path_text(key: str, value: str) -> None:
+    """Text that becomes a path: valid UTF-8, no control characters."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{key}: {value!r} is not valid UTF-8 text; use plain characters")
+    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise UserError(f"{key}: {value!r} contains the control character {bad!r}; remove it")
+
+
+def _check_tree(data: Any, where: str) -> None:
+    """Refuse YAML that only aliases make finite (self-referencing anchors, 'billion laughs'):
+    the walks below would recurse forever or expand it exponentially."""
+    stack, count = [(data, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if depth > MAX_YAML_DEPTH or count > MAX_YAML_VALUES:
+            raise UserError(f"{where}: nested deeper than {MAX_YAML_DEPTH} levels or more than "
+                            f"{MAX_YAML_VALUES} values (an alias that refers to itself?); "
+                            "write the values out plainly")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, (list, tuple, set)):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise UserError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+
+
+def node_range(value) -> tuple[int, int]:
+    """--nodes N or MIN-MAX (Slurm grants a count in the range; DCP reshards): the one
+    parser, for the launch shape and the job spec alike."""
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+-[0-9]+", value.strip()):
+        lo, hi = (int(x) for x in value.strip().split("-"))
+    elif isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
+        lo = hi = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        lo = hi = value
+    else:
+        raise UserError(f"--nodes: {value!r} is not a node count; give N or a range MIN-MAX")
+    if not 1 <= lo <= hi:
+        raise UserError(f"--nodes: {value!r} is empty or below 1; give 1 <= MIN <= MAX")
+    return lo, hi

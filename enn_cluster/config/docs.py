@@ -1,0 +1,288 @@
+"""The config reference (docs/config.md), generated from the dataclasses in `config.py`.
+
+    python -m enn_cluster.config.docs            # print it
+    python -m enn_cluster.config.docs --write    # rewrite docs/config.md
+
+Names, types and defaults come from the dataclasses; the one-line descriptions live in
+DESCRIPTIONS below, keyed by the dotted key `--set` uses (`training.lr`). A field without a
+description, or a description without a field, raises: adding a config field forces a doc
+update, and tests/test_docs.py fails while docs/config.md is stale. Pure; no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Iterator
+
+from enn_cluster.config.run_config import RunConfig
+
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+WRITE_COMMAND = "python -m enn_cluster.config.docs --write"
+
+SECTION_INTROS = {
+    "": "Where the run directory goes and what it is called.",
+    "model": "The network: a built-in `mlp` or `transformer`, or your own "
+             "`package.module:factory`.",
+    "data": "Training and evaluation arrays, staged once into memmaps in `RUN_DIR/data/`.",
+    "data.synthetic": "The generated data set used when `data.train_path` is `synthetic`.",
+    "training": "Optimisation: steps, batch, learning-rate schedule, precision, non-finite "
+                "guard.",
+    "checkpoint": "DCP checkpoints in `RUN_DIR/checkpoints/step-N/`, complete only with "
+                  "`commit.json`.",
+    "parallel": "Launch shape and the HSDP/FSDP/DDP mesh; launcher flags override "
+                "`nodes`/`procs_per_node`.",
+    "logging": "Rank-0 metrics as JSON lines.",
+}
+
+DESCRIPTIONS = {
+    "run_name": "Name of the run directory under `runs_root`; no `/` or newlines.",
+    "runs_root": "Directory that holds run directories (on a cluster: the shared "
+                 "filesystem); made absolute at launch.",
+    # model
+    "model.name": "`mlp`, `transformer`, or `package.module:factory` (called with "
+                  "`n_features`, `n_outputs` and `model.kwargs`; must import on every node).",
+    "model.task": "`regression` (MSE loss) or `classification` (cross-entropy on integer "
+                  "labels); a model's own `loss()` wins.",
+    "model.hidden_sizes": "MLP hidden layer widths, a list of positive integers.",
+    "model.d_model": "Transformer width; must be divisible by `model.n_heads`.",
+    "model.n_layers": "Transformer encoder layers (> 0).",
+    "model.n_heads": "Transformer attention heads (> 0).",
+    "model.dropout": "Dropout probability for the built-in models, in [0, 1).",
+    "model.kwargs": "Extra keyword arguments passed to a user `module:factory`.",
+    # data
+    "data.train_path": "`.npy`/`.npz` path or fsspec URL of the training inputs, or "
+                       "`synthetic`.",
+    "data.train_targets_path": "`.npy` of training targets; required when "
+                               "`data.train_path` is a `.npy`.",
+    "data.eval_path": "Evaluation inputs (`.npy`/`.npz`/URL); when unset, "
+                      "`data.eval_fraction` holds rows out of the training set.",
+    "data.eval_targets_path": "`.npy` of evaluation targets when `data.eval_path` is a "
+                              "`.npy`.",
+    "data.x_key": "Name of the inputs array inside an `.npz`.",
+    "data.y_key": "Name of the targets array inside an `.npz`.",
+    "data.eval_fraction": "Fraction of the training rows (the last ones) held out for "
+                          "evaluation when there is no `data.eval_path`, in [0, 1).",
+    "data.normalize_targets": "Regression only: train on per-output standardised targets "
+                              "(mean/std of the training rows, stored in the data manifest).",
+    "data.synthetic.n_samples": "Rows to generate (> 0).",
+    "data.synthetic.n_features": "Input features per row (> 0).",
+    "data.synthetic.n_outputs": "Target columns (> 0); for classification, the class count "
+                                "is at least 2.",
+    "data.synthetic.noise": "Standard deviation of Gaussian noise added to the targets "
+                            "(>= 0).",
+    "data.synthetic.seed": "Seed of the generator: the same seed gives the same data.",
+    # training
+    "training.epochs": "Passes over the training rows (> 0); used when "
+                       "`training.max_steps` is 0.",
+    "training.max_steps": "Total optimizer steps; 0 lets `training.epochs` decide.",
+    "training.per_device_train_batch_size": "Largest micro-batch per process (> 0). At the "
+                                            "first launch the global batch is this x "
+                                            "accumulation x data-parallel size.",
+    "training.gradient_accumulation_steps": "Micro-batches per optimizer step at the first "
+                                            "launch (> 0); later starts derive it from the "
+                                            "global batch. Gradients all-reduce only on the "
+                                            "last one.",
+    "training.global_batch_size": "Rows per optimizer step, frozen into the run at its first "
+                                  "launch (0 there: computed). Every start at another world "
+                                  "size splits it into micro-batch x accumulation x ranks, so "
+                                  "steps, learning rates and row order match an "
+                                  "uninterrupted run. Setting it on resume re-plans the "
+                                  "schedule from the current step.",
+    "training.lr": "Peak AdamW learning rate (> 0).",
+    "training.weight_decay": "AdamW weight decay (>= 0).",
+    "training.warmup_ratio": "Fraction of the total steps spent in linear warmup, then "
+                             "cosine decay to 0.1 x `lr`; in [0, 1).",
+    "training.grad_clip": "Clip the global gradient norm to this value; 0 disables clipping.",
+    "training.seed": "Seed for the initial weights and the per-epoch data permutation.",
+    "training.bf16": "`auto` (bf16 on GPU only), `true` or `false`; FSDP keeps fp32 "
+                     "gradient reduction.",
+    "training.max_nonfinite_steps": "Abort after this many non-finite losses/gradient norms "
+                                    "in a row (each such step is skipped on the device); "
+                                    "checked on `logging.every_steps` steps.",
+    "training.fail_at_step": "Fault injection for tests: rank `fail_rank` exits hard at this "
+                             "step (once per run); 0 disables it.",
+    "training.fail_rank": "The rank that `training.fail_at_step` kills.",
+    # checkpoint
+    "checkpoint.every_steps": "Save a checkpoint every N optimizer steps; 0 saves only at "
+                              "the end (and on a requested stop).",
+    "checkpoint.keep_last": "Committed checkpoints to keep (> 0); older ones, and torn ones "
+                            "older than the newest committed, are deleted.",
+    "checkpoint.async_save": "Write periodic checkpoints in the background: a thread copies "
+                             "this rank's shard of model + optimizer state into reused host "
+                             "memory (one extra copy, pinned on GPU nodes), then writes and "
+                             "commits on its own gloo group; the next optimizer step waits "
+                             "only while that copy runs. The final checkpoint is always "
+                             "synchronous.",
+    "checkpoint.barrier_timeout_s": "Timeout in seconds of the checkpoint barriers and of the "
+                                    "control lane that carries them (a save waits for the "
+                                    "slowest writer; a resume for the slowest load); 0: "
+                                    "`parallel.timeout_s`. Raise it for big models on slow "
+                                    "shared filesystems (e.g. 1800).",
+    # parallel
+    "parallel.strategy": "`hsdp` (shard inside a node, replicate across nodes), `fsdp` "
+                         "(shard over all ranks) or `ddp`.",
+    "parallel.nodes": "Nodes to launch on (simulated locally); `--nodes` overrides it.",
+    "parallel.procs_per_node": "Processes per node; one per GPU on GPU nodes; "
+                               "`--procs-per-node`/`--gpus-per-node` override it.",
+    "parallel.replicate": "HSDP replicate degree; 0 = world size / shard.",
+    "parallel.shard": "HSDP shard degree; 0 = processes per node. "
+                      "`replicate x shard` must equal the world size.",
+    "parallel.timeout_s": "Timeout in seconds of every collective: a dead peer ends the job "
+                          "instead of hanging it (> 0). The rendezvous and the checkpoint "
+                          "barriers have their own settings.",
+    "parallel.rendezvous_timeout_s": "How long the ranks wait for each other at start "
+                                     "(TCPStore and process-group setup), in seconds. On a "
+                                     "restart every node unpacks the image again and nodes "
+                                     "can start minutes apart: keep this well above that skew.",
+    "parallel.max_restarts": "Retries after a worker failure (default of `--max-restarts`); "
+                             "each restart resumes from the newest complete checkpoint.",
+    "parallel.stop_grace_s": "After SIGTERM: exit hard if the agreed checkpoint is not "
+                             "reached within this many seconds.",
+    "parallel.reduce_dtype": "Dtype of the gradient reductions when parameters run in bf16 "
+                             "(`training.bf16`): `fp32` (default) or `bf16`. bf16 halves the "
+                             "bytes of the inter-node all-reduce (HSDP) and of the intra-node "
+                             "reduce-scatter (FSDP2 has one reduce dtype for both), at the "
+                             "price of summing gradients with an 8-bit mantissa: small "
+                             "gradients from many ranks lose precision, so keep fp32 unless "
+                             "the inter-node links are the bottleneck, and compare loss "
+                             "curves when switching.",
+    # logging
+    "logging.metrics_path": "Metrics file: `metrics.jsonl` or a `.jsonl` file under `metrics/` "
+                            "in the run directory (never one of its control files).",
+    "logging.every_steps": "Write a `train` metrics record every N steps (> 0); the only "
+                           "steps whose loss and norm are read back from the device.",
+    "logging.mlflow_tracking_uri": "MLflow tracking URI; empty: no MLflow. Rank 0 logs into "
+    "one MLflow run across restarts (needs the `mlflow` extra). No credentials in the URI: "
+    "use MLFLOW_TRACKING_TOKEN in the environment.",
+    "logging.mlflow_experiment": "MLflow experiment the run is created in.",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldDoc:
+    key: str  # dotted, as `--set` takes it
+    type: str
+    default: str
+    description: str
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = " or ".join(_type_name(a) for a in args)
+        return f"{inner} or null" if len(args) < len(typing.get_args(tp)) else inner
+    if dataclasses.is_dataclass(tp):
+        return "section"
+    names = {list: "list", dict: "mapping", str: "str", int: "int", float: "float",
+             bool: "bool"}
+    return names.get(origin or tp, getattr(tp, "__name__", str(tp)))
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    raise ValueError(f"config field {f.name} has no default")
+
+
+def _walk(cls: type, prefix: str) -> Iterator[tuple[str, type, list]]:
+    """(section key, dataclass, fields) for `cls` and every nested section, in order."""
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    yield prefix, cls, [(f, hints[f.name]) for f in fields if not dataclasses.is_dataclass(hints[f.name])]
+    for f in fields:
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            yield from _walk(tp, key)
+
+
+def field_docs(descriptions: dict = DESCRIPTIONS, root: type = RunConfig) -> dict:
+    """Section key -> [FieldDoc]; ValueError when a field and its description disagree."""
+    out: dict = {}
+    seen: set = set()
+    missing: list = []
+    for section, cls, fields in _walk(root, ""):
+        docs = []
+        for f, tp in fields:
+            key = f"{section}.{f.name}" if section else f.name
+            seen.add(key)
+            if key not in descriptions:
+                missing.append(key)
+                continue
+            default = json.dumps(_default(f), ensure_ascii=False)
+            docs.append(FieldDoc(key, _type_name(tp), default, descriptions[key]))
+        out[section] = docs
+        if section not in SECTION_INTROS:
+            missing.append(f"section {section!r} (SECTION_INTROS)")
+    if missing:
+        raise ValueError(f"config fields or sections without a description in enn_cluster/config/docs.py "
+                         f"DESCRIPTIONS: {', '.join(missing)}; add one line each, then run "
+                         f"`{WRITE_COMMAND}`")
+    stale = sorted(set(descriptions) - seen)
+    if stale:
+        raise ValueError(f"DESCRIPTIONS in enn_cluster/config/docs.py names fields that "
+                         f"config.py no longer has: {', '.join(stale)}; remove them")
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_config_reference(descriptions: dict = DESCRIPTIONS) -> str:
+    """The whole docs/config.md text (pure: same input, same text)."""
+    sections = field_docs(descriptions)
+    lines = [
+        "# Config reference",
+        "",
+        "<!-- Generated by `" + WRITE_COMMAND + "` from enn_cluster/config/run_config.py "
+        "and the descriptions in enn_cluster/config/docs.py. Do not edit by hand. -->",
+        "",
+        "A run YAML (`enn-submit train --config RUN.yaml`) has the sections below; every key "
+        "is optional and unknown keys are an error. Any key can be overridden on the command "
+        "line with `--set KEY=VALUE` (the value is parsed as YAML), e.g. "
+        "`--set training.lr=1e-4 --set model.hidden_sizes=[128,128]`. The resolved config is "
+        "frozen into `RUN_DIR/config.yaml`; `enn-submit resume RUN_DIR --set ...` re-freezes "
+        "it (older versions go to `config-history/`). Example: "
+        "[examples/demo.yaml](../examples/demo.yaml).",
+        "",
+        "Defaults are shown as YAML/JSON values; `null` means unset.",
+        "",
+    ]
+    for section, docs in sections.items():
+        if not docs:
+            continue
+        title = f"`{section}`" if section else "Top level"
+        lines += [f"## {title}", "", SECTION_INTROS[section], "",
+                  "| key | type | default | description |", "|---|---|---|---|"]
+        for d in docs:
+            lines.append(f"| `{d.key}` | {d.type} | `{_cell(d.default)}` | "
+                         f"{_cell(d.description)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m enn_cluster.config.docs",
+                                     description="Print or write the config reference.")
+    parser.add_argument("--write", action="store_true", help=f"write {DOC_PATH}")
+    args = parser.parse_args(argv)
+    text = render_config_reference()
+    if args.write:
+        DOC_PATH.parent.mkdir(parents=True, exist_ok=True)
+        DOC_PATH.write_text(text, encoding="utf-8")
+        print(f"wrote {DOC_PATH}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""NCCL and libfabric settings per network fabric: AWS EFA, InfiniBand, or plain sockets.
+
+Why here: the right variables differ per fabric and a wrong one (EFA's fork-safety
+hugepages, IB timeouts) fails only at scale. Detection reads sysfs under a root passed in,
+so tests feed fake trees; `nccl_env` is pure and never overrides a variable the user set.
+The worker calls `configure` on the node (inside the container, where the image's NCCL
+plugin is what matters); rendered scripts export the static part via `script_env`.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, MutableMapping, Optional, Sequence
+
+from enn_cluster.errors import UserError
+
+PROFILES = ("auto", "efa", "ib", "socket", "none")
+FABRICS = ("efa", "ib", "socket")
+PROFILE_VAR = "ENN_NCCL_PROFILE"  # the profile a job asks for (worker reads it)
+FABRIC_VAR = "ENN_FABRIC"  # overrides detection on a node (efa|ib|socket)
+
+DEFAULT_LIBFABRIC_PATHS = ("/opt/amazon/efa",)
+SOCKET_IFNAME_EXCLUDE = ("lo", "docker", "veth")
+# Virtual interfaces that must never carry NCCL's bootstrap; excluded when present.
+VIRTUAL_IF_PREFIXES = ("virbr", "br-", "cni", "flannel", "cali", "vxlan", "tailscale")
+# The exclusion list is the last resort: control_net names one interface (the site's or
+# the route to MASTER_ADDR) before the profile is applied, and set names are kept.
+
+COMMON_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down on a collective error, no hang
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # flight-recorder dump explains which rank hung
+    "TORCH_FR_BUFFER_SIZE": "20000",
+}
+EFA_ENV = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_SET_CUDA_SYNC_MEMOPS": "0",
+    "FI_EFA_USE_HUGE_PAGE": "0",  # hugepages make fork() fail with ENOMEM (data loaders)
+}
+# NCCL_IB_RETRY_CNT is a 3-bit verbs field: 7 is the maximum (and NCCL's default); mlx5
+# masks larger values (14 became 6). NCCL_IB_TIMEOUT is 5 bits: 4.096 us * 2^value.
+IB_ENV = {"NCCL_IB_TIMEOUT": "22", "NCCL_IB_RETRY_CNT": "7"}
+SOCKET_ENV = {"NCCL_IB_DISABLE": "1"}
+
+# Documented range of every value a profile sets: (low, high) for integers, or the set of
+# accepted words. tests/test_nccl_ranges.py holds the table with its references.
+RANGES: dict[str, object] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": (0, 3), "TORCH_NCCL_DUMP_ON_TIMEOUT": (0, 1),
+    "TORCH_FR_BUFFER_SIZE": (0, 2**31 - 1), "FI_PROVIDER": {"efa"},
+    "FI_EFA_USE_DEVICE_RDMA": (0, 1), "FI_EFA_SET_CUDA_SYNC_MEMOPS": (0, 1),
+    "FI_EFA_USE_HUGE_PAGE": (0, 1), "NCCL_IB_TIMEOUT": (1, 31), "NCCL_IB_RETRY_CNT": (0, 7),
+    "NCCL_IB_DISABLE": (0, 1),
+}
+
+
+def out_of_range(values: Mapping[str, str]) -> list[str]:
+    """'NAME=value (range)' for each value outside its documented range."""
+    bad = []
+    for name, value in values.items():
+        allowed = RANGES.get(name)
+        if isinstance(allowed, tuple):
+            ok = value.strip().isdigit() and allowed[0] <= int(value) <= allowed[1]
+            if not ok:
+                bad.append(f"{name}={value} (expected {allowed[0]}..{allowed[1]})")
+        elif isinstance(allowed, set) and value not in allowed:
+            bad.append(f"{name}={value} (expected {' or '.join(sorted(allowed))})")
+    return bad
+
+
+NCCL_ENV_NAMES = tuple(sorted(
+    {*COMMON_ENV, *EFA_ENV, *IB_ENV, *SOCKET_ENV, "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"}))
+# Names Pyxis should take from the host (--container-env). Not LD_LIBRARY_PATH: Pyxis
+# would replace the image's whole value with the host's; the worker sets it at exec inside
+# the container (exec_env). Unset names are skipped by Pyxis.
+CONTAINER_ENV_NAMES = tuple(sorted(
+    {*NCCL_ENV_NAMES, PROFILE_VAR, FABRIC_VAR, "MASTER_ADDR", "MASTER_PORT",
+     "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_NET_PLUGIN", "ENN_NCCL_PLUGIN_DIRS",
+     "GLOO_SOCKET_IFNAME", "ENN_SOCKET_IFNAME"}))
+
+
+@dataclass(frozen=True)
+class Interfaces:
+    """What one node offers: RDMA devices by kind, network interfaces, libfabric."""
+
+    efa_devices: tuple[str, ...] = ()
+    ib_devices: tuple[str, ...] = ()  # verbs devices that are not EFA (mlx5_*, ...)
+    net: tuple[str, ...] = ()
+    libfabric: bool = False
+
+    @property
+    def fabric(self) -> str:
+        if self.efa_devices:
+            return "efa"
+        return "ib" if self.ib_devices else "socket"
+
+
+def _natural_key(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return sorted((p.name for p in path.iterdir()), key=_natural_key)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+
+
+def _is_efa(dev: Path, libfabric: bool) -> bool:
+    """EFA devices are named rdmap*/efa*, or their driver is `efa`. On a host with the
+    EFA software, a non-Mellanox device whose driver is unreadable counts as EFA too."""
+    if dev.name.startswith(("rdmap", "efa")):
+        return True
+    link = dev / "device" / "driver"
+    driver = os.path.basename(os.readlink(link)) if link.is_symlink() else None
+    if driver == "efa":
+        return True
+    return libfabric and driver is None and not dev.name.startswith("mlx")
+
+
+def scan_interfaces(sysfs_root: str = "/sys",
+                    libfabric_paths: Sequence[str] = DEFAULT_LIBFABRIC_PATHS,
+                    dev_root: str = "/dev") -> Interfaces:
+    """Read /sys/class/infiniband and /sys/class/net under `sysfs_root`. Enroot's Mellanox
+    hook hides non-mlx devices from /sys/class/infiniband; with no device listed there, the
+    EFA driver loaded (/sys/module/efa) and verbs devices in /dev/infiniband mean EFA."""
+    root = Path(sysfs_root)
+    libfabric = any(Path(p).exists() for p in libfabric_paths)
+    efa, ib = [], []
+    for name in _listdir(root / "class" / "infiniband"):
+        (efa if _is_efa(root / "class" / "infiniband" / name, libfabric) else ib).append(name)
+    if not efa and not ib and _efa_driver(root):
+        efa = [n for n in _listdir(Path(dev_root) / "infiniband") if n.startswith("uverbs")]
+    net = tuple(_listdir(root / "class" / "net"))
+    return Interfaces(tuple(efa), tuple(ib), net, libfabric)
+
+
+def _efa_driver(root: Path) -> bool:
+    return (root / "module" / "efa").is_dir() or (root / "bus" / "pci" / "drivers" / "efa").is_dir()
+
+
+def _fabric_override(environ: Mapping[str, str]) -> Optional[str]:
+    value = environ.get(FABRIC_VAR, "").strip().lower()
+    if not value:
+        return None
+    if value not in FABRICS:
+        raise UserError(f"{FABRIC_VAR}={environ[FABRIC_VAR]!r} is not a fabric; "
+                        f"use one of {', '.join(FABRICS)} or unset it to detect")
+    return value
+
+
+def detect_fabric(sysfs_root: str = "/sys", environ: Optional[Mapping[str, str]] = None,
+                  libfabric_paths: Sequence[str] = DEFAULT_LIBFABRIC_PATHS) -> str:
+    """'efa' | 'ib' | 'socket' for this node; $ENN_FABRIC in `environ` wins."""
+    override = _fabric_override(environ or {})
+    return override or scan_interfaces(sysfs_root, libfabric_paths).fabric
+
+
+def check_profile(profile: str, field: str = "nccl_profile") -> str:
+    if profile not in PROFILES:
+        raise UserError(f"{field}: {profile!r} is not an NCCL profile; "
+                        f"use one of {', '.join(PROFILES)}")
+    return profile
+
+
+def _socket_ifname(interfaces: Optional[Interfaces]) -> str:
+    excluded = list(SOCKET_IFNAME_EXCLUDE)
+    for prefix in VIRTUAL_IF_PREFIXES:
+        if interfaces and any(n.startswith(prefix) for n in interfaces.net):
+            excluded.append(prefix)
+    # An exclusion list (not a name) holds on every node, though detection ran on one.
+    return "^" + ",".join(excluded)
+
+
+def _profile_values(fabric: str, interfaces: Optional[Interfaces]) -> dict[str, str]:
+    values = dict(COMMON_ENV)
+    values["NCCL_SOCKET_IFNAME"] = _socket_ifname(interfaces)
+    if fabric == "efa":
+        values.update(EFA_ENV)
+    elif fabric == "ib":
+        values.update(IB_ENV)
+        if interfaces and interfaces.ib_devices:
+            values["NCCL_IB_HCA"] = "=" + ",".join(interfaces.ib_devices)  # '=': exact names
+    else:
+        values.update(SOCKET_ENV)
+    return values
+
+
+def nccl_env(profile: str, environ: Optional[Mapping[str, str]] = None,
+             interfaces: Optional[Interfaces] = None) -> dict[str, str]:
+    """The profile's variables that `environ` does not set yet (LD_LIBRARY_PATH is set at
+    exec, by exec_env, not here). 'auto' resolves through the given interfaces, else `detect_fabric`."""
+    environ = {} if environ is None else environ
+    check_profile(profile)
+    if profile == "none":
+        return {}
+    fabric = profile
+    if profile == "auto":
+        fabric = _fabric_override(environ) or (interfaces.fabric if interfaces
+                                               else detect_fabric(environ=environ))
+    values = _profile_values(fabric, interfaces)
+    return {k: v for k, v in values.items() if k not in environ}
+
+
+def script_env(profile: str) -> dict[str, str]:
+    """What a batch script exports for `profile`, decided without looking at any node:
+    'auto' leaves the fabric to the worker (it detects on the node) and exports only the
+    fabric-independent part; NCCL_IB_HCA is left to the node for the same reason."""
+    check_profile(profile)
+    if profile == "none":
+        return {}
+    if profile == "auto":
+        return dict(COMMON_ENV)
+    # NCCL_SOCKET_IFNAME is the node's choice (control_net: the route to MASTER_ADDR)
+    return {k: v for k, v in nccl_env(profile, {}, Interfaces()).items()
+            if k != "NCCL_SOCKET_IFNAME"}
+
+
+FR_FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # new, old name
+REPORTED_PREFIXES = ("NCCL_", "FI_", "TORCH_NCCL_", "TORCH_FR_", "GLOO_SOCKET_IFNAME")
+NODE_SPECIFIC = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")  # decided per node, not by the profile
+
+
+def flight_recorder_env(log_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """Flight-recorder dumps under the attempt's log directory (torch appends the rank),
+    not the container's /tmp, which vanishes with the container."""
+    prefix = f"{log_dir}/nccl-trace-rank-"
+    return {name: prefix for name in FR_FILE_VARS if name not in environ}
+
+
+def report(environ: Mapping[str, str], fabric: str) -> list[tuple[str, str]]:
+    """(level, line) pairs for the log: the effective NCCL/FI/flight-recorder values, a
+    warning for each value that differs from the fabric's profile (the image's ENV or the
+    job's environment won), and one for each value outside its documented range."""
+    effective = {k: v for k, v in sorted(environ.items()) if k.startswith(REPORTED_PREFIXES)}
+    lines = [("info", f"NCCL environment ({fabric}): " +
+              (" ".join(f"{k}={v}" for k, v in effective.items()) or "(none set)"))]
+    profile = _profile_values(fabric, None) if fabric in FABRICS else {}
+    for name, wanted in profile.items():
+        if name not in NODE_SPECIFIC and environ.get(name, wanted) != wanted:
+            lines.append(("warning", f"{name}={environ[name]} differs from the {fabric} "
+                          f"profile's {wanted}: a value already set (the image's ENV, or the "
+                          "job's) wins; unset it in the image or pass it with --container-env"))
+    lines += [("warning", f"out of its documented range: {bad}")
+              for bad in out_of_range(effective)]
+    return lines
+
+
+def configure(environ: MutableMapping[str, str], profile: Optional[str] = None,
+              sysfs_root: str = "/sys",
+              libfabric_paths: Sequence[str] = DEFAULT_LIBFABRIC_PATHS) -> str:
+    """Apply the profile to `environ` on this node (the worker, before NCCL starts);
+    returns the fabric chosen ('none' when the profile is none)."""
+    profile = check_profile(profile or environ.get(PROFILE_VAR) or "auto", PROFILE_VAR)
+    if profile == "none":
+        return "none"
+    interfaces = scan_interfaces(sysfs_root, libfabric_paths)
+    fabric = profile
+    if profile == "auto":
+        fabric = _fabric_override(environ) or interfaces.fabric
+    environ.update(nccl_env(fabric, environ, interfaces))
+    return fabric

@@ -1,0 +1,423 @@
+"""Run config: typed dataclasses, YAML loading, `--set` overrides and validation.
+
+Everything a worker needs is in the resolved config frozen into the run directory, so
+every task of a job (and every restart) reads the same thing. Validation errors are
+`UserError`s that name the key and the fix; nothing here imports torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from enn_cluster.config.checks import (
+    MAX_COUNT,
+    _bounded,
+    _check_tree,
+    _choice,
+    _no_secret_keys,
+    _non_negative,
+    _path_text,
+    _positive,
+    _seed,
+    check_metrics_path,
+    check_regular_file,
+    no_credentials_in_url,
+)
+from enn_cluster.errors import UserError
+
+MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
+MAX_WAIT_S = 7 * 24 * 3600.0  # timeouts beyond a week overflow gloo/alarm and mean a typo
+MAX_NAME_BYTES = 200  # run_name: a path component, with room for '.NAME.creating-PID'
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"  # mlp | transformer | "package.module:factory"
+    task: str = "regression"  # regression | classification
+    hidden_sizes: list = field(default_factory=lambda: [64, 64])
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    dropout: float = 0.0
+    kwargs: dict = field(default_factory=dict)  # passed to a user factory
+
+    def validate(self) -> None:
+        _positive("model.d_model", self.d_model)
+        _positive("model.n_layers", self.n_layers)
+        _positive("model.n_heads", self.n_heads)
+        _choice("model.task", self.task, ("regression", "classification"))
+        if self.name not in ("mlp", "transformer") and ":" not in self.name:
+            raise UserError(f"model.name: {self.name!r} is not a built-in model; "
+                            "use mlp, transformer or 'package.module:factory'")
+        if not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden_sizes):
+            raise UserError("model.hidden_sizes: must be a list of positive integers, e.g. [64, 64]")
+        if self.d_model % self.n_heads:
+            raise UserError(f"model.d_model: {self.d_model} is not divisible by model.n_heads "
+                            f"{self.n_heads}; pick sizes that divide")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError("model.dropout: must be in [0, 1)")
+        _no_secret_keys("model.kwargs", self.kwargs)
+
+
+@dataclass
+class SyntheticConfig:
+    n_samples: int = 2048
+    n_features: int = 16
+    n_outputs: int = 1
+    noise: float = 0.05
+    seed: int = 1234
+
+    def validate(self) -> None:
+        _positive("data.synthetic.n_samples", self.n_samples)
+        _positive("data.synthetic.n_features", self.n_features)
+        _positive("data.synthetic.n_outputs", self.n_outputs)
+        if self.noise < 0:
+            raise UserError("data.synthetic.noise: must be >= 0")
+        _seed("data.synthetic.seed", self.seed)
+        values = self.n_samples * (self.n_features + self.n_outputs + 32)
+        if values > MAX_SYNTHETIC_VALUES:
+            raise UserError(f"data.synthetic: n_samples x (n_features + n_outputs + 32) = "
+                            f"{values} values is more than synthetic data supports "
+                            f"({MAX_SYNTHETIC_VALUES}); make it smaller or give data.train_path")
+
+
+@dataclass
+class DataConfig:
+    train_path: str = "synthetic"  # .npy/.npz path or fsspec URL, or "synthetic"
+    train_targets_path: Optional[str] = None  # .npy of targets when train_path is an .npy
+    eval_path: Optional[str] = None
+    eval_targets_path: Optional[str] = None
+    x_key: str = "x"  # array names inside an .npz
+    y_key: str = "y"
+    eval_fraction: float = 0.0  # held out from train when no eval_path
+    normalize_targets: bool = False
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def validate(self) -> None:
+        for key in ("train_path", "train_targets_path", "eval_path", "eval_targets_path"):
+            no_credentials_in_url(f"data.{key}", getattr(self, key))
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise UserError("data.eval_fraction: must be in [0, 1)")
+        self.synthetic.validate()
+
+
+@dataclass
+class TrainingConfig:
+    epochs: int = 1
+    max_steps: int = 0  # 0: the epochs decide
+    per_device_train_batch_size: int = 32
+    gradient_accumulation_steps: int = 1
+    global_batch_size: int = 0  # rows per optimizer step; 0: frozen at the first launch
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.0
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 0
+    bf16: str = "auto"  # auto (GPU only) | true | false
+    max_nonfinite_steps: int = 5  # abort after this many non-finite losses in a row
+    fail_at_step: int = 0  # fault injection for tests: rank fail_rank exits hard at this step
+    fail_rank: int = 0
+
+    def validate(self) -> None:
+        _bounded("training.epochs", self.epochs, MAX_COUNT)
+        _non_negative("training.max_steps", self.max_steps)
+        _bounded("training.max_steps", max(self.max_steps, 1), MAX_COUNT)
+        _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
+        _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _non_negative("training.global_batch_size", self.global_batch_size)
+        _positive("training.max_nonfinite_steps", self.max_nonfinite_steps)
+        _seed("training.seed", self.seed)
+        _non_negative("training.fail_at_step", self.fail_at_step)
+        _non_negative("training.fail_rank", self.fail_rank)
+        if not self.lr > 0:
+            raise UserError(f"training.lr: {self.lr} must be > 0, e.g. 1e-3")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise UserError("training.weight_decay / training.grad_clip: must be >= 0")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise UserError("training.warmup_ratio: must be in [0, 1)")
+        _choice("training.bf16", str(self.bf16).lower(), ("auto", "true", "false"))
+        self.bf16 = str(self.bf16).lower()
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0: only at the end
+    keep_last: int = 3
+    async_save: bool = False
+    barrier_timeout_s: float = 0.0  # checkpoint/control-lane barriers; 0: parallel.timeout_s
+
+    def validate(self) -> None:
+        _non_negative("checkpoint.every_steps", self.every_steps)
+        _positive("checkpoint.keep_last", self.keep_last)
+        if not 0 <= self.barrier_timeout_s <= MAX_WAIT_S:
+            raise UserError(f"checkpoint.barrier_timeout_s: {self.barrier_timeout_s!r} must be "
+                            f">= 0 (0: parallel.timeout_s) and at most {MAX_WAIT_S:.0f} seconds")
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "hsdp"  # hsdp | fsdp | ddp
+    nodes: int = 1  # launch shape; a launcher flag overrides it
+    procs_per_node: int = 2  # one process per GPU on GPU nodes
+    replicate: int = 0  # 0: number of nodes
+    shard: int = 0  # 0: processes per node
+    timeout_s: float = 300.0  # every collective and barrier gives up after this
+    max_restarts: int = 0
+    stop_grace_s: float = 60.0  # after SIGTERM under Slurm: exit hard if no checkpoint by then
+    reduce_dtype: str = "fp32"  # gradient reductions under bf16 mixed precision: fp32 | bf16
+    rendezvous_timeout_s: float = 900.0  # all ranks must meet within this (image unpack skew)
+
+    def validate(self) -> None:
+        _choice("parallel.strategy", self.strategy, ("hsdp", "fsdp", "ddp"))
+        _choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+        _positive("parallel.nodes", self.nodes)
+        _positive("parallel.procs_per_node", self.procs_per_node)
+        _non_negative("parallel.replicate", self.replicate)
+        _non_negative("parallel.shard", self.shard)
+        _non_negative("parallel.max_restarts", self.max_restarts)
+        if not 0 < self.timeout_s <= MAX_WAIT_S:
+            raise UserError(f"parallel.timeout_s: {self.timeout_s!r} must be > 0 and at most "
+                            f"{MAX_WAIT_S:.0f} seconds (a week)")
+        if not 0 < self.rendezvous_timeout_s <= MAX_WAIT_S:
+            raise UserError(f"parallel.rendezvous_timeout_s: {self.rendezvous_timeout_s!r} must "
+                            f"be > 0 and at most {MAX_WAIT_S:.0f} seconds (a week)")
+        if not 0 <= self.stop_grace_s <= MAX_WAIT_S:
+            raise UserError(f"parallel.stop_grace_s: {self.stop_grace_s!r} must be >= 0 and at "
+                            f"most {MAX_WAIT_S:.0f} seconds (a week)")
+        plan_mesh(self, self.nodes * self.procs_per_node, self.procs_per_node)
+
+
+@dataclass
+class LoggingConfig:
+    metrics_path: str = "metrics.jsonl"  # relative to the run directory
+    every_steps: int = 1
+    mlflow_tracking_uri: str = ""  # "": no MLflow; credentials only through the environment
+    mlflow_experiment: str = "enn_cluster"
+
+    def validate(self) -> None:
+        _positive("logging.every_steps", self.every_steps)
+        check_metrics_path("logging.metrics_path", self.metrics_path)
+        no_credentials_in_url("logging.mlflow_tracking_uri", self.mlflow_tracking_uri,
+                              "MLFLOW_TRACKING_TOKEN (or _USERNAME/_PASSWORD)")
+        if not self.mlflow_experiment.strip():
+            raise UserError("logging.mlflow_experiment: must not be empty")
+
+
+@dataclass
+class RunConfig:
+    run_name: str = "run"
+    runs_root: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "RunConfig":
+        if not self.run_name or "/" in self.run_name or self.run_name in (".", "..") \
+                or any(c in self.run_name for c in "\n\r\0"):
+            raise UserError(f"run_name: {self.run_name!r} must be a non-empty name "
+                            "without '/' or newlines")
+        _path_text("run_name", self.run_name)
+        if len(self.run_name.encode("utf-8")) > MAX_NAME_BYTES:
+            raise UserError(f"run_name: {len(self.run_name.encode('utf-8'))} bytes is too long "
+                            f"for a directory name; keep it under {MAX_NAME_BYTES}")
+        if not self.runs_root:
+            raise UserError("runs_root: is empty; give a directory, e.g. runs")
+        _path_text("runs_root", self.runs_root)
+        for section in (self.model, self.data, self.training, self.checkpoint,
+                        self.parallel, self.logging):
+            section.validate()
+        return self
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """Degrees of the 2-D mesh: replicate across nodes, shard inside a node."""
+
+    strategy: str
+    replicate: int
+    shard: int
+
+    @property
+    def world(self) -> int:
+        return self.replicate * self.shard
+
+
+def plan_mesh(par: ParallelConfig, world: int, local_world: int) -> MeshPlan:
+    """Decide mesh degrees for a world; the same rule at launch and at every restart."""
+    if par.strategy == "fsdp":
+        return MeshPlan("fsdp", 1, world)
+    if par.strategy == "ddp":
+        return MeshPlan("ddp", world, 1)
+    shard = par.shard or local_world
+    replicate = par.replicate or max(world // shard, 1)
+    if replicate * shard != world:
+        raise UserError(f"parallel.replicate, parallel.shard: {replicate} x {shard} does not "
+                        f"equal the world size {world}; set them so their product is {world} "
+                        "(or 0 for automatic)")
+    return MeshPlan("hsdp", replicate, shard)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading, overrides, (de)serialisation
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check one leaf against its annotated type; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        origin = typing.get_origin(tp)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            raise UserError(f"{key}: {value!r} is not a finite number; give a plain value")
+        return value
+    if tp is str and key.endswith(".bf16") and isinstance(value, bool):
+        return str(value).lower()
+    expected = origin or tp
+    if expected is int and isinstance(value, bool) or not isinstance(value, expected):
+        name = getattr(expected, "__name__", str(expected))
+        raise UserError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, data)) - names)
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise UserError(f"{where}: unknown key; valid keys here are {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, key)
+        else:  # YAML 1.1 reads 1e-4 as text: a number, except where text is meant
+            text = tp in (str, Optional[str])
+            kwargs[name] = _coerce(key, value if text else _fix_yaml_floats(value), tp)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`training.lr=1e-4` -> (["training", "lr"], 0.0001); the value is parsed as YAML."""
+    if "=" not in text:
+        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except (yaml.YAMLError, ValueError):  # ValueError: a bad date or a 5000-digit number
+        value = raw
+    _check_tree(value, f"--set {key}")
+    if isinstance(value, float) or isinstance(value, str):
+        # YAML 1.1 reads "1e-4" as a string; accept it as the float it means.
+        try:
+            value = float(value) if isinstance(value, str) and _looks_float(value) else value
+        except ValueError:
+            pass
+    return key.split("."), value
+
+
+def _looks_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return any(c in text.lower() for c in ".e") and text.strip().lower() not in ("inf", "nan")
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UserError(f"--set {text!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _deepcopy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deepcopy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deepcopy(v) for v in data]
+    return data
+
+
+def _fix_yaml_floats(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _fix_yaml_floats(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_fix_yaml_floats(v) for v in data]
+    if isinstance(data, str) and _looks_float(data):
+        return float(data)
+    return data
+
+
+def config_from_dict(data: Any) -> RunConfig:
+    _check_tree(data, "config")
+    return _build(RunConfig, data, "").validate()
+
+
+def read_yaml(path: str) -> dict:
+    check_regular_file("--config", path, "pass the path of a run YAML")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise UserError(f"--config: {path} does not exist; pass the path of a run YAML")
+    except IsADirectoryError:
+        raise UserError(f"--config: {path} is a directory; pass the path of a run YAML")
+    except OSError as exc:
+        raise UserError(f"--config: cannot read {path} ({exc.strerror or exc}); "
+                        "fix its permissions or pass another file")
+    except UnicodeDecodeError:
+        raise UserError(f"--config: {path} is not UTF-8 text; pass a run YAML")
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: a bad date, a huge number
+        first = str(exc).splitlines()[0] if str(exc) else "invalid YAML"
+        raise UserError(f"--config: {path} is not valid YAML ({first})")
+    _check_tree(data, f"--config: {path}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"--config: {path} must hold a mapping of sections at the top level")
+    return data
+
+
+def load_config(path: Optional[str], overrides: list[str] = (),
+                verbatim: Optional[dict] = None) -> RunConfig:
+    """`verbatim` (top-level keys from flags that name things) are taken as given, never YAML."""
+    data = apply_overrides(read_yaml(path) if path else {}, list(overrides))
+    return config_from_dict({**data, **(verbatim or {})})
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

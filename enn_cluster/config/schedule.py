@@ -1,0 +1,96 @@
+"""The run's batch and schedule: pure functions of the step, so resume is exact.
+
+The global batch (rows per optimizer step) belongs to the run: it is frozen at the first
+launch, like the seed. Every start, at whatever data-parallel size, splits it into
+micro-batch x accumulation x ranks, so the step budget, the learning rate at every step,
+the epoch boundaries and the order of the rows are those of an uninterrupted run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from enn_cluster.config.run_config import TrainingConfig
+from enn_cluster.errors import UserError
+
+MAX_NODES_SUGGESTED = 64  # how far the "launch with" hint counts node numbers
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch is read at this data-parallel size."""
+
+    global_batch: int
+    micro_batch: int  # rows per forward on one rank
+    accumulation: int  # micro-batches per optimizer step
+    dp_size: int
+
+
+def lr_at(step: int, total_steps: int, base_lr: float, warmup_ratio: float,
+          final_ratio: float = 0.1) -> float:
+    """Linear warmup, then cosine decay to `final_ratio * base_lr` at `total_steps`."""
+    warmup = int(total_steps * warmup_ratio)
+    if warmup and step < warmup:
+        return base_lr * (step + 1) / warmup
+    span = max(total_steps - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return base_lr * (final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def requested_global_batch(t: TrainingConfig, dp_size: int) -> int:
+    """The global batch a run has, or gets at its first launch at `dp_size` ranks."""
+    return t.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * dp_size
+
+
+def fitting_node_counts(global_batch: int, procs_per_node: int, limit: int = MAX_NODES_SUGGESTED) -> list[int]:
+    return [n for n in range(1, limit + 1) if global_batch % (n * procs_per_node) == 0]
+
+
+def plan_batch(t: TrainingConfig, dp_size: int, procs_per_node: int = 0) -> BatchPlan:
+    """Split the run's global batch over `dp_size` ranks: the largest micro-batch up to
+    per_device_train_batch_size that divides each rank's share, the rest as accumulation."""
+    gb = requested_global_batch(t, dp_size)
+    if gb % dp_size:
+        raise UserError(_no_split_message(gb, dp_size, procs_per_node))
+    share = gb // dp_size
+    micro = max(m for m in range(1, min(share, t.per_device_train_batch_size) + 1) if share % m == 0)
+    return BatchPlan(gb, micro, share // micro, dp_size)
+
+
+def _no_split_message(gb: int, dp_size: int, procs_per_node: int) -> str:
+    hint = ""
+    if procs_per_node:
+        nodes = fitting_node_counts(gb, procs_per_node)
+        if nodes:
+            shown = ", ".join(map(str, nodes[:8]))
+            hint = f"launch with --nodes {shown} at --procs-per-node {procs_per_node}, or "
+        else:
+            procs = [p for p in range(1, 17) if gb % p == 0]
+            hint = f"use --procs-per-node {', '.join(map(str, procs[:6]))}, or "
+    return (f"training.global_batch_size: the run's global batch of {gb} rows does not split "
+            f"over {dp_size} data-parallel ranks; {hint}change it on purpose with "
+            "--set training.global_batch_size=N")
+
+
+def total_steps(t: TrainingConfig, n_rows: int, global_batch: int) -> int:
+    """Optimizer steps of the whole run: max_steps, or epochs of whole global batches."""
+    per_epoch = n_rows // global_batch
+    if per_epoch == 0:
+        raise UserError(f"training.global_batch_size: a global batch of {global_batch} rows "
+                        f"exceeds the {n_rows} training rows; lower "
+                        "training.per_device_train_batch_size (first launch) or set "
+                        "training.global_batch_size")
+    return t.max_steps or t.epochs * per_epoch
+
+
+def replanned_total(t: TrainingConfig, n_rows: int, global_batch: int, step: int, epoch: int,
+                    consumed: int) -> int:
+    """After the global batch was changed on purpose: the steps done, plus what the rest
+    of the run takes at the new batch (max_steps stays a step count)."""
+    if t.max_steps:
+        return t.max_steps
+    per_epoch = n_rows // global_batch
+    if per_epoch == 0:
+        total_steps(t, n_rows, global_batch)  # raises the message
+    this_epoch = max((n_rows - consumed) // global_batch, 0)
+    return step + this_epoch + max(t.epochs - epoch - 1, 0) * per_epoch

@@ -1,0 +1,183 @@
+"""Checkpoint directories on the shared filesystem: naming, commit records, verification.
+
+A `step-N` directory is COMPLETE only when DCP's `.metadata` exists and `commit.json`,
+written after it, lists every file with its size and checksum. Anything else is a torn
+write and is never resumed from. This module has no torch import: `enn-submit verify`
+and `status` use it from the login node.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Iterable, Optional
+
+from enn_cluster.storage.checksum import file_checksum
+from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
+
+COMMIT = "commit.json"
+METADATA = ".metadata"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def parse_step(name: str) -> Optional[int]:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def list_steps(root: Path) -> list[int]:
+    try:
+        names = [p.name for p in Path(root).iterdir() if p.is_dir()]
+    except FileNotFoundError:
+        return []
+    return sorted(s for s in map(parse_step, names) if s is not None)
+
+
+def read_commit(path: Path) -> Optional[dict]:
+    try:
+        record = json.loads((Path(path) / COMMIT).read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "files" in record else None
+
+
+def is_committed(path: Path) -> bool:
+    """Cheap check (no checksums): metadata present and every recorded size right."""
+    path = Path(path)
+    record = read_commit(path)
+    if record is None or not (path / METADATA).exists() or METADATA not in record["files"]:
+        return False
+    for name, info in record["files"].items():
+        try:
+            if (path / name).stat().st_size != info["size"]:
+                return False
+        except FileNotFoundError:
+            return False
+    return True
+
+
+def committed_steps(root: Path) -> list[int]:
+    return [s for s in list_steps(root) if is_committed(step_dir(root, s))]
+
+
+def latest_committed(root: Path) -> Optional[int]:
+    steps = committed_steps(root)
+    return steps[-1] if steps else None
+
+
+def verify_files(path: Path, names: Iterable[str], record: dict) -> list[str]:
+    """Problems found in the given files of one checkpoint ([] when all is well)."""
+    problems = []
+    for name in names:
+        info = record["files"][name]
+        try:
+            size, checksum = file_checksum(Path(path) / name, like=info["checksum"])
+        except FileNotFoundError:
+            problems.append(f"{name}: missing")
+            continue
+        if size != info["size"]:
+            problems.append(f"{name}: size {size}, recorded {info['size']}")
+        elif checksum != info["checksum"]:
+            problems.append(f"{name}: checksum {checksum}, recorded {info['checksum']}")
+    return problems
+
+
+def verify_checkpoint(path: Path) -> list[str]:
+    record = read_commit(path)
+    if record is None:
+        return [f"{COMMIT}: missing or unreadable (incomplete checkpoint)"]
+    if not (Path(path) / METADATA).exists():
+        return [f"{METADATA}: missing"]
+    return verify_files(path, sorted(record["files"]), record)
+
+
+def loadable_problems(path: Path) -> list[str]:
+    """What stops a checkpoint whose checksums agree from loading: its `.metadata` read
+    through the loader's own allow-list (this imports torch)."""
+    from enn_cluster.storage.dcp_metadata import metadata_problem
+
+    problem = metadata_problem(path)
+    return [problem] if problem else []
+
+
+def sound_steps(root: Path) -> list[int]:
+    """Committed steps whose every file verifies and whose metadata loads, oldest first."""
+    return [s for s in committed_steps(root)
+            if not (verify_checkpoint(step_dir(root, s)) or loadable_problems(step_dir(root, s)))]
+
+
+def files_for_rank(path: Path, rank: int) -> list[str]:
+    """The files one rank wrote itself (DCP names them __<rank>_<i>.distcp)."""
+    ours = []
+    for p in Path(path).rglob("*"):
+        if not p.is_file() or p.name == COMMIT:
+            continue
+        rel = str(p.relative_to(path))
+        if re.match(rf"^__{rank}_\d+\.distcp$", rel) or rel == f"rng/rank-{rank}.pt":
+            ours.append(rel)
+    return ours
+
+
+def unowned_files(path: Path, world_size: int) -> list[str]:
+    """Files no rank claims (metadata, trainer state): rank 0 checksums these."""
+    owned = set()
+    for r in range(world_size):
+        owned.update(files_for_rank(path, r))
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*")
+                  if p.is_file() and p.name != COMMIT and str(p.relative_to(path)) not in owned
+                  and ".tmp" not in p.name)
+
+
+def checksum_files(path: Path, names: Iterable[str]) -> dict:
+    out = {}
+    for name in names:
+        size, checksum = file_checksum(Path(path) / name)
+        out[name] = {"size": size, "checksum": checksum}
+    return out
+
+
+def write_commit(path: Path, step: int, files: dict, **info) -> None:
+    record = {"step": step, "files": dict(sorted(files.items())), **info}
+    atomic_write_text(Path(path) / COMMIT, json.dumps(record, indent=1, sort_keys=True))
+    fsync_dir(Path(path).parent)
+
+
+def storage_problem(path: Path, need_bytes: int = 1 << 20) -> Optional[str]:
+    """Name the usual storage faults plainly (DCP reports a full disk as a zip error)."""
+    import os
+
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        return f"cannot stat {path}: {exc.strerror}"
+    if st.f_flag & os.ST_RDONLY:
+        return "Read-only file system"
+    free = st.f_bavail * st.f_frsize
+    if free < need_bytes:
+        return f"No space left on device ({free} bytes free)"
+    return None
+
+
+def prune_plan(steps: list[int], committed: list[int], keep_last: int,
+               protect: Iterable[int] = ()) -> list[int]:
+    """Which step directories to delete: committed ones beyond the newest `keep_last`,
+    and torn ones older than the newest committed (newer torn ones may be in flight)."""
+    protect = set(protect)
+    keep = set(committed[-keep_last:]) | protect
+    newest = committed[-1] if committed else None
+    doomed = [s for s in committed if s not in keep]
+    if newest is not None:
+        doomed += [s for s in steps if s not in committed and s < newest and s not in protect]
+    return sorted(doomed)
+
+
+def prune(root: Path, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
+    doomed = prune_plan(list_steps(root), committed_steps(root), keep_last, protect)
+    for s in doomed:
+        shutil.rmtree(step_dir(root, s), ignore_errors=True)
+    return doomed

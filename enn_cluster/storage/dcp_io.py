@@ -1,0 +1,235 @@
+"""DCP storage plumbing: a writer that checksums as it writes, a reader that is safe and fast.
+
+Writer: checkpoint files are checksummed as their bytes pass (no read-back at commit) and
+torch's per-record zip CRC is skipped (our own checksum covers every byte of the file;
+torch.load still reads such files). Reader: `.metadata` goes through an allow-list
+unpickler, non-tensor entries must load with weights_only=True, and a tensor whose bytes
+are one contiguous range is read straight into its destination (`preadv`) instead of
+torch.load + narrow + copy. Anything else takes DCP's own path. The files stay plain DCP:
+stock `dcp.load` reads them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from enn_cluster.storage.checksum import RunningChecksum
+from enn_cluster.storage.dcp_metadata import load_metadata
+from enn_cluster.storage.torch_save_layout import DESCRIPTOR_MAX, descriptor_ok
+from enn_cluster.storage.torch_save_layout import parse as layout_of
+
+log = logging.getLogger("enn_cluster.storage.dcp_io")
+_HEAD = 16 << 10  # a tensor record's headers and pickle fit well inside this
+
+# -- writing: checksum while writing, no zip CRC ----------------------------------------------
+
+_crc_lock = threading.Lock()
+
+
+@contextmanager
+def _zip_crc_off():
+    """torch.save's per-record CRC costs as much as writing the bytes; ours covers them.
+    A torch without the switch writes the CRC as before."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    put = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or put is None:
+        yield
+        return
+    with _crc_lock:
+        before = get()
+        put(False)
+        try:
+            yield
+        finally:
+            put(before)
+
+
+class _HashingStream:
+    """A write-only file that checksums what passes; `intact` is False after any seek."""
+
+    def __init__(self, fh) -> None:
+        self._fh = fh
+        self.running = RunningChecksum()
+        self.intact = True
+        self.final_size: Optional[int] = None
+
+    def write(self, data) -> int:
+        n = self._fh.write(data)
+        self.running.update(data)
+        return n
+
+    def seek(self, *args) -> int:
+        self.intact = False
+        return self._fh.seek(*args)
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.flush()
+            self.final_size = self._fh.tell()
+        self._fh.close()
+
+    def __getattr__(self, name):  # tell, flush, fileno, closed, writable ...
+        return getattr(self._fh, name)
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self, sink: dict) -> None:
+        super().__init__()
+        self.sink = sink
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+            hashing.close()
+            if hashing.intact and hashing.final_size == hashing.running.size:
+                self.sink[Path(path).name] = {"size": hashing.running.size,
+                                              "checksum": hashing.running.hexdigest()}
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """FileSystemWriter (one fsynced file per rank) that records each file's checksum in
+    `checksums` as it writes it; safe from the async checkpoint thread."""
+
+    def __init__(self, path) -> None:
+        super().__init__(str(path), single_file_per_rank=True, sync_files=True)
+        self.checksums: dict = {}
+        self.fs = _HashingFileSystem(self.checksums)
+
+    def write_data(self, plan, planner):
+        with _zip_crc_off():
+            return super().write_data(plan, planner)
+
+
+# -- reading: nothing unpickled beyond plain data, tensors read in place ----------------------
+# DCP's FileSystemReader reads `.metadata` with plain pickle.load, and its DefaultLoadPlanner
+# reads non-tensor entries (optimizer param_groups) with torch.load(weights_only=False):
+# whoever can write a checkpoint directory could run code in every process that loads it.
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The requested chunk of a saved tensor (what DCP's reader slices out, with public ops)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if length < t.size(dim):
+            t = t.narrow(dim, offset, length)
+    return t
+
+
+def _read_exact(fd: int, views: list, pos: int) -> None:
+    """preadv until every buffer is full; a short file is a truncated checkpoint."""
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.preadv(fd, views, pos)
+        if n <= 0:
+            raise OSError(f"checkpoint file ends {sum(map(len, views))} bytes early (truncated)")
+        pos += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader with an allow-list `.metadata` unpickler and in-place tensor reads."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = load_metadata(Path(str(self.path)) / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        per_file: dict = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        rest = []
+        for relative_path, reqs in per_file.items():
+            reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+            fd = os.open(os.path.join(str(self.path), relative_path), os.O_RDONLY)
+            try:
+                rest += [r for r in reqs if not self._read_in_place(fd, r, planner)]
+            finally:
+                os.close(fd)
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+    def _read_in_place(self, fd: int, req, planner) -> bool:
+        """Read one tensor's bytes front to back straight into its destination; False
+        when they are not one contiguous range (DCP's own path takes those)."""
+        info = self.storage_data[req.storage_index]
+        if req.type != LoadItemType.TENSOR or getattr(info, "transform_descriptors", None):
+            return False
+        head = os.pread(fd, min(_HEAD, info.length), info.offset)
+        layout = layout_of(head)
+        if layout is None or not layout.little_endian:
+            return False
+        part = _narrow(layout.saved, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        start = layout.data_start + part.storage_offset() * part.element_size()
+        nbytes = part.numel() * part.element_size()
+        desc_at = layout.data_start + layout.nbytes
+        if not part.is_contiguous() or part.dtype != target.dtype or nbytes == 0 \
+                or part.size() != target.size() or desc_at + 16 > info.length:
+            return False
+        direct = target.device.type == "cpu" and target.is_contiguous()
+        dest = target if direct else torch.empty(target.size(), dtype=target.dtype)
+        view = _tensor_bytes(dest)
+        have = max(0, min(len(head) - start, nbytes))  # bytes already in `head`
+        view[:have] = head[start:start + have]
+        desc = bytearray(min(DESCRIPTOR_MAX, info.length - desc_at))
+        if start + nbytes == desc_at:  # the usual case: one read up to the descriptor
+            _read_exact(fd, [view[have:], memoryview(desc)], info.offset + start + have)
+        else:
+            _read_exact(fd, [view[have:]], info.offset + start + have)
+            _read_exact(fd, [memoryview(desc)], info.offset + desc_at)
+        if not descriptor_ok(bytes(desc), layout.nbytes):
+            log.warning("%s: tensor record at %d does not end where its header says; "
+                        "reading it the slow way", self.path, info.offset)
+            return False
+        if not direct:
+            target.copy_(dest)
+        planner.commit_tensor(req, target)
+        return True
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries must load with weights_only=True (plain
+    data and tensors); only bytes that passed that are handed to DCP's own loader."""
+
+    def load_bytes(self, read_item, value) -> None:
+        data = value.read()
+        torch.load(io.BytesIO(data), weights_only=True)  # raises on any other object
+        super().load_bytes(read_item, io.BytesIO(data))
+
+
+def safe_load(state: dict, path, process_group=None) -> None:
+    """dcp.load that never unpickles arbitrary objects from the checkpoint."""
+    import torch.distributed as dist
+
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+             process_group=process_group,
+             no_dist=process_group is None and not dist.is_initialized())

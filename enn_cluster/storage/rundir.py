@@ -1,0 +1,337 @@
+"""The run directory on the shared filesystem: layout, frozen config, atomic writes, lock.
+
+Layout of `<runs_root>/<run_name>/`:
+  config.yaml            resolved config every task reads (history in config-history/)
+  data/                  staged memmaps + manifest.json
+  checkpoints/step-N/    DCP checkpoints, complete only with commit.json
+  metrics.jsonl          rank-0 metrics
+  logs/                  per-attempt, per-rank logs
+  jobs.jsonl             every launch (local or Slurm job id)
+  requeue/<job id>       marker: the host batch script should requeue this job
+  predictions/<name>/    prediction chunks + manifest
+  run.lock               who is writing this run now
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from enn_cluster.config.run_config import RunConfig, config_from_dict, dump_config
+from enn_cluster.errors import UserError
+
+DIR_MODE = 0o2750  # group-readable, never world-writable
+RUN_UMASK = 0o027  # files 0640, directories 0750: the same for whatever the run writes
+
+
+@contextmanager
+def run_umask():
+    """Everything under a run gets its mode from the umask of the process that writes it
+    (workers inherit the launcher's; under Slurm, sbatch hands the submitter's to the job
+    as SLURM_UMASK). Set it, whatever the caller's was: a world-writable checkpoint would let
+    any local user replace `.metadata`, which DCP unpickles."""
+    old = os.umask(RUN_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@contextmanager
+def sigterm_unwinds():
+    """Within this block SIGTERM raises SystemExit(143) instead of ending the process on
+    the spot, so the `finally` blocks that remove temporary directories still run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+
+
+def _mkdir(path: Path) -> None:
+    path.mkdir(mode=DIR_MODE)
+    os.chmod(path, DIR_MODE)  # mkdir drops the setgid bit: files keep the run's group
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary name, fsync, rename, fsync the directory: never half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.path / "data"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        """Where rank 0 writes metrics: `logging.metrics_path` of the frozen config."""
+        try:
+            return self.path / self.load_config().logging.metrics_path
+        except UserError:
+            return self.path / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def predictions(self) -> Path:
+        return self.path / "predictions"
+
+    @property
+    def requeue(self) -> Path:
+        return self.path / "requeue"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / "run.lock"
+
+    def load_config(self) -> RunConfig:
+        if not self.config_path.exists():
+            raise UserError(f"RUN_DIR: {self.path} has no config.yaml; "
+                            "is it a run directory made by enn-submit train?")
+        try:
+            with open(self.config_path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
+            raise UserError(f"config.yaml: {self.config_path} does not parse "
+                            f"({type(exc).__name__}); restore it from config-history/") from None
+        if not isinstance(data, dict):
+            raise UserError(f"config.yaml: {self.config_path} is not a mapping; restore it "
+                            "from config-history/")
+        try:
+            return config_from_dict(data)
+        except UserError as exc:
+            raise UserError(f"config.yaml: {exc}") from None
+
+    def record_job(self, **fields) -> None:
+        """Append one launch record (job id, kind, shape); appends of one line are atomic."""
+        fields.setdefault("time", time.time())
+        line = json.dumps(fields, sort_keys=True) + "\n"
+        with run_umask(), open(self.path / "jobs.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(line)
+
+    def jobs(self) -> list[dict]:
+        try:
+            with open(self.path / "jobs.jsonl", encoding="utf-8") as fh:
+                records = [json.loads(line) for line in fh if line.strip()]
+        except FileNotFoundError:
+            return []
+        except (ValueError, UnicodeDecodeError):
+            records = None
+        if records is None or not all(isinstance(r, dict) for r in records):
+            raise UserError(f"jobs.jsonl: {self.path / 'jobs.jsonl'} holds a line that is not a "
+                            "JSON object; remove that line")
+        return records
+
+
+def run_dir_for(cfg: RunConfig) -> RunDir:
+    return RunDir(Path(cfg.runs_root).expanduser().resolve() / cfg.run_name)
+
+
+def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
+    """Make a new run directory with the frozen config, all or nothing.
+
+    Everything (config, staged data) is written under a hidden temporary name and renamed
+    into place at the end, so a failure never leaves a half-made run behind.
+    """
+    run = run_dir_for(cfg)
+    if run.path.exists():
+        raise UserError(f"run_name: {run.path} already exists; use "
+                        f"'enn-submit resume {run.path}' or pick another --set run_name=...")
+    tmp = RunDir(run.path.with_name(f".{run.path.name}.creating-{os.getpid()}"))
+    with run_umask(), sigterm_unwinds():
+        try:
+            run.path.parent.mkdir(parents=True, exist_ok=True)
+            _mkdir(tmp.path)
+        except OSError as exc:
+            raise UserError(f"runs_root: cannot create {str(tmp.path)!r} "
+                            f"({exc.strerror or exc}); give a runs_root you can write to "
+                            "(and a shorter run_name)") from None
+        try:
+            for sub in (tmp.data_dir, tmp.checkpoints, tmp.logs, tmp.requeue, tmp.predictions):
+                _mkdir(sub)
+            atomic_write_text(tmp.config_path, dump_config(cfg))
+            if populate is not None:
+                populate(tmp)
+            os.rename(tmp.path, run.path)
+        except BaseException:
+            shutil.rmtree(tmp.path, ignore_errors=True)
+            raise
+    fsync_dir(run.path.parent)
+    return run
+
+
+def update_config(run: RunDir, cfg: RunConfig) -> None:
+    """Re-freeze the config on resume (new schedule or shape); keep the old one."""
+    history = run.path / "config-history"
+    with run_umask():
+        if not history.exists():
+            _mkdir(history)
+        old = run.config_path.read_text(encoding="utf-8")
+        atomic_write_text(history / f"config-{time.time_ns()}.yaml", old)
+        atomic_write_text(run.config_path, dump_config(cfg))
+
+
+# ---------------------------------------------------------------------------------------
+# Lock: a file made with O_EXCL that names its owner. A stale local owner (dead pid on this
+# host) is taken over; a live one, or a Slurm job still known to Slurm, is refused.
+
+
+def lock_owner() -> dict:
+    """The launcher's lock record: enough identity for `cancel` to prove it later."""
+    from enn_cluster.storage.process_identity import own_identity
+
+    return {**own_identity(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "time": time.time()}
+
+
+def lock_format_problem(owner) -> Optional[str]:
+    """Why a parsed lock is not one enn-submit writes (None when it is)."""
+    if not isinstance(owner, dict):
+        return f"it holds a JSON {type(owner).__name__}, not an object"
+    if owner.get("slurm_job_id") is not None:
+        job = str(owner["slurm_job_id"])
+        return None if job.replace("_", "").isdigit() else f"slurm_job_id {job[:40]!r}"
+    if type(owner.get("pid")) is not int or owner["pid"] <= 1:
+        return f"pid {str(owner.get('pid'))[:40]!r} is not a process id above 1"
+    if not isinstance(owner.get("host"), str):
+        return "no host"
+    return None
+
+
+def read_lock(run: RunDir, settle_s: float = 0.5) -> Optional[dict]:
+    """The lock's owner, or None when there is no lock. A lock that does not parse (after
+    `settle_s` for one being written right now) is refused, never taken as absent."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            raw = run.lock_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            owner = json.loads(raw.decode("utf-8"))
+            why = lock_format_problem(owner)
+        except ValueError as exc:
+            why = f"not JSON ({str(exc)[:60]})"
+        if why is None:
+            return owner
+        if time.monotonic() >= deadline:
+            raise UserError(f"run.lock: {run.lock_path} does not parse ({why}); if no job is "
+                            f"running on this run, remove it (rm {shlex.quote(str(run.lock_path))})"
+                            " and try again")
+        time.sleep(0.05)
+
+
+def _slurm_job_alive(job_id: str) -> bool:
+    """Ask Slurm where we can; where we cannot (no Slurm client here), assume alive."""
+    if shutil.which("scontrol") is None:
+        return True
+    from enn_cluster.storage.slurm_jobs import job_alive
+
+    return job_alive(str(job_id))
+
+
+def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
+    """Is the lock's owner still running? A Slurm job's lock is judged by Slurm (a job that
+    ended leaves its lock behind), a local process's by its identity on this host (a pid
+    reused by another process, or a lock from before a reboot, is dead)."""
+    if owner.get("slurm_job_id"):
+        return (slurm_job_alive or _slurm_job_alive)(owner["slurm_job_id"])
+    if owner.get("host") != socket.gethostname():
+        return True  # cannot see it from here: assume alive
+    if owner.get("boot_id"):
+        from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem
+
+        why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
+        return why is None
+    try:  # a lock written before locks recorded identity
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None) -> dict:
+    owner = owner or lock_owner()
+    for _ in range(3):
+        try:
+            fd = os.open(run.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+        except FileExistsError:
+            current = read_lock(run)
+            if current and (current.get("slurm_job_id") and
+                            current.get("slurm_job_id") == owner.get("slurm_job_id")):
+                return current  # the same Slurm job, requeued or another task
+            if current and owner_alive(current, slurm_job_alive):
+                who = (f"Slurm job {current['slurm_job_id']}" if current.get("slurm_job_id")
+                       else f"pid {current.get('pid')} on {current.get('host')}")
+                raise UserError(f"run directory {run.path} is in use by {who}; wait for it, "
+                                f"cancel it, or remove {run.lock_path} if it is dead")
+            run.lock_path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as fh:
+            json.dump(owner, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return owner
+    raise UserError(f"run directory {run.path}: could not take {run.lock_path}; try again")
+
+
+def release_lock(run: RunDir, owner: dict) -> None:
+    try:
+        current = read_lock(run, settle_s=0)
+    except UserError:
+        return  # not ours any more: whoever rewrote it clears it
+    if current and current.get("pid") == owner.get("pid") and current.get("host") == owner.get("host"):
+        run.lock_path.unlink(missing_ok=True)

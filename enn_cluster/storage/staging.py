@@ -1,0 +1,377 @@
+"""Stage input arrays once into numpy memmaps in the run directory, with a manifest.
+
+Workers then open the same files read-only with `np.load(mmap_mode="r")`: no task holds
+the data set in memory, and every task of every restart reads identical bytes. Sources
+are numpy arrays, `.npy`/`.npz` paths or any fsspec URL: a local `.npy` is copied in
+the kernel (copy_file_range), anything else is streamed.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Optional, TextIO
+
+import numpy as np
+
+from enn_cluster.config.run_config import DataConfig, ModelConfig, SyntheticConfig
+from enn_cluster.errors import UserError
+from enn_cluster.storage.checksum import RunningChecksum
+from enn_cluster.storage.file_copy import kernel_copy
+from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
+
+_BLOCK = 16 << 20
+MANIFEST = "manifest.json"
+
+
+def synthetic_arrays(cfg: SyntheticConfig, task: str) -> tuple[np.ndarray, np.ndarray]:
+    """A smooth nonlinear target of Gaussian features: learnable, deterministic from seed."""
+    rng = np.random.default_rng(cfg.seed)
+    x = rng.standard_normal((cfg.n_samples, cfg.n_features), dtype=np.float32)
+    w1 = rng.standard_normal((cfg.n_features, 32)).astype(np.float32) / np.sqrt(cfg.n_features)
+    w2 = rng.standard_normal((32, cfg.n_outputs)).astype(np.float32) / np.sqrt(32)
+    y = np.tanh(x @ w1) @ w2
+    y += cfg.noise * rng.standard_normal(y.shape).astype(np.float32)
+    if task == "classification":
+        n_classes = max(cfg.n_outputs, 2)
+        w3 = rng.standard_normal((cfg.n_outputs, n_classes)).astype(np.float32)
+        return x, np.argmax(y @ w3, axis=1).astype(np.int64)
+    return x, y.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Source description (pure) and existence checks before anything is written
+
+
+def _split_npz(path: str) -> Optional[str]:
+    return path if path.endswith(".npz") else None
+
+
+def check_source(field: str, path: Optional[str]) -> None:
+    """Fail before the run directory exists when an input file is missing or unusable."""
+    if path is None or path == "synthetic":
+        return
+    from enn_cluster.config.checks import check_regular_file, no_credentials_in_url
+
+    no_credentials_in_url(field, path)
+    if not (path.endswith(".npy") or path.endswith(".npz")):
+        raise UserError(f"{field}: {path!r} must be a .npy or .npz file (local path or fsspec URL)")
+    fix = "fix the path or use 'synthetic'" if field == "data.train_path" else "fix the path"
+    if "://" not in path and "::" not in path:  # a plain path: no fsspec import
+        check_regular_file(field, os.path.expanduser(path), fix)
+        return
+    import fsspec
+
+    try:
+        fs, _, paths = fsspec.get_fs_token_paths(path)
+        exists = fs.exists(paths[0])
+    except (ValueError, ImportError, OSError) as exc:
+        raise UserError(f"{field}: cannot open {path!r} ({exc}); check the URL and its fsspec extra")
+    if not exists:
+        raise UserError(f"{field}: {path} does not exist; {fix}")
+
+
+def check_data_sources(data: DataConfig) -> None:
+    check_source("data.train_path", data.train_path)
+    check_source("data.train_targets_path", data.train_targets_path)
+    check_source("data.eval_path", data.eval_path)
+    check_source("data.eval_targets_path", data.eval_targets_path)
+    if data.train_path.endswith(".npy") and not data.train_targets_path:
+        raise UserError("data.train_targets_path: required when data.train_path is a .npy "
+                        "(or give an .npz holding data.x_key and data.y_key)")
+
+
+# ---------------------------------------------------------------------------------------
+# Copying into a memmap: in the kernel from a local .npy, streamed from anything else
+
+
+def read_npy_header(fh) -> tuple[tuple, bool, np.dtype]:
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(fh)
+    return np.lib.format.read_array_header_2_0(fh)
+
+
+def _layout(fh, source: str) -> tuple[tuple, np.dtype]:
+    shape, fortran, dtype = read_npy_header(fh)
+    if fortran:
+        raise UserError(f"{source}: Fortran-ordered arrays are not supported; "
+                        "save with np.ascontiguousarray")
+    return tuple(shape), np.dtype(dtype)
+
+
+def _local_path(source: str) -> Optional[str]:
+    """The file behind a plain path or file:// URL; None for other fsspec URLs."""
+    if "://" not in source and "::" not in source:  # a plain path: no fsspec import
+        return os.path.expanduser(source)
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = fsspec.core.url_to_fs(source)
+    return path if isinstance(fs, LocalFileSystem) else None
+
+
+def _open_npy_stream(source: str, key: Optional[str]):
+    import fsspec
+
+    handle = fsspec.open(source, "rb").open()
+    if key is None:
+        return handle, [handle]
+    zf = zipfile.ZipFile(handle)
+    name = key if key.endswith(".npy") else key + ".npy"
+    if name not in zf.namelist():
+        zf.close()
+        handle.close()
+        raise UserError(f"data.x_key/y_key: {source} has no array {key!r}; "
+                        f"it holds {', '.join(n[:-4] for n in zf.namelist())}")
+    member = zf.open(name)
+    return member, [member, zf, handle]
+
+
+def progress_bar(label: str, nbytes: int, stream: Optional[TextIO]):
+    """A one-line byte counter on a terminal (tqdm); silent in logs, CI and captured
+    output, so that an error after it is still the only line."""
+    from tqdm import tqdm
+
+    return tqdm(total=max(int(nbytes), 0), desc=label, file=stream, unit="B", unit_scale=True,
+                unit_divisor=1024, mininterval=0.25, leave=True,
+                disable=not getattr(stream, "isatty", lambda: False)(),
+                bar_format="{desc} [{bar:24}] {percentage:5.1f}% {n_fmt}/{total_fmt} {rate_fmt}")
+
+
+class _Tracked(RunningChecksum):
+    """A running checksum that also moves a progress bar."""
+
+    def __init__(self, bar) -> None:
+        super().__init__()
+        self.bar = bar
+
+    def update(self, data) -> None:
+        super().update(data)
+        if self.bar is not None:
+            self.bar.update(len(memoryview(data).cast("B")))
+
+
+def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
+                  fill: Callable[[np.memmap, RunningChecksum], None],
+                  progress: Optional[TextIO] = None) -> dict:
+    """`fill(out, running)` writes the data into `out` (the new .npy under a temporary
+    name) and checksums it; then fsync and rename to `dest`."""
+    if dtype.hasobject:
+        raise UserError(f"{dest.name}: object arrays cannot be staged; convert to a numeric dtype")
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    bar = progress_bar(f"stage {dest.stem}", nbytes, progress) if progress else None
+    running = _Tracked(bar)
+    try:
+        out = _reserved_memmap(tmp, dest, shape, dtype)
+        if out.size:
+            fill(out, running)
+        if bar is not None:
+            bar.close()
+        out.flush()
+        del out
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"file": dest.name, "shape": list(shape), "dtype": dtype.str,
+            "checksum": running.hexdigest(), "nbytes": running.size}
+
+
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _reserved_memmap(tmp: Path, dest: Path, shape: tuple, dtype: np.dtype) -> np.memmap:
+    """A new .npy memmap whose blocks are claimed first (posix_fallocate): a full
+    filesystem fails here with a message, where a write through the map would die of SIGBUS."""
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+        with open(tmp, "rb+") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            try:
+                os.posix_fallocate(fh.fileno(), 0, size)
+            except OSError as exc:
+                if exc.errno not in _NO_FALLOCATE:
+                    raise
+                st = os.statvfs(tmp)
+                if st.f_bavail * st.f_frsize < size:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
+        return out
+    except OSError as exc:
+        if exc.errno not in _FULL:
+            raise
+        raise UserError(f"runs_root: no space left in {dest.parent} for {dest.name} "
+                        f"({int(np.prod(shape, dtype=np.int64)) * dtype.itemsize} bytes); "
+                        "free space there or use a runs_root with room") from None
+
+
+def _bytes(out: np.ndarray) -> np.ndarray:
+    return out.reshape(-1).view(np.uint8)
+
+
+def _stage_ndarray(arr: np.ndarray, dest: Path, progress: Optional[TextIO]) -> dict:
+    def fill(out: np.memmap, running: RunningChecksum) -> None:
+        src, flat = _bytes(arr), _bytes(out)
+        for start in range(0, src.size, _BLOCK):
+            block = src[start:start + _BLOCK]
+            flat[start:start + block.size] = block
+            running.update(block)
+
+    return _write_memmap(dest, arr.shape, arr.dtype, fill, progress)
+
+
+def _stage_local_npy(source: str, path: str, dest: Path, progress: Optional[TextIO]) -> dict:
+    """Data bytes copied in the kernel; each block is checksummed from the destination's
+    pages on one helper thread (in order) while the kernel copies the next."""
+    with open(path, "rb") as fh:
+        shape, dtype = _layout(fh, source)
+        start = fh.tell()
+
+        def fill(out: np.memmap, running: RunningChecksum) -> None:
+            flat, pending = _bytes(out), []
+            with open(out.filename, "rb+") as fo, ThreadPoolExecutor(1) as hasher:
+                done = kernel_copy(fh.fileno(), fo.fileno(), start, out.offset, flat.size,
+                                   lambda pos, n: pending.append(
+                                       hasher.submit(running.update, flat[pos:pos + n])))
+                for job in pending:
+                    job.result()
+            if done < flat.size:
+                raise UserError(f"{source}: file is truncated ({done} of {flat.size} bytes)")
+
+        return _write_memmap(dest, shape, dtype, fill, progress)
+
+
+def _stage_stream(source: str, key: Optional[str], dest: Path,
+                  progress: Optional[TextIO]) -> dict:
+    stream, closers = _open_npy_stream(source, key)
+    try:
+        shape, dtype = _layout(stream, source)
+
+        def fill(out: np.memmap, running: RunningChecksum) -> None:
+            flat, pos = _bytes(out), 0
+            while pos < flat.size:
+                block = stream.read(min(_BLOCK, flat.size - pos))
+                if not block:
+                    raise UserError(f"{source}: file is truncated ({pos} of {flat.size} bytes)")
+                flat[pos:pos + len(block)] = np.frombuffer(block, np.uint8)
+                running.update(block)
+                pos += len(block)
+
+        return _write_memmap(dest, shape, dtype, fill, progress)
+    finally:
+        for c in closers:
+            c.close()
+
+
+def stage_array(source: Any, dest: Path, key: Optional[str] = None,
+                progress: Optional[TextIO] = None) -> dict:
+    """Copy one array (ndarray, tensor, .npy/.npz path or URL) to `dest` as a memmap;
+    `progress` (a stream such as stderr) gets a progress bar. The entry's checksum
+    covers the data bytes only, whichever way they came."""
+    if hasattr(source, "detach"):  # torch tensor, without importing torch here
+        source = source.detach().cpu().numpy()
+    if isinstance(source, np.ndarray):
+        entry = _stage_ndarray(np.ascontiguousarray(source), dest, progress)
+        entry["source"] = "<array>"
+        return entry
+    source = str(source)
+    if source.endswith(".npz"):
+        entry = _stage_stream(source, key, dest, progress)
+        entry["source"] = f"{source}#{key}"
+        return entry
+    local = _local_path(source)
+    if local is not None:
+        entry = _stage_local_npy(source, local, dest, progress)
+    else:
+        entry = _stage_stream(source, None, dest, progress)
+    entry["source"] = source
+    return entry
+
+
+# ---------------------------------------------------------------------------------------
+# Staging a run's data set
+
+
+def _target_scaler(y: np.ndarray) -> dict:
+    """Per-output mean/std in float64, computed in blocks over the memmap."""
+    flat = y.reshape(len(y), -1)
+    total = np.zeros(flat.shape[1]); sq = np.zeros(flat.shape[1])
+    for start in range(0, len(flat), 65536):
+        block = flat[start:start + 65536].astype(np.float64)
+        total += block.sum(0); sq += (block ** 2).sum(0)
+    mean = total / max(len(flat), 1)
+    std = np.sqrt(np.maximum(sq / max(len(flat), 1) - mean ** 2, 0.0))
+    return {"mean": mean.tolist(), "std": np.where(std > 0, std, 1.0).tolist()}
+
+
+def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
+                   arrays: Optional[dict] = None, progress: Optional[TextIO] = None) -> dict:
+    """Stage train (and eval) arrays; `arrays` (x, y, eval_x, eval_y) override the config."""
+    arrays = dict(arrays or {})
+    entries: dict = {}
+    if "x" not in arrays and data.train_path == "synthetic":
+        arrays["x"], arrays["y"] = synthetic_arrays(data.synthetic, model.task)
+    sources = {
+        "train_x": arrays.get("x", _src(data.train_path, data.x_key)),
+        "train_y": arrays.get("y", _src(data.train_targets_path or data.train_path, data.y_key)),
+        "eval_x": arrays.get("eval_x", _src(data.eval_path, data.x_key)),
+        "eval_y": arrays.get("eval_y", _src(data.eval_targets_path or data.eval_path, data.y_key)),
+    }
+    for name, src in sources.items():
+        if src is None or (isinstance(src, tuple) and src[0] is None):
+            continue
+        if isinstance(src, tuple):
+            entries[name] = stage_array(src[0], data_dir / f"{name}.npy", key=src[1],
+                                        progress=progress)
+        else:
+            entries[name] = stage_array(src, data_dir / f"{name}.npy", progress=progress)
+    n = entries["train_x"]["shape"][0]
+    if entries["train_y"]["shape"][0] != n:
+        raise UserError(f"data: train inputs have {n} rows but targets have "
+                        f"{entries['train_y']['shape'][0]}; they must match")
+    n_eval_held = int(n * data.eval_fraction) if "eval_x" not in entries else 0
+    manifest = {"entries": entries, "train_rows": [0, n - n_eval_held],
+                "eval_rows": [n - n_eval_held, n] if n_eval_held else None}
+    if model.task == "classification":
+        y = np.load(data_dir / "train_y.npy", mmap_mode="r")
+        manifest["n_classes"] = int(max(int(y[i:i + 65536].max()) for i in range(0, len(y), 65536))) + 1
+    if data.normalize_targets and model.task == "regression":
+        y = np.load(data_dir / "train_y.npy", mmap_mode="r")
+        manifest["target_scaler"] = _target_scaler(y[: n - n_eval_held])
+    atomic_write_text(data_dir / MANIFEST, json.dumps(manifest, indent=1))
+    fsync_dir(data_dir)
+    return manifest
+
+
+def _src(path: Optional[str], key: str):
+    if path is None or path == "synthetic":
+        return None
+    return (path, key) if path.endswith(".npz") else path
+
+
+def read_manifest(data_dir: Path) -> dict:
+    """The staged data's manifest; a missing or hand-edited one is one line, not a traceback."""
+    path = Path(data_dir) / MANIFEST
+    try:
+        with open(path, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise UserError(f"data/manifest.json: {path} is missing; the run's staged data is "
+                        "incomplete: make the run again") from None
+    except (ValueError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), dict):
+        raise UserError(f"data/manifest.json: {path} is not a manifest enn-submit wrote; "
+                        "make the run again")
+    return manifest
+
+
+def open_array(data_dir: Path, name: str) -> np.ndarray:
+    return np.load(Path(data_dir) / f"{name}.npy", mmap_mode="r")

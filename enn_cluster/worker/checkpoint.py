@@ -1,0 +1,191 @@
+"""DCP checkpoints: save into a fresh step directory, commit, choose, load (resharding).
+
+Save: every rank writes its shards (DCP, one file per rank), its RNG state, and rank 0
+the trainer state. Commit: each rank checksums the files it wrote, rank 0 gathers them
+on the control lane and writes `commit.json` last. Resume: rank 0 lists committed steps,
+all ranks verify checksums of the newest in parallel, and the first that verifies
+everywhere is broadcast. Loading at another world size reshards through DTensor metadata.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.dcp_io import ChecksummingWriter, safe_load
+from enn_cluster.storage.rundir import atomic_write_bytes, atomic_write_text
+from enn_cluster.worker.lanes import Lanes
+
+log = logging.getLogger("enn_cluster.worker.checkpoint")
+TRAINER_STATE = "trainer.json"
+
+
+@dataclass
+class Snapshot:
+    """What a checkpoint holds besides tensors, taken when the save is asked for: an async
+    write finishes steps later, when the RNG and trainer state have moved on."""
+    trainer_state: dict
+    rng: dict
+
+
+def snapshot(trainer_state: dict) -> Snapshot:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return Snapshot(dict(trainer_state), rng)  # Trainer.state_dict() builds fresh values
+
+
+def state_of(model, optimizer) -> dict:
+    if optimizer is None:
+        msd, _ = get_state_dict(model, [])
+        return {"model": msd}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def _write_side_files(path: Path, lanes: Lanes, snap: Snapshot) -> None:
+    rng_dir = path / "rng"
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(snap.rng, buf)
+    atomic_write_bytes(rng_dir / f"rank-{lanes.rank}.pt", buf.getvalue())  # durable before commit
+    if lanes.rank == 0:
+        atomic_write_text(path / TRAINER_STATE, json.dumps(snap.trainer_state, sort_keys=True))
+
+
+def _agreed(lanes: Lanes, action) -> None:
+    """Run a local filesystem step on every rank and fail on all ranks if any failed:
+    a rank that raised alone would leave the others waiting in the next collective."""
+    try:
+        action()
+        error = None
+    except OSError as exc:
+        error = f"{exc.strerror or exc} ({getattr(exc, 'filename', '') or ''})"
+    errors = [e for e in lanes.gather_objects(error) if e]
+    if errors:
+        raise OSError(errors[0])
+
+
+def save(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: Lanes,
+         keep_last: Optional[int] = None) -> None:
+    """Write and commit step-N from the live state (blocking); then prune to `keep_last`."""
+    write(root, step, state_of(model, optimizer), snapshot(trainer_state), lanes, keep_last)
+
+
+def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
+          keep_last: Optional[int] = None) -> None:
+    """Collective over `lanes`: fresh step directory, side files, DCP files, commit record,
+    prune. Async saves run this in their own thread on the checkpoint lane."""
+    path = store.step_dir(root, step)
+
+    def make_dir() -> None:
+        if lanes.rank == 0:
+            if path.exists():  # a torn attempt at this step: never write over it in place
+                path.rename(path.with_name(f"{path.name}.torn-{time.time_ns()}"))
+            path.mkdir(parents=True)
+
+    started = time.perf_counter()
+    _agreed(lanes, make_dir)
+    _agreed(lanes, lambda: _write_side_files(path, lanes, snap))
+    writer = ChecksummingWriter(path)
+    dcp.save(state, storage_writer=writer, process_group=lanes.control)
+    _commit(path, step, writer.checksums, tuple(state), started, lanes)
+    if keep_last is not None and lanes.rank == 0:
+        store.prune(root, keep_last, protect=[step])
+
+
+def _commit(path: Path, step: int, written: dict, contents: tuple, started: float,
+            lanes: Lanes) -> None:
+    """Collective: gather every rank's checksums, rank 0 writes commit.json last."""
+    gathered = lanes.gather_objects(_my_checksums(path, written, lanes.rank))
+
+    def write_record() -> None:
+        if lanes.rank != 0:
+            return
+        files: dict = {}
+        for part in gathered:
+            files.update(part)
+        rest = [n for n in store.unowned_files(path, lanes.world_size) if n not in files]
+        files.update(store.checksum_files(path, rest))
+        if store.METADATA not in files:
+            raise OSError(f"DCP wrote no {store.METADATA} in {path}; not committing")
+        store.write_commit(path, step, files, world_size=lanes.world_size,
+                           contents=list(contents), time=time.time(),
+                           save_seconds=round(time.perf_counter() - started, 3))
+        log.info("checkpoint step-%d committed (%d files)", step, len(files))
+
+    _agreed(lanes, write_record)  # also the barrier: nobody runs ahead of the commit
+
+
+def _my_checksums(path: Path, written: dict, rank: int) -> dict:
+    """This rank's files: DCP's as the writer checksummed them (when their size still
+    agrees), the rest (RNG state) read back."""
+    out, rest = {}, []
+    for name in store.files_for_rank(path, rank):
+        made = written.get(name)
+        if made and (path / name).stat().st_size == made["size"]:
+            out[name] = made
+        else:
+            rest.append(name)
+    out.update(store.checksum_files(path, rest))
+    return out
+
+
+def choose_resume(root: Path, lanes: Lanes, step: Optional[int] = None) -> Optional[int]:
+    """Newest checkpoint whose every file verifies, decided jointly and broadcast."""
+    candidates = None
+    if lanes.rank == 0:
+        committed = store.committed_steps(root)
+        candidates = [s for s in committed if step is None or s == step][::-1]
+    candidates = lanes.broadcast_object(candidates)
+    for cand in candidates:
+        path = store.step_dir(root, cand)
+        record = store.read_commit(path)
+        names = sorted(record["files"]) if record else []
+        problems = store.verify_files(path, names[lanes.rank::lanes.world_size], record) \
+            if record else ["commit.json unreadable"]
+        all_problems = [p for part in lanes.gather_objects(problems) for p in part]
+        if not all_problems:
+            return cand
+        if lanes.rank == 0:
+            log.warning("checkpoint step-%d fails verification, skipping: %s", cand,
+                        "; ".join(all_problems[:5]))
+    return None
+
+
+def load(root: Path, step: int, model, optimizer, lanes: Lanes) -> dict:
+    """Restore model (+ optimizer if saved) into the already-sharded model; return trainer state."""
+    path = store.step_dir(root, step)
+    record = store.read_commit(path) or {}
+    with_optim = optimizer is not None and "optim" in record.get("contents", ["model", "optim"])
+    state = state_of(model, optimizer if with_optim else None)
+    safe_load(state, path, process_group=lanes.control)
+    if with_optim:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    else:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    rng_file = path / "rng" / f"rank-{lanes.rank}.pt"
+    if rng_file.exists() and record.get("world_size") == lanes.world_size:
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    trainer_file = path / TRAINER_STATE
+    return json.loads(trainer_file.read_text()) if trainer_file.exists() else {}
+
+
+def full_model_state(model) -> dict:
+    """Full (unsharded) weights on every rank, on CPU: for prediction on one process."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, _ = get_state_dict(model, [], options=opts)
+    return msd

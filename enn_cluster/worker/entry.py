@@ -1,0 +1,220 @@
+"""The one worker entry point, identical on every task of every launcher.
+
+    python -m enn_cluster.worker RUN_DIR --task train
+    python -m enn_cluster.worker RUN_DIR --task predict --name NAME
+
+Flow: clean env -> discover rank/world/master -> NCCL profile (GPU) -> lanes -> task.
+Exit codes: 0 done, 2 bad input, 75 stopped with a checkpoint ("requeue me"), 1 failure.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+from enn_cluster.config import nccl
+from enn_cluster.config.launch_env import LAUNCH_ID_VAR, LAUNCHER_PID_VAR
+from enn_cluster.errors import UserError
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.worker import control_net
+from enn_cluster.worker.environment import clean_environment, discover
+from enn_cluster.worker.exec_env import reexec_if_needed
+from enn_cluster.worker.placement import place_task
+
+EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+log = logging.getLogger("enn_cluster.worker")
+_early_signals: list[int] = []  # stop signals that came before the trainer's handlers
+
+
+def install_early_stop_handlers() -> None:
+    """First thing in a task: a stop signal that arrives while torch imports or the
+    groups form is remembered, and the trainer honours it at its first step boundary
+    (Python's defaults would end the task with no checkpoint, or a traceback)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: _early_signals.append(signum))
+
+
+def _attempt_tag(env) -> str:
+    """logs/<attempt>/: one folder per launch and restart, so no attempt appends to another's."""
+    if os.environ.get("ENN_ATTEMPT_TAG"):
+        return os.environ["ENN_ATTEMPT_TAG"]
+    if os.environ.get(LAUNCH_ID_VAR):
+        return f"{os.environ[LAUNCH_ID_VAR]}-r{env.restart_count}"
+    if env.launcher == "slurm":
+        return f"slurm-{env.job_id}-r{env.restart_count}"
+    return f"{env.launcher}-r{env.restart_count}"
+
+
+def _setup_logging(run: RunDir, env) -> None:
+    log_dir = run.logs / _attempt_tag(env)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(nccl.flight_recorder_env(str(log_dir), os.environ))
+    fmt = logging.Formatter(f"%(asctime)s rank{env.rank} %(name)s %(levelname)s %(message)s")
+    root = logging.getLogger("enn_cluster")
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    fh = logging.FileHandler(log_dir / f"rank-{env.rank}.log")
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    if env.rank == 0:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+    log.info("worker rank %d/%d local %d node %d pid %d host %s launcher %s restart %d",
+             env.rank, env.world_size, env.local_rank, env.node_rank, os.getpid(),
+             socket.gethostname(), env.launcher, env.restart_count)
+
+
+def _say_cpu_only(env, torch_version: str) -> None:
+    """GPUs were asked for (Slurm gave this node some) but this torch has no CUDA: say so."""
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    if env.rank == 0 and gpus not in ("", "0"):
+        msg = (f"--gpus-per-node: the job has {gpus} GPUs per node, but torch {torch_version} "
+               "here has no CUDA (a CPU-only build?): training runs on the CPU")
+        log.warning(msg)
+        print(f"enn_cluster: {msg}", file=sys.stderr, flush=True)
+
+
+def _configure_nccl(env) -> None:
+    """On GPU nodes, pick the fabric profile unless the user set the variables."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            _say_cpu_only(env, torch.__version__)
+            return
+    except ImportError:
+        return
+    profile = os.environ.get("ENN_NCCL_PROFILE", "auto")
+    chosen = nccl.configure(os.environ, profile=profile) if hasattr(nccl, "configure") else None
+    if env.rank == 0 and chosen is not None:
+        log.info("NCCL profile: %s", chosen)
+    for level, line in nccl.report(os.environ, chosen or "none"):
+        getattr(log, level)(line)
+
+
+def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
+             step: Optional[int] = None) -> int:
+    """Run one task of the job in this process; returns the exit code."""
+    reexec_if_needed()  # the EFA plugin's library path must be there at exec
+    run = RunDir(Path(run_dir).resolve())
+    cfg = run.load_config()
+    env = discover(os.environ)
+    cleaned = clean_environment(os.environ, env)
+    os.environ.clear()
+    os.environ.update(cleaned)
+    return _run(run, cfg, env, task, name, step)
+
+
+def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[int]) -> int:
+    import torch
+
+    from enn_cluster.worker.lanes import close_lanes, open_lanes
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _setup_logging(run, env)
+    log.info(control_net.apply(os.environ))  # before the profile: one interface for both
+    _configure_nccl(env)
+    from enn_cluster.worker.worker_lock import hold_run_lock
+
+    lanes = open_lanes(env, cfg.parallel.timeout_s, cfg.parallel.rendezvous_timeout_s,
+                       cfg.checkpoint.barrier_timeout_s)
+    try:
+        log.info(place_task(env, lanes.device))
+        with hold_run_lock(run, env, lanes, task):
+            if task == "train":
+                return _train(run, cfg, env, lanes)
+            from enn_cluster.worker.predict import run_prediction
+
+            run_prediction(run, cfg, env, lanes, name=name, step=step)
+            return EXIT_OK
+    finally:
+        close_lanes()
+
+
+def _train(run: RunDir, cfg, env, lanes) -> int:
+    from enn_cluster.worker.trainer import Trainer, TrainingAborted
+
+    trainer = Trainer(cfg, run, env, lanes)
+    trainer.install_signal_handlers()
+    if _early_signals:
+        trainer.request_stop(_early_signals[-1])
+    try:
+        outcome = trainer.fit()
+    except TrainingAborted as exc:
+        log.error("training aborted: %s", exc)
+        if env.rank == 0:
+            print(f"enn_cluster: training aborted: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        trainer.close()
+    if outcome == "stopped":
+        # every rank writes the marker: with --kill-on-bad-exit the first rank to exit may
+        # get the others killed before rank 0 alone would have written it
+        marker = run.requeue / str(env.job_id or "local")
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(str(trainer.step))
+        log.warning("stopped at step %d with a committed checkpoint: requeue to continue",
+                    trainer.step)
+        return EXIT_REQUEUE
+    log.info("training done at step %d", trainer.step)
+    return EXIT_OK
+
+
+def die_with_launcher(environ) -> None:
+    """Our local launcher's workers run in sessions of their own (torch's elastic agent
+    starts them so): if the launcher is killed (kill -9, a crashed login shell), the
+    kernel kills them too, instead of leaving a headless group training on, writing a
+    run whose lock is gone."""
+    launcher = environ.get(LAUNCHER_PID_VAR, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != int(launcher):  # it died before the line above
+        os._exit(128 + int(signal.SIGKILL))
+
+
+def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
+              step: Optional[int] = None) -> int:
+    """Every launcher's way in (the module's main, Slurm's submitit entry): the same
+    signal handling and the same exit codes, 2 for bad input (never retried)."""
+    install_early_stop_handlers()
+    die_with_launcher(os.environ)
+    try:
+        return run_task(run_dir, task, name, step)
+    except UserError as exc:
+        print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    install_early_stop_handlers()
+    parser = argparse.ArgumentParser(prog="python -m enn_cluster.worker",
+                                     description="enn_cluster worker (same on every task)")
+    parser.add_argument("run_dir")
+    parser.add_argument("--task", choices=("train", "predict"), default="train")
+    parser.add_argument("--name", default=None, help="prediction name (predict task)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (predict task)")
+    args = parser.parse_args(argv)
+    return run_entry(args.run_dir, args.task, args.name, args.step)
+
+
+def exit_now(code: int) -> None:
+    """Leave without interpreter finalisation: the process groups and our threads are
+    closed by then, and a native thread (gloo, NCCL's watchdog) still winding down at
+    finalisation aborts the process ("terminate called without an active exception"),
+    turning a finished task into a failed one."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+

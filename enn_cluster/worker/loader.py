@@ -1,0 +1,119 @@
+"""Micro-batches gathered ahead of the training thread.
+
+Why: rows are read at random from the memmap; gathered on the training thread, from
+pageable memory, they stall the accelerator (`non_blocking` does nothing from pageable
+memory). One background thread gathers the rows the trainer names, in the order it names
+them, into pinned buffers (only when CUDA exists) and starts the host-to-device copies on a
+side stream; the consumer's stream waits on an event, not on the host. Which rows make a
+batch is the trainer's decision alone (sampler.micro_batch_rows): this module only fetches
+them, so the batches are exactly those of a synchronous gather.
+"""
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from enn_cluster.worker.placement import use_device
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def gather_rows(x, y, rows: np.ndarray, scaler: Optional[dict]) -> Batch:
+    """The host tensors of one batch: float32 inputs, targets normalised when a scaler is
+    given (training runs on normalised targets; prediction undoes it)."""
+    rows = np.asarray(rows)
+    xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32))
+    yb = np.asarray(y[rows])
+    if scaler is not None:
+        yb = (yb.astype(np.float32) - scaler["mean"]) / scaler["std"]
+    return xb, torch.from_numpy(np.ascontiguousarray(yb))
+
+
+class _Staged:
+    """One batch on its way: device tensors plus the event that says the copy is done."""
+
+    def __init__(self, xb: torch.Tensor, yb: torch.Tensor, event=None) -> None:
+        self.xb, self.yb, self.event = xb, yb, event
+
+    def ready(self) -> Batch:
+        if self.event is not None:
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self.event)
+            self.xb.record_stream(stream)  # the allocator must not reuse them under us
+            self.yb.record_stream(stream)
+        return self.xb, self.yb
+
+
+class BatchLoader:
+    """Fetch row-index arrays in order, ahead of use.
+
+    `batches(rows_list)` yields one (x, y) per row array, in order; rows announced earlier
+    with `prefetch` (the next step's, say) are already gathered. A batch whose rows differ
+    from what was prefetched is gathered on the spot, so the result never depends on what
+    was guessed ahead. `prefetch=False` gathers synchronously (the bench's baseline).
+    """
+
+    def __init__(self, gather: Callable[[np.ndarray], Batch], device: torch.device,
+                 prefetch: bool = True) -> None:
+        self.gather, self.device = gather, device
+        self.cuda = device.type == "cuda"
+        self._pool = (ThreadPoolExecutor(1, "enn-loader", initializer=use_device,
+                                         initargs=(device,)) if prefetch else None)
+        self._stream = torch.cuda.Stream(device) if (self.cuda and prefetch) else None
+        self._pending: collections.deque[tuple[np.ndarray, Future]] = collections.deque()
+
+    def _stage(self, rows: np.ndarray) -> _Staged:
+        xb, yb = self.gather(rows)
+        if not self.cuda:
+            return _Staged(xb, yb)
+        if self._stream is None:  # synchronous: the current stream copies
+            return _Staged(xb.to(self.device, non_blocking=True),
+                           yb.to(self.device, non_blocking=True))
+        xb, yb = xb.pin_memory(), yb.pin_memory()
+        with torch.cuda.stream(self._stream):
+            xd = xb.to(self.device, non_blocking=True)
+            yd = yb.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return _Staged(xd, yd, event)
+
+    def prefetch(self, rows_list: Iterable[np.ndarray]) -> None:
+        """Start gathering these rows now, in order, behind what is already queued."""
+        if self._pool is None:
+            return
+        for rows in rows_list:
+            rows = np.asarray(rows)
+            self._pending.append((rows, self._pool.submit(self._stage, rows)))
+
+    def _take(self, rows: np.ndarray) -> _Staged:
+        while self._pending:
+            queued, future = self._pending.popleft()
+            if np.array_equal(queued, rows):
+                return future.result()
+            future.cancel()  # a guess that did not come true
+        return self._stage(rows)
+
+    def batches(self, rows_list: Sequence[np.ndarray]) -> Iterator[Batch]:
+        """One batch per row array, in order; all of them are queued before the first is
+        returned, so later micro-batches gather while earlier ones compute."""
+        rows_list = [np.asarray(r) for r in rows_list]
+        queued = [q for q, _ in self._pending]
+        matched = 0
+        while matched < min(len(queued), len(rows_list)) and \
+                np.array_equal(queued[matched], rows_list[matched]):
+            matched += 1
+        if matched == len(queued):
+            self.prefetch(rows_list[matched:])
+        for rows in rows_list:
+            yield self._take(rows).ready()
+
+    def close(self) -> None:
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

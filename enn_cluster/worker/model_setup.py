@@ -1,0 +1,90 @@
+"""Build the run's model from config + staged data shape and shard it on the mesh.
+
+Training and prediction both come through here, so a checkpoint always meets the same
+module structure, whatever the world size.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
+from enn_cluster.models import build_model, output_size
+from enn_cluster.worker.environment import WorkerEnv
+from enn_cluster.worker.lanes import Lanes
+from enn_cluster.worker.parallel import build_mesh, wrap_model
+
+
+@dataclass
+class ShardedModel:
+    model: nn.Module
+    plan: MeshPlan
+    mesh: object
+    use_bf16: bool
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.world  # every rank reads its own data under FSDP, HSDP and DDP
+
+
+def use_bf16(cfg: RunConfig, device: torch.device) -> bool:
+    return cfg.training.bf16 == "true" or (cfg.training.bf16 == "auto" and device.type == "cuda")
+
+
+def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: Lanes,
+                        input_shape: tuple) -> ShardedModel:
+    """Built on the meta device, sharded, then only the local shards materialised (see
+    meta_init); a model that must be built whole (a user factory without init_weights)
+    is built with the same seed on every rank, so the full weights agree before sharding."""
+    from enn_cluster.worker import meta_init
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
+    how = meta_init.init_plan(model)
+    if how == meta_init.FULL_INIT:
+        torch.manual_seed(cfg.training.seed)
+        model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
+        model.to(lanes.device)
+    plan = plan_mesh(cfg.parallel, env.world_size, env.local_world_size)
+    mesh = build_mesh(plan, lanes.device)
+    bf16 = use_bf16(cfg, lanes.device)
+    if how != meta_init.FULL_INIT:
+        tmpls = meta_init.templates(model)
+        if plan.strategy == "ddp":  # DDP replicates whole weights: materialise, then wrap
+            meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+            return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype), plan, mesh, bf16)
+        model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype)
+        meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+        return ShardedModel(model, plan, mesh, bf16)
+    return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype), plan, mesh, bf16)
+
+
+def gradient_sync(sm: ShardedModel, sync: bool):
+    """Skip gradient communication on all but the last micro-batch of an accumulation.
+    HSDP skips only the inter-node all-reduce: the intra-node reduce-scatter still runs, so
+    a rank keeps a shard of fp32 gradients instead of the whole unsharded set."""
+    if sm.plan.strategy == "ddp":
+        return nullcontext() if sync else sm.model.no_sync()
+    if sm.plan.strategy == "hsdp":
+        return _communicate(sm.model.set_requires_all_reduce, sync)
+    return _communicate(sm.model.set_requires_gradient_sync, sync)
+
+
+@contextmanager
+def _communicate(setter, sync: bool):
+    """FSDP2's switch (`setter`) off for this micro-batch when not `sync`, on again after."""
+    setter(sync)
+    try:
+        yield
+    finally:
+        setter(True)
+
+
+def autocast(sm: ShardedModel, device: torch.device):
+    """FSDP's policy casts parameters itself; DDP needs autocast for bf16."""
+    if sm.use_bf16 and sm.plan.strategy == "ddp":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()

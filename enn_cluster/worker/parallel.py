@@ -1,0 +1,52 @@
+"""Apply a mesh plan to a model: HSDP (2-D mesh), FSDP (1-D) or DDP.
+
+HSDP shards parameters inside a node (fast links) and replicates across nodes, so the
+slow inter-node links carry one all-reduce of shards instead of all-gathers of weights.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from enn_cluster.config.run_config import MeshPlan
+from enn_cluster.models import model_blocks
+
+
+def build_mesh(plan: MeshPlan, device: torch.device):
+    if plan.strategy == "hsdp":
+        return init_device_mesh(device.type, (plan.replicate, plan.shard),
+                                mesh_dim_names=("replicate", "shard"))
+    if plan.strategy == "fsdp":
+        return init_device_mesh(device.type, (plan.shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (plan.replicate,), mesh_dim_names=("replicate",))
+
+
+def mixed_precision(use_bf16: bool, reduce_dtype: str = "fp32"):
+    """bf16 parameters; gradient reductions in fp32 unless parallel.reduce_dtype says bf16
+    (half the inter-node bytes, fewer mantissa bits in the sum: see docs/config.md)."""
+    if not use_bf16:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    reduce = torch.bfloat16 if reduce_dtype == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+
+
+def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
+               use_bf16: bool, reduce_dtype: str = "fp32") -> nn.Module:
+    """Shard block by block, then the root, so each block's all-gather overlaps compute."""
+    if plan.strategy == "ddp":
+        model.to(device)
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": mesh}
+    policy = mixed_precision(use_bf16, reduce_dtype)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    for block in model_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

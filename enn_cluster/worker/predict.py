@@ -1,0 +1,211 @@
+"""Worker side of prediction: load a checkpoint, infer this rank's chunks, commit them.
+
+Every rank loads the full weights of the chosen checkpoint (DCP reshards whatever world
+size it was saved at into plain tensors) on the host, casts them to the inference dtype
+there (bf16 on GPU: no fp32 weights on the device) and runs its own replica: inference needs no
+collective per batch, so ranks with more rows never hold up ranks with fewer, and a
+restarted job only redoes chunks that have no commit record.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from enn_cluster.errors import UserError
+from enn_cluster.models import build_model, output_size
+from enn_cluster.storage import commits as store
+from enn_cluster.storage import prediction_manifest as pm
+from enn_cluster.storage.checksum import file_checksum
+from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
+from enn_cluster.storage.staging import read_manifest
+from enn_cluster.worker import checkpoint as ckpt
+from enn_cluster.worker.model_setup import use_bf16
+
+log = logging.getLogger("enn_cluster.worker.predict")
+FAULT_AFTER_CHUNKS = "ENN_FAULT_PREDICT_EXIT_AFTER_CHUNKS"  # tests: exit hard after k chunks
+
+
+def load_weights(run: RunDir, cfg, step: int, input_shape: tuple, lanes) -> torch.nn.Module:
+    """The full fp32 weights of step-N on the host, in eval mode."""
+    manifest = read_manifest(run.data_dir)
+    model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
+    state = {"model": model.state_dict()}
+    ckpt.safe_load(state, store.step_dir(run.checkpoints, step), process_group=lanes.control)
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def chunk_stats(values: np.ndarray) -> dict:
+    """Per-output count/mean/M2/min/max/non-finite of one chunk (finite values only)."""
+    flat = values.reshape(len(values), -1).astype(np.float64)
+    finite = np.isfinite(flat)
+    clean = np.where(finite, flat, np.nan)
+    count = int(finite.all(axis=1).sum()) if flat.size else 0
+    with np.errstate(all="ignore"):
+        mean = np.nan_to_num(np.nanmean(clean, axis=0)) if count else np.zeros(flat.shape[1])
+        m2 = np.nansum((clean - mean) ** 2, axis=0) if count else np.zeros(flat.shape[1])
+    return {"count": count, "mean": mean.tolist(), "m2": m2.tolist(),
+            "min": np.nan_to_num(np.nanmin(clean, axis=0), nan=0.0).tolist() if count else [0.0] * flat.shape[1],
+            "max": np.nan_to_num(np.nanmax(clean, axis=0), nan=0.0).tolist() if count else [0.0] * flat.shape[1],
+            "nonfinite": (~finite).sum(axis=0).astype(int).tolist()}
+
+
+def denormalise(raw: np.ndarray, scaler) -> np.ndarray:
+    if not scaler:
+        return raw
+    shape = raw.shape
+    flat = raw.reshape(len(raw), -1)
+    mean, std = np.asarray(scaler["mean"], np.float32), np.asarray(scaler["std"], np.float32)
+    return (flat * std + mean).astype(np.float32).reshape(shape)
+
+
+class ChunkWriter:
+    """Infers chunks with one replica and commits each: `.npy` by rename, then its record."""
+
+    def __init__(self, pdir: Path, model, x, request: dict, lanes, bf16: bool,
+                 reference=None) -> None:
+        self.pdir, self.model, self.x, self.request, self.lanes = pdir, model, x, request, lanes
+        self.bf16 = bf16
+        self.reference = reference  # host fp32 weights for the first batch's check only
+        self.dtype = next(model.parameters()).dtype
+        self.out_shape = tuple(request["output_shape"])
+        self.precision_checked = False
+
+    def committed(self, spec: pm.ChunkSpec) -> bool:
+        """A record that matches its file (size and checksum): never redo that chunk."""
+        try:
+            rec = json.loads((self.pdir / f"{spec.stem}.json").read_text())
+            size, checksum = file_checksum(self.pdir / rec["file"], like=rec["checksum"])
+        except (FileNotFoundError, ValueError, KeyError):
+            return False
+        return size == rec["nbytes"] and checksum == rec["checksum"] and \
+            rec["rows"] == [spec.start, spec.stop]
+
+    def _forward(self, xb: torch.Tensor) -> torch.Tensor:
+        return self.model(xb.to(self.dtype)).float()
+
+    def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None]:
+        out = np.empty((spec.rows,) + self.out_shape, dtype=np.float32)
+        batch, check = int(self.request["batch_size"]), None
+        with torch.inference_mode():
+            for start in range(spec.start, spec.stop, batch):
+                stop = min(start + batch, spec.stop)
+                xb = torch.from_numpy(np.array(self.x[start:stop], dtype=np.float32))
+                xb = xb.to(self.lanes.device, non_blocking=True)
+                yb = self._forward(xb)
+                if not self.precision_checked:
+                    check = self._precision_check(xb, yb)
+                out[start - spec.start:stop - spec.start] = \
+                    yb.reshape((stop - start,) + self.out_shape).cpu().numpy()
+        return out, check
+
+    def _precision_check(self, xb: torch.Tensor, yb: torch.Tensor) -> dict:
+        """On the first batch: how far reduced precision is from an fp32 forward pass."""
+        self.precision_checked = True
+        if not self.bf16 or self.reference is None:
+            return {"reduced_precision": False, "dtype": "float32"}
+        ref = self.reference(xb.float().cpu()).float()
+        self.reference = None
+        diff = float((ref - yb.cpu()).abs().max()) if yb.numel() else 0.0
+        log.info("precision check: max |fp32 - bf16| on the first batch = %.3g", diff)
+        return {"reduced_precision": True, "dtype": "bfloat16", "max_abs_diff": diff,
+                "weights_dtype": str(self.dtype).replace("torch.", "")}
+
+    def write(self, spec: pm.ChunkSpec, raw: np.ndarray, check: dict | None) -> dict:
+        path = self.pdir / f"{spec.stem}.npy"
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as fh:
+            np.lib.format.write_array(fh, raw, allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        size, checksum = file_checksum(path)
+        rec = pm.chunk_record(spec, shape=raw.shape, dtype=raw.dtype.str, checksum=checksum,
+                              nbytes=size, rank=self.lanes.rank,
+                              stats=chunk_stats(denormalise(raw, self.request.get("scaler"))))
+        if check is not None:
+            rec["precision_check"] = check
+        atomic_write_text(self.pdir / f"{spec.stem}.json", json.dumps(rec, sort_keys=True))
+        return rec
+
+
+def _maybe_inject_fault(run: RunDir, name: str, rank: int, written: int) -> None:
+    after = int(os.environ.get(FAULT_AFTER_CHUNKS, "0") or 0)
+    if not after or written != after or rank != int(os.environ.get("ENN_FAULT_PREDICT_RANK", "0")):
+        return
+    marker = run.path / "faults" / f"predict-{name}-fired"
+    if marker.exists():
+        return
+    marker.parent.mkdir(exist_ok=True)
+    marker.write_text(str(os.getpid()))
+    log.error("fault injection: rank %d exits hard after %d chunks", rank, written)
+    os._exit(13)
+
+
+def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
+    """Collective over all ranks: every chunk committed, then rank 0 commits the manifest."""
+    pdir = run.predictions / pm.check_name(name)
+    try:
+        request = json.loads((pdir / pm.REQUEST).read_text())
+    except FileNotFoundError:
+        raise UserError(f"--name: {pdir} holds no prediction request; start it with "
+                        f"'enn-submit predict {run.path} --input X.npy --name {name}'")
+    chosen = ckpt.choose_resume(run.checkpoints, lanes, step=request["step"])
+    if chosen is None:
+        raise UserError(f"checkpoint step-{request['step']} of {run.path} is missing or fails "
+                        f"verification; see 'enn-submit verify {run.path}'")
+    x = np.load(pdir / pm.INPUT, mmap_mode="r")
+    bf16 = use_bf16(cfg, lanes.device)  # cast on the host: no fp32 weights on the GPU
+    weights = load_weights(run, cfg, chosen, x.shape[1:], lanes)
+    replica = copy.deepcopy(weights) if bf16 else weights
+    replica = replica.to(dtype=torch.bfloat16 if bf16 else torch.float32).to(lanes.device)
+    writer = ChunkWriter(pdir, replica, x, request, lanes, bf16, weights if bf16 else None)
+    del weights
+    mine = pm.chunks_for_rank(pm.plan_chunks(len(x), request["chunk_rows"]), lanes.rank,
+                              lanes.world_size)
+    started, written, skipped = time.perf_counter(), 0, 0
+    for spec in mine:
+        if writer.committed(spec):
+            skipped += 1
+            continue
+        raw, check = writer.infer(spec)
+        writer.write(spec, raw, check)
+        written += 1
+        _maybe_inject_fault(run, name, lanes.rank, written)
+    log.info("rank %d: %d chunks written, %d already committed, %.2f s", lanes.rank, written,
+             skipped, time.perf_counter() - started)
+    lanes.barrier()
+    if lanes.rank == 0:
+        write_manifest(pdir, request, len(x), world_size=lanes.world_size)
+    lanes.barrier()
+
+
+def write_manifest(pdir: Path, request: dict, n_rows: int, world_size: int) -> dict:
+    """Gather the chunk records; commit the manifest only when they cover every row once."""
+    chunks = pm.plan_chunks(n_rows, request["chunk_rows"])
+    records = [json.loads((pdir / f"{c.stem}.json").read_text()) for c in chunks]
+    problems = pm.coverage_problems(records, n_rows)
+    if problems:
+        raise RuntimeError(f"prediction {pdir.name}: " + "; ".join(problems[:5]))
+    checks = [r["precision_check"] for r in records if r.get("precision_check")]
+    reduced = [c for c in checks if c.get("reduced_precision")]
+    manifest = {
+        "name": request["name"], "step": request["step"], "n_rows": n_rows,
+        "output_shape": request["output_shape"], "dtype": records[0]["dtype"] if records else "<f4",
+        "chunk_rows": request["chunk_rows"], "scaler": request.get("scaler"),
+        "input": request["input"], "world_size": world_size, "time": time.time(),
+        "chunks": records, "stats": pm.merge_stats([r["stats"] for r in records]),
+        "precision_check": (max(reduced, key=lambda c: c["max_abs_diff"]) if reduced
+                            else (checks[0] if checks else None)),
+    }
+    atomic_write_text(pdir / pm.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    fsync_dir(pdir)
+    log.info("prediction %s committed: %d rows in %d chunks", request["name"], n_rows, len(records))
+    return manifest

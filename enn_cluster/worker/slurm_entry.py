@@ -1,0 +1,25 @@
+"""What submitit runs on every Slurm task: the same worker entry as `python -m
+enn_cluster.worker`. Its own small module, importing nothing heavy at module level, because
+the login node imports it to hand submitit the function by reference."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+
+def worker_entry(run_dir: str, task: str, name: Optional[str], step: Optional[int]) -> int:
+    """What submitit runs on every task. A non-zero code must reach srun (kill-on-bad-exit,
+    the host-side requeue trap), so it leaves through sys.exit rather than a return value."""
+    import atexit
+
+    from enn_cluster.worker.entry import exit_now, run_entry
+
+    code = run_entry(run_dir, task, name, step)
+    # submitit writes the task's result, then the interpreter finalises: leave before the
+    # C++ static destructors, where a native thread still winding down aborts the task
+    # ("terminate called without an active exception") and fails a finished job.
+    atexit.register(exit_now, code)
+    if code:
+        sys.stdout.flush()
+        sys.exit(code)
+    return code

@@ -1,0 +1,381 @@
+"""The training loop: epochs or max_steps, accumulation, clipping, warmup + cosine,
+validation, a non-finite guard, metrics, checkpoints and agreed stops.
+
+Every decision that must be the same on all ranks (stop now, commit an async save, skip
+a non-finite step) is taken from a collective, never from local state alone. A step has
+two small collectives beyond FSDP's own: the gradient norm (accelerator lane) and one
+control-lane all-reduce carrying the loss and the stop/save flags, run alongside it.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import time
+from dataclasses import asdict, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from enn_cluster.config.run_config import RunConfig
+from enn_cluster.config.schedule import lr_at, plan_batch, replanned_total, total_steps
+from enn_cluster.models import compute_loss
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.metrics import MetricsLog, peak_memory_mb
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.staging import open_array, read_manifest
+from enn_cluster.storage.tracking import worker_sink
+from enn_cluster.worker import checkpoint as ckpt
+from enn_cluster.worker.checkpoint_async import new_stager, save_async
+from enn_cluster.worker.environment import WorkerEnv
+from enn_cluster.worker.lanes import Lanes
+from enn_cluster.worker.loader import BatchLoader, gather_rows
+from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradient_sync
+from enn_cluster.worker.sampler import (
+    DataPosition,
+    advance,
+    epoch_permutation,
+    micro_batch_rows,
+    shard_rows,
+)
+from enn_cluster.worker.step_math import (
+    GC_EVERY_STEPS,
+    clip_and_norm,
+    keep_fused,
+    new_optimizer,
+    scheduled_gc,
+)
+from enn_cluster.worker.stop_request import StopPoller
+
+log = logging.getLogger("enn_cluster.worker.trainer")
+
+
+class TrainingAborted(RuntimeError):
+    """Training cannot go on (non-finite losses); the message says what to check."""
+
+
+def _saved_global_batch(state: dict, t) -> "int | None":
+    """The global batch a checkpoint was trained with (older ones: from their mesh)."""
+    if state.get("global_batch"):
+        return int(state["global_batch"])
+    mesh = state.get("mesh") or {}
+    if mesh.get("replicate") and mesh.get("shard"):
+        return (t.per_device_train_batch_size * t.gradient_accumulation_steps
+                * int(mesh["replicate"]) * int(mesh["shard"]))
+    return None
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run: RunDir, env: WorkerEnv, lanes: Lanes):
+        self.cfg, self.run, self.env, self.lanes = cfg, run, env, lanes
+        self.manifest = read_manifest(run.data_dir)
+        self.x = open_array(run.data_dir, "train_x")
+        self.y = open_array(run.data_dir, "train_y")
+        self.rows = self.manifest["train_rows"]
+        self.eval_x, self.eval_y, self.eval_rows = self._eval_arrays()
+        scaler = self.manifest.get("target_scaler")
+        self.scaler = ({k: np.asarray(v, np.float32) for k, v in scaler.items()}
+                       if scaler else None)
+        self.sm = build_sharded_model(cfg, self.manifest, env, lanes, self.x.shape[1:])
+        t = cfg.training
+        self.optimizer = new_optimizer(self.sm.model.parameters(), t)
+        self.n_rows = self.rows[1] - self.rows[0]
+        self.batch = plan_batch(t, self.sm.dp_size, env.local_world_size)
+        self.total_steps = total_steps(t, self.n_rows, self.batch.global_batch)
+        self.step, self.pos = 0, DataPosition()
+        dev = lanes.device  # non-finite counters live on the device, read at log steps
+        self.nonfinite_in_row = torch.zeros((), dtype=torch.int64, device=dev)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=dev)
+        self.skipped_seen = 0
+        self.stop_requested, self.stop_signal = 0, None
+        self.pending = None
+        self.stager = None  # async saves' CPU buffers, reused from save to save
+        self.staging_wait_s = 0.0  # time optimizer steps waited for an async save's copy
+        self.loader = BatchLoader(lambda rows: gather_rows(self.x, self.y, rows, self.scaler),
+                                  lanes.device)
+        self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
+                                  sink=worker_sink(cfg, run, lanes.rank))
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "epoch": self.pos.epoch, "consumed": self.pos.consumed,
+                "nonfinite_in_row": int(self.nonfinite_in_row), "skipped": int(self.skipped),
+                "world_size": self.env.world_size, "seed": self.cfg.training.seed,
+                "global_batch": self.batch.global_batch, "total_steps": self.total_steps,
+                "target_scaler": self.manifest.get("target_scaler"),
+                "mesh": asdict(self.sm.plan)}
+
+    def load_state_dict(self, state: dict) -> dict:
+        """Restore the loop's position and the step budget from it: for an unchanged batch
+        the steps done plus the steps left is the uninterrupted run's budget, and after an
+        explicit change of the batch (or of training.epochs) the rest is re-planned from
+        here. Returns what changed about the batch, for the resume record."""
+        t = self.cfg.training
+        self.step = int(state.get("step", 0))
+        self.pos = DataPosition(int(state.get("epoch", 0)), int(state.get("consumed", 0)))
+        self.nonfinite_in_row.fill_(int(state.get("nonfinite_in_row", 0)))
+        self.skipped.fill_(int(state.get("skipped", 0)))
+        self.skipped_seen = int(state.get("skipped", 0))
+        saved = _saved_global_batch(state, t)
+        changed = {}
+        if saved is not None and saved != self.batch.global_batch:
+            if t.global_batch_size:  # changed on purpose: --set training.global_batch_size
+                changed = {"global_batch_changed": [saved, self.batch.global_batch]}
+            else:  # a run from before the batch was frozen keeps the one it had
+                self.batch = plan_batch(replace(t, global_batch_size=saved), self.batch.dp_size)
+        gb = self.batch.global_batch
+        if self.pos.consumed and (self.n_rows - self.pos.consumed) // gb == 0:
+            self.pos = DataPosition(self.pos.epoch + 1, 0)  # the batch grew: tail too short
+        self.total_steps = replanned_total(t, self.n_rows, gb, self.step, self.pos.epoch,
+                                           self.pos.consumed)
+        return changed
+
+    # -- data ----------------------------------------------------------------------------
+    def _eval_arrays(self):
+        if "eval_x" in self.manifest["entries"]:
+            ex, ey = open_array(self.run.data_dir, "eval_x"), open_array(self.run.data_dir, "eval_y")
+            return ex, ey, [0, len(ex)]
+        if self.manifest.get("eval_rows"):
+            return self.x, self.y, self.manifest["eval_rows"]
+        return None, None, None
+
+    def _batch(self, x, y, rows: np.ndarray):
+        xb, yb = gather_rows(x, y, rows, self.scaler)
+        dev = self.lanes.device
+        return xb.to(dev, non_blocking=True), yb.to(dev)
+
+    def _step_rows(self, perm: np.ndarray, pos: DataPosition) -> list[np.ndarray]:
+        """This rank's rows for each micro-batch of the optimizer step starting at `pos`."""
+        b = self.batch
+        return [micro_batch_rows(perm, pos.consumed, self.lanes.rank, b.dp_size,
+                                 b.micro_batch, k) + self.rows[0]
+                for k in range(b.accumulation)]
+
+    # -- signals -------------------------------------------------------------------------
+    def request_stop(self, signum: int) -> None:
+        """Ask for an agreed checkpoint-and-exit at the next step boundary. After TERM or
+        INT a hard exit follows if that boundary is not reached within
+        parallel.stop_grace_s (a peer may be dead)."""
+        self.stop_requested = 1
+        self.stop_signal = signum
+        log.warning("signal %d received: checkpoint at the next step boundary", signum)
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signal.SIGALRM, lambda *_: os._exit(128 + signum))
+            signal.alarm(max(int(self.cfg.parallel.stop_grace_s), 1))
+
+    def install_signal_handlers(self) -> None:
+        """USR2 (Slurm's warning before the time limit), TERM (preemption, scancel, a
+        launcher stopping) and INT (Ctrl-C reaching the workers through a launcher) all
+        mean the same: checkpoint at the next step boundary and exit 75."""
+        for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+
+    # -- loop ----------------------------------------------------------------------------
+    def _maybe_inject_fault(self) -> None:
+        t = self.cfg.training
+        if not t.fail_at_step or self.step != t.fail_at_step or self.lanes.rank != t.fail_rank:
+            return
+        marker = self.run.path / "faults" / f"fired-step-{self.step}"
+        if marker.exists():
+            return
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(str(os.getpid()))
+        log.error("fault injection: rank %d exits hard at step %d", self.lanes.rank, self.step)
+        os._exit(13)
+
+    def train_step(self, perm: np.ndarray, flags: tuple = (), log_step: bool = True) -> dict:
+        """One optimizer step. `flags` (0/1 per rank, host values) ride on the step's one
+        control-lane all-reduce; stats["agreed"] says which any rank raised. Loss,
+        gradient norm and the non-finite decision stay on the device: they are read only
+        on a log step (`log_step`), the one device-to-host wait of a step."""
+        t, sm, dev = self.cfg.training, self.sm, self.lanes.device
+        started = time.perf_counter()
+        lr = lr_at(self.step, self.total_steps, t.lr, t.warmup_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
+        accum = self.batch.accumulation
+        for k, (xb, yb) in enumerate(self.loader.batches(self._step_rows(perm, self.pos))):
+            with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
+                loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
+                (loss / accum).backward()
+            loss_sum += loss.detach().double()
+        decided = self.lanes.start_sum([float(f) for f in flags])
+        loss_work = dist.all_reduce(loss_sum, async_op=True)  # agreed finiteness, log value
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm = clip_and_norm(sm.model.parameters(), max_norm)
+        loss_work.wait()
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
+        agreed = decided()
+        waited = 0.0
+        if self.pending is not None:  # an async save may still be copying the parameters
+            waited = time.perf_counter()
+            self.pending.wait_staged()
+            waited = time.perf_counter() - waited
+            self.staging_wait_s += waited
+        self.optimizer.found_inf = (~finite).to(torch.float32)  # fused AdamW skips on device
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_row = torch.where(finite, 0, self.nonfinite_in_row + 1)
+        self.skipped += (~finite).to(torch.int64)
+        stats = {"lr": lr, "agreed": [v > 0 for v in agreed],
+                 **({"checkpoint_wait_s": round(waited, 4)} if waited > 1e-3 else {})}
+        if log_step:
+            stats.update(self._read_step(loss_sum, grad_norm, accum))
+        elapsed = time.perf_counter() - started
+        stats.update(step_time_s=elapsed, samples_per_s=self.batch.global_batch / elapsed)
+        return stats
+
+    def _read_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, accum: int) -> dict:
+        """The log step's device-to-host read: loss, norm and the non-finite counters; too
+        many non-finite steps in a row abort here."""
+        t = self.cfg.training
+        in_row, skipped = int(self.nonfinite_in_row), int(self.skipped)
+        if skipped > self.skipped_seen:
+            log.warning("non-finite loss/grad: %d step(s) skipped up to step %d (%d in a row)",
+                        skipped - self.skipped_seen, self.step, in_row)
+            self.skipped_seen = skipped
+        if in_row >= t.max_nonfinite_steps:
+            raise TrainingAborted(
+                f"{in_row} non-finite losses in a row at step {self.step}: "
+                "check the data for NaN/Inf, lower training.lr, or enable grad clipping")
+        return {"loss": float(loss_sum) / (accum * self.sm.dp_size),
+                "grad_norm": float(grad_norm), "skipped": skipped}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean eval loss; every rank runs the same number of forwards (FSDP collectives)."""
+        if self.eval_x is None:
+            return float("nan")
+        sm, micro = self.sm, self.cfg.training.per_device_train_batch_size
+        n = self.eval_rows[1] - self.eval_rows[0]
+        start, stop = shard_rows(n, self.lanes.rank, self.lanes.world_size)
+        longest = max(shard_rows(n, r, self.lanes.world_size)[1] -
+                      shard_rows(n, r, self.lanes.world_size)[0] for r in range(self.lanes.world_size))
+        totals = torch.zeros(2, dtype=torch.float64, device=self.lanes.device)
+        sm.model.eval()
+        for off in range(0, longest, micro):
+            rows = np.arange(start + off, min(start + off + micro, stop)) + self.eval_rows[0]
+            count = len(rows)
+            if count == 0:
+                rows = np.array([self.eval_rows[0]])  # keep step with the others, weight 0
+            xb, yb = self._batch(self.eval_x, self.eval_y, rows)
+            with autocast(sm, self.lanes.device):
+                loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
+            totals += torch.tensor([float(loss) * count, count], dtype=torch.float64,
+                                   device=self.lanes.device)
+        sm.model.train()
+        dist.all_reduce(totals)
+        return float(totals[0] / totals[1]) if totals[1] else float("nan")
+
+    def save(self, async_save: bool) -> None:
+        self.finish_pending()
+        args = (self.run.checkpoints, self.step, self.sm.model, self.optimizer,
+                self.state_dict(), self.lanes)
+        try:
+            if async_save:
+                self.stager = self.stager or new_stager()
+                self.pending = save_async(*args, self.stager, self.cfg.checkpoint.keep_last)
+            else:
+                ckpt.save(*args, keep_last=self.cfg.checkpoint.keep_last)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise self._save_failed(exc) from exc
+        self.metrics.write("checkpoint", step=self.step, async_save=async_save)
+
+    def _save_failed(self, exc: Exception) -> TrainingAborted:
+        """Stop training: going on without the checkpoint would silently drop state."""
+        last = store.latest_committed(self.run.checkpoints)
+        reason = (store.storage_problem(self.run.checkpoints) or
+                  " ".join(str(exc).split())[:300] or type(exc).__name__)
+        return TrainingAborted(
+            f"checkpoint step-{self.step} could not be written to {self.run.checkpoints} "
+            f"({reason}); free space or fix permissions there, then 'enn-submit resume' "
+            f"continues from step-{last}, which is intact")
+
+    def finish_pending(self) -> None:
+        """Wait for the async save in flight (usually long done) and surface its error."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            try:
+                pending.result()
+            except (Exception, CheckpointException) as exc:
+                raise self._save_failed(exc) from exc
+
+    def resume(self) -> None:
+        step = ckpt.choose_resume(self.run.checkpoints, self.lanes)
+        if step is None:
+            return
+        state = ckpt.load(self.run.checkpoints, step, self.sm.model, self.optimizer, self.lanes)
+        keep_fused(self.optimizer)
+        changed = self.load_state_dict(state)
+        b = self.batch
+        self.metrics.write("resume", step=self.step, epoch=self.pos.epoch,
+                           world_size=self.env.world_size, from_world=state.get("world_size"),
+                           global_batch=b.global_batch, micro_batch=b.micro_batch,
+                           accumulation=b.accumulation, **changed)
+        log.info("resumed from step-%d (saved at world %s, now %d): global batch %d = "
+                 "%d micro x %d accumulation x %d ranks%s", step, state.get("world_size"),
+                 self.env.world_size, b.global_batch, b.micro_batch, b.accumulation, b.dp_size,
+                 f"; changed on purpose {changed}" if changed else "")
+
+    def fit(self) -> str:
+        """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
+        self.resume()
+        with scheduled_gc():
+            return self._loop()
+
+    def _loop(self) -> str:
+        cfg = self.cfg
+        b = self.batch
+        self.metrics.write("start", step=self.step, total_steps=self.total_steps,
+                           world_size=self.env.world_size, pid=os.getpid(),
+                           global_batch=b.global_batch, micro_batch=b.micro_batch,
+                           accumulation=b.accumulation)
+        every = cfg.checkpoint.every_steps
+        perm_epoch, perm = -1, None
+        last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
+        stop_file = StopPoller(self.run.path, self.env.job_id, self.env.rank)  # batch shell's USR2
+        while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
+            self._maybe_inject_fault()
+            if perm_epoch != self.pos.epoch:
+                perm_epoch = self.pos.epoch
+                perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
+            pending_open = self.pending is not None and not self.pending.done()
+            self.stop_requested = self.stop_requested or int(stop_file.poll())
+            log_step = (self.step + 1) % cfg.logging.every_steps == 0
+            stats = self.train_step(perm, (self.stop_requested, pending_open), log_step)
+            stop, still_open = stats.pop("agreed")
+            epoch_before = self.pos.epoch
+            self.step += 1
+            if self.step % GC_EVERY_STEPS == 0:
+                gc.collect()
+            self.pos = advance(self.pos, self.n_rows, self.batch.global_batch)
+            if self.pos.epoch == perm_epoch:  # the next step's rows gather while this ends
+                self.loader.prefetch(self._step_rows(perm, self.pos))
+            if log_step:
+                self.metrics.write("train", step=self.step, epoch=epoch_before,
+                                   peak_mem_mb=round(peak_memory_mb(), 1), **stats)
+            if self.pos.epoch != epoch_before and self.eval_x is not None:
+                self.metrics.write("eval", step=self.step, epoch=epoch_before,
+                                   eval_loss=self.evaluate())
+            if self.pending is not None and not still_open:
+                self.finish_pending()
+            if stop:
+                self.save(async_save=False)
+                return "stopped"
+            if every and self.step % every == 0 and self.step < self.total_steps:
+                self.save(async_save=cfg.checkpoint.async_save)
+                last_saved = self.step
+        self.finish_pending()
+        if last_saved != self.step:
+            self.save(async_save=False)
+        return "done"
+
+    def close(self) -> None:
+        self.loader.close()
+        self.metrics.close()
+        if self.stager is not None:
+            self.stager.close()
