@@ -251,7 +251,7 @@ def test_build_image_makes_an_enroot_squashfs(tmp_path, test_image, dev_base_ima
     assert {"/etc/rc", "/etc/rc.local", "/etc/environment", "/etc/fstab", "/workspace"} <= names
     assert not [n for n in names if n.startswith("/dev/")] and "/.dockerenv" not in names
     assert set(entries.values()) == {"root/root"}
-    assert any(n.endswith("-packages/enn_cluster/image.py") for n in names)
+    assert any(n.endswith("-packages/enn_cluster/cluster/image.py") for n in names)
 
     rc = _cat(sqsh, "etc/rc")
     assert rc.startswith(f"# enroot-provenance: podman://localhost/enn-cluster:{sqsh.stem[4:]}")

@@ -66,8 +66,9 @@ make_tarball() {
 
 # Wheels for Debian's python3 (cp311, like this host's); pip resolves torch from local disk.
 download_wheels() {
-    local dir="$1"
-    if [[ -s "$dir/.complete" ]]; then return 0; fi
+    local dir="$1" want="requirements: ${requirements[*]}"
+    # the marker names what was asked for: a changed list downloads again
+    if [[ -s "$dir/.complete" && "$(head -n 1 "$dir/.complete")" == "$want" ]]; then return 0; fi
     rm -rf "$dir" && mkdir -p "$dir"
     log "pip download ${requirements[*]} into $dir"
     python3 -m pip download -q --only-binary=:all: --python-version 3.11 \
@@ -75,7 +76,8 @@ download_wheels() {
         -c "${repo_root}/constraints-dev.txt" -d "$dir" "${requirements[@]}" >&2
     compgen -G "$dir/torch-*+cpu-*.whl" >/dev/null \
         || { log "pip found no CPU torch wheel (a CUDA build is too big): $(ls "$dir")"; exit 1; }
-    (cd "$dir" && ls -- *.whl) >"$dir/.complete"
+    (echo "$want" && cd "$dir" && ls -- *.whl) >"$dir/.complete.tmp"
+    mv "$dir/.complete.tmp" "$dir/.complete"
 }
 
 mkdir -p "$cache_dir"

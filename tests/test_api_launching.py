@@ -1,0 +1,80 @@
+"""The seams the layout step made: the API and the CLI reach Slurm and the local launcher
+through the same `client/launching.py` functions, with values rather than parsed flags."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from enn_cluster.client.api import _shape, _slurm_request
+from enn_cluster.client.cli import build_parser
+from enn_cluster.client.cli_ops import slurm_request
+from enn_cluster.client.launching import check_slurm_spec
+from enn_cluster.config.run_config import config_from_dict
+from helpers import ROOT, metrics, small_config
+
+
+def test_api_cluster_dict_and_cli_flags_build_the_same_slurm_job(tmp_path, monkeypatch):
+    monkeypatch.delenv("ENN_SITE_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = config_from_dict(small_config(tmp_path, "same"))
+    flags = build_parser().parse_args([
+        "train", "--cluster", "slurm", "--nodes", "2-3", "--gpus-per-node", "4",
+        "--partition", "gpu", "--account", "proj", "--time", "30", "--container", "/img/e.sqsh",
+        "--mount", "/data:/data", "--exclusive", "--job-name", "exp-1"])
+    cluster = {"nodes": "2-3", "gpus_per_node": 4, "partition": "gpu", "account": "proj",
+               "time": "30", "container": "/img/e.sqsh", "mounts": ["/data:/data"],
+               "exclusive": True, "job_name": "exp-1"}
+    shape = _shape(cfg, cluster)
+    from_cli = check_slurm_spec(slurm_request(flags), cfg, "train", shape, 1)
+    from_api = check_slurm_spec(_slurm_request(cluster, shape), cfg, "train", shape, 1)
+    assert from_api == from_cli
+    assert from_cli.node_range == (2, 3) and from_cli.exclusive and from_cli.job_name == "exp-1"
+
+
+DETACHED = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np, torch, enn_cluster
+    x = np.random.default_rng(0).standard_normal((256, 8)).astype(np.float32)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    run = enn_cluster.train(model, x, x[:, :1] ** 2, config=json.loads(sys.argv[1]),
+                            run_dir=sys.argv[2], wait=False)
+    returned = time.time()
+    deadline = returned + 120
+    while not run.running() and time.time() < deadline:
+        time.sleep(0.2)
+    running = run.running()
+    while run.metrics("train") == [] and time.time() < deadline:
+        time.sleep(0.2)
+    run.cancel()
+    run.wait(timeout=120)
+    print(json.dumps({"running": running, "path": str(run.path)}))
+""")
+
+
+def test_train_wait_false_runs_detached_and_cancel_stops_it_in_a_pid_namespace(tmp_path):
+    """`wait=False` returns while a launcher of its own session trains; `Run.cancel()`
+    signals that launcher (proven by its lock record), which stops at an agreed step with a
+    committed checkpoint. The signal goes to a pid read from run.lock: own PID namespace."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare: cannot isolate a test that sends signals")
+    cfg = {"training": {"max_steps": 100000, "per_device_train_batch_size": 8},
+           "checkpoint": {"every_steps": 0}, "parallel": {"nodes": 1, "procs_per_node": 2}}
+    run = tmp_path / "runs" / "detached"
+    res = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
+                          sys.executable, "-c", DETACHED, json.dumps(cfg), str(run)],
+                         capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["running"] and out["path"] == str(run)
+    saved = metrics(run, "checkpoint")
+    assert saved and saved[-1]["step"] < 100000  # stopped early, with a checkpoint
+    assert (run / "checkpoints" / f"step-{saved[-1]['step']}" / "commit.json").is_file()
+    assert "stopped with a committed checkpoint" in (run / "logs" / "api-launcher.log").read_text()
+    assert not (run / "run.lock").exists()
