@@ -30,9 +30,10 @@ def test_api_cluster_dict_and_cli_flags_build_the_same_slurm_job(tmp_path, monke
     cluster = {"nodes": "2-3", "gpus_per_node": 4, "partition": "gpu", "account": "proj",
                "time": "30", "container": "/img/e.sqsh", "mounts": ["/data:/data"],
                "exclusive": True, "job_name": "exp-1"}
-    shape = _shape(cfg, cluster)
+    slurm = _slurm_request(cluster)
+    shape = _shape(cfg, cluster, slurm)
     from_cli = check_slurm_spec(slurm_request(flags), cfg, "train", shape, 1)
-    from_api = check_slurm_spec(_slurm_request(cluster, shape), cfg, "train", shape, 1)
+    from_api = check_slurm_spec(slurm, cfg, "train", shape, 1)
     assert from_api == from_cli
     assert from_cli.node_range == (2, 3) and from_cli.exclusive and from_cli.job_name == "exp-1"
 

@@ -114,25 +114,30 @@ def _write_step0(model, run: RunDir) -> None:
     store.write_commit(path, 0, files, world_size=1, contents=["model"], source="api")
 
 
-def _slurm_request(cluster: dict, shape: LaunchShape) -> SlurmRequest:
-    """The API's `cluster=` dict as the CLI's Slurm flags would give it."""
+def _slurm_request(cluster: Optional[dict]) -> Optional[SlurmRequest]:
+    """The API's `cluster=` dict as the CLI's Slurm flags would give it, with the site config
+    read once; None: run locally."""
+    if cluster is None:
+        return None
+    from enn_cluster.cluster.site import load_site
+
     keys = ("partition", "account", "qos", "time", "container", "python", "site",
             "job_name", "signal_grace", "cpus_per_task")
+    nodes = cluster.get("nodes")
     return SlurmRequest(**{k: cluster.get(k) for k in keys},
-                        nodes=str(cluster.get("nodes", shape.nodes)),
+                        nodes=None if nodes is None else str(nodes),
                         mounts=tuple(cluster.get("mounts", ())),
-                        exclusive=bool(cluster.get("exclusive", False)))
+                        exclusive=bool(cluster.get("exclusive", False)),
+                        site_config=load_site(cluster.get("site")))
 
 
-def _shape(cfg: RunConfig, cluster: Optional[dict]) -> LaunchShape:
+def _shape(cfg: RunConfig, cluster: Optional[dict], slurm: Optional[SlurmRequest]) -> LaunchShape:
     from enn_cluster.client.prepare import shape_from_flags
 
     c = cluster or {}
     gpus = c.get("gpus_per_node")
-    if cluster is not None and gpus is None:  # a Slurm job: the site config may know
-        from enn_cluster.cluster.site import load_site
-
-        gpus = load_site(c.get("site")).gpus_per_node
+    if slurm is not None and gpus is None:  # a Slurm job: the site config may know
+        gpus = slurm.site_config.gpus_per_node
     return shape_from_flags(cfg, c.get("nodes"), gpus, c.get("procs_per_node"))
 
 
@@ -152,7 +157,8 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
     cfg = _config(config, overrides)
     if isinstance(model, str):
         cfg.model.name = model
-    shape = _shape(cfg, cluster)
+    slurm = _slurm_request(cluster)
+    shape = _shape(cfg, cluster, slurm)
     restarts = cfg.parallel.max_restarts
 
     def populate(run: RunDir) -> None:
@@ -166,14 +172,14 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
         cfg.model.name = "enn_cluster.client.api:unpickled_model"
         cfg.model.kwargs = {"path": str(final / MODEL_PICKLE)}
     run = prepare_run(cfg, shape, arrays=_arrays(X, y, eval_data), populate_extra=populate)
-    return _start(run, "train", shape, restarts, cluster, wait)
+    return _start(run, "train", shape, restarts, slurm, wait)
 
 
-def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int, cluster, wait: bool,
+def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int,
+           slurm: Optional[SlurmRequest], wait: bool,
            name: Optional[str] = None, step: Optional[int] = None) -> Run:
-    if cluster is not None:
-        job = submit(run, slurm_spec(_slurm_request(cluster, shape), run, task, shape, restarts,
-                                     name=name), step=step)
+    if slurm is not None:
+        job = submit(run, slurm_spec(slurm, run, task, shape, restarts, name=name), step=step)
         if wait and wait_for_job(job) != 0:
             raise RuntimeError(f"Slurm job {job} for {run.path} did not complete; "
                                f"see 'enn-submit logs {run.path}'")
@@ -214,12 +220,13 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
 
     run = RunDir(Path(getattr(run_or_dir, "path", run_or_dir)).resolve())
     cfg = run.load_config()
-    shape = _shape(cfg, cluster)
+    slurm = _slurm_request(cluster)
+    shape = _shape(cfg, cluster, slurm)
     request = prepare_prediction(run, X, name=name, step=step,
                                  chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS,
                                  batch_size=batch_size or DEFAULT_BATCH_SIZE)
     if not request.complete:
-        _start(run, "predict", shape, cfg.parallel.max_restarts, cluster, True,
+        _start(run, "predict", shape, cfg.parallel.max_restarts, slurm, True,
                name=request.name, step=request.step)
     target = out or str(request.path / ("assembled-raw.npy" if raw else "assembled.npy"))
     result = collect(run, request.name, target, raw=raw, overwrite=out is None)

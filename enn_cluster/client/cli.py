@@ -15,6 +15,7 @@ from enn_cluster.client.cli_ops import (
     cmd_logs,
     cmd_render,
     launch_from_flags,
+    site_config,
     slurm_request,
 )
 from enn_cluster.client.launching import (
@@ -145,16 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_train_config(args):
     return load_flagged_config(args.config, args.overrides, args.site, args.run_name,
-                               args.runs_root)
+                               args.runs_root, read_site=lambda: site_config(args))
 
 
 def _site_shape_defaults(args) -> None:
     """A Slurm job's GPUs per node come from the site config when the flag is not given."""
     if getattr(args, "gpus_per_node", 0) is None and \
             (getattr(args, "cluster", None) == "slurm" or args.command == "render"):
-        from enn_cluster.cluster.site import load_site
-
-        args.gpus_per_node = load_site(args.site).gpus_per_node
+        args.gpus_per_node = site_config(args).gpus_per_node
 
 
 def cmd_train(args) -> int:
@@ -214,7 +213,6 @@ def cmd_resume(args) -> int:
 
 def cmd_build(args) -> int:
     from enn_cluster.cluster.image import build_image
-    from enn_cluster.cluster.site import load_site
     from enn_cluster.cluster.submit_slurm import image_cache_dir
 
     build_args = {}
@@ -227,7 +225,7 @@ def cmd_build(args) -> int:
         if not Path(path).exists():
             raise UserError(f"{flag}: {path} does not exist")
     cache = Path(args.cache_dir) if args.cache_dir else \
-        image_cache_dir(load_site(args.site).image_cache)
+        image_cache_dir(site_config(args).image_cache)
     image = build_image(args.dockerfile, args.context, cache, build_args=build_args,
                         builder=args.builder)
     print(image)

@@ -19,9 +19,19 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir, read_lock
 
 
+def site_config(args):
+    """The site config of this command, read once: the shape defaults, the runs root and the
+    job spec all ask for it."""
+    if getattr(args, "site_config", None) is None:
+        from enn_cluster.cluster.site import load_site
+
+        args.site_config = load_site(args.site)
+    return args.site_config
+
+
 def slurm_request(args) -> SlurmRequest:
     """The Slurm flags of a parsed command line (render has no --wait)."""
-    return SlurmRequest(
+    return SlurmRequest(site_config=site_config(args),
         partition=args.partition, account=args.account, qos=args.qos, time=args.time,
         container=args.container, python=args.python, site=args.site, job_name=args.job_name,
         signal_grace=args.signal_grace, cpus_per_task=getattr(args, "cpus_per_task", None),
@@ -49,7 +59,8 @@ def cmd_render(args) -> int:
         run = RunDir(target.resolve())
         cfg = run.load_config()
     else:
-        cfg = load_flagged_config(str(target), args.overrides, args.site)
+        cfg = load_flagged_config(str(target), args.overrides, args.site,
+                                  read_site=lambda: site_config(args))
         run = run_dir_for(cfg)
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts

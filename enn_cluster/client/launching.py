@@ -24,9 +24,12 @@ if TYPE_CHECKING:  # prepare stages data (numpy): imported by the commands that 
 
 
 def load_flagged_config(config: Optional[str], overrides: list, site: Optional[str],
-                        run_name: Optional[str] = None, runs_root: Optional[str] = None):
+                        run_name: Optional[str] = None, runs_root: Optional[str] = None,
+                        read_site=None):
     """The config file, then --set (YAML values), then the name flags (verbatim strings:
-    'exp #3' stays 'exp #3', 0010 stays 0010); the site's runs_root where none is named."""
+    'exp #3' stays 'exp #3', 0010 stays 0010); the site's runs_root where none is named.
+    `read_site()`: the site config as this command reads it once (default: from `site`);
+    called only when the runs root is not given."""
     from enn_cluster.config.run_config import load_config, read_yaml
 
     verbatim = {k: v for k, v in (("run_name", run_name), ("runs_root", runs_root))
@@ -34,7 +37,7 @@ def load_flagged_config(config: Optional[str], overrides: list, site: Optional[s
     if runs_root is None and not any(o.startswith("runs_root=") for o in overrides):
         from enn_cluster.cluster.site import load_site
 
-        site_root = load_site(site).runs_root
+        site_root = (read_site() if read_site else load_site(site)).runs_root
         if site_root and "runs_root" not in (read_yaml(config) if config else {}):
             verbatim["runs_root"] = site_root
     return load_config(config, overrides, verbatim)

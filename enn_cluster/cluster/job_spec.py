@@ -17,7 +17,6 @@ from importlib import resources
 from typing import Mapping, Optional, Union
 
 from enn_cluster.cluster import pyxis
-from enn_cluster.config.checks import node_range
 
 # the tests read time_minutes and _NAME from here too
 from enn_cluster.cluster.slurm_values import (
@@ -31,6 +30,7 @@ from enn_cluster.cluster.slurm_values import (
     time_minutes,
 )
 from enn_cluster.config import nccl
+from enn_cluster.config.checks import node_range
 
 TASKS = ("train", "predict")
 WORKER_MODULE = "enn_cluster.worker"

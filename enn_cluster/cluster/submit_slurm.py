@@ -67,6 +67,13 @@ class SlurmRequest:
     exclusive: bool = False
     nodes: Optional[str] = None
     wait: bool = False
+    site_config: Optional[object] = None  # the SiteConfig of `site`, when already read
+
+    def site_options(self):
+        """The site config: the one already read for this command, else read now."""
+        from enn_cluster.cluster.site import load_site
+
+        return self.site_config if self.site_config is not None else load_site(self.site)
 
     @property
     def nodes_range(self) -> Optional[str]:
@@ -77,14 +84,14 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
                name: Optional[str] = None):
     """Flags win over the site config, which wins over defaults (site.merge)."""
     from enn_cluster.cluster.job_spec import JobSpec
-    from enn_cluster.cluster.site import DEFAULTS, load_site, merge
+    from enn_cluster.cluster.site import DEFAULTS, merge
 
     flags = {"partition": req.partition, "account": req.account, "qos": req.qos,
              "time": req.time, "image": req.container, "python": req.python,
              "signal_grace_s": req.signal_grace,
              "cpus_per_task": req.cpus_per_task,
              "mounts": tuple(req.mounts) if req.mounts else None}
-    opts = merge(DEFAULTS, load_site(req.site), flags)
+    opts = merge(DEFAULTS, req.site_options(), flags)
     if opts["image"] is None:
         opts["image"] = str(default_image(opts["image_cache"]))
     bare = opts["image"] == "none"
