@@ -58,6 +58,13 @@ def test_predict_2x2_equals_single_process_forward(trained, tmp_path):
     assert manifest["step"] == step and manifest["world_size"] == 4
     assert sorted({c["rank"] for c in manifest["chunks"]}) == [0, 1, 2, 3]
     assert manifest["precision_check"] == {"reduced_precision": False, "dtype": "float32"}
+    logs = max((d for d in (run / "logs").iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
+    said = {r: (logs / f"rank-{r}.log").read_text() for r in range(4)}
+    # 2 nodes x 2 ranks: the first rank of each node reads the weights, the other gets them
+    assert all(f"weights of step-{step}: read from the checkpoint for this node" in said[r]
+               for r in (0, 2)), said
+    assert "received from rank 0 on this node" in said[1] and \
+        "received from rank 2 on this node" in said[3], said
     got = cli("collect", run, "--name", "full", "--out", tmp_path / "y.npy")
     assert got.returncode == 0, got.stderr
     assert "warning" not in got.stderr  # a trained model's outputs vary across samples

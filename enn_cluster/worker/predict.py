@@ -32,12 +32,46 @@ log = logging.getLogger("enn_cluster.worker.predict")
 FAULT_AFTER_CHUNKS = "ENN_FAULT_PREDICT_EXIT_AFTER_CHUNKS"  # tests: exit hard after k chunks
 
 
-def load_weights(run: RunDir, cfg, step: int, input_shape: tuple, lanes) -> torch.nn.Module:
-    """The full fp32 weights of step-N on the host, in eval mode."""
+def node_groups(nodes: list) -> tuple[list[int], dict]:
+    """From every rank's node (index = rank): the first rank of each node (the one that reads
+    the checkpoint) and each node's ranks, leader first. Pure."""
+    members: dict = {}
+    for rank, node in enumerate(nodes):
+        members.setdefault(node, []).append(rank)
+    return sorted(r[0] for r in members.values()), members
+
+
+def load_weights(run: RunDir, cfg, step: int, input_shape: tuple, lanes,
+                 node: int) -> torch.nn.Module:
+    """The full fp32 weights of step-N on the host, in eval mode. Read from the shared
+    filesystem once per node: the first rank of each node reads (those ranks together, through
+    DCP), then hands the tensors to its node's other ranks over a node-local gloo group, so
+    that eight ranks on a node do not each pull the whole checkpoint through Lustre."""
     manifest = read_manifest(run.data_dir)
     model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
     state = {"model": model.state_dict()}
-    ckpt.safe_load(state, store.step_dir(run.checkpoints, step), process_group=lanes.control)
+    path = store.step_dir(run.checkpoints, step)
+    leaders, members = node_groups(lanes.gather_objects(node))
+    if len(leaders) == lanes.world_size:  # one rank per node: everyone reads
+        ckpt.safe_load(state, path, process_group=lanes.control)
+    else:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        wait = timedelta(seconds=cfg.checkpoint.barrier_timeout_s or cfg.parallel.timeout_s)
+        readers = dist.new_group(leaders, backend="gloo", timeout=wait)
+        groups = {n: dist.new_group(ranks, backend="gloo", timeout=wait)
+                  for n, ranks in sorted(members.items())}
+        mine, src = groups[node], members[node][0]
+        if lanes.rank == src:
+            ckpt.safe_load(state, path, process_group=readers)
+        for key in sorted(state["model"]):
+            dist.broadcast(state["model"][key], src=src, group=mine)
+        log.info("weights of step-%d: %s", step, "read from the checkpoint for this node"
+                 if lanes.rank == src else f"received from rank {src} on this node")
+        for group in (readers, *groups.values()):
+            dist.destroy_process_group(group)
     model.load_state_dict(state["model"])
     return model.eval()
 
@@ -163,7 +197,7 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
                         f"verification; see 'enn-submit verify {run.path}'")
     x = np.load(pdir / pm.INPUT, mmap_mode="r")
     bf16 = use_bf16(cfg, lanes.device)  # cast on the host: no fp32 weights on the GPU
-    weights = load_weights(run, cfg, chosen, x.shape[1:], lanes)
+    weights = load_weights(run, cfg, chosen, x.shape[1:], lanes, env.node_rank)
     replica = copy.deepcopy(weights) if bf16 else weights
     replica = replica.to(dtype=torch.bfloat16 if bf16 else torch.float32).to(lanes.device)
     writer = ChunkWriter(pdir, replica, x, request, lanes, bf16, weights if bf16 else None)
