@@ -203,7 +203,7 @@ def test_slurm_train_with_hostile_flags_is_refused_before_the_run_exists(
       "--set", "run_name=a b"], "RUN_DIR: run directory"),
     (["train", "--config", "run.yaml", "--cluster", "slurm", "--container", "none",
       "--time", "$(touch CANARY_t)"], "--time: '$(touch CANARY_t)' is not a time"),
-    (["render", "run.yaml", "--container", "/i.sqsh", "--mount", "/a b:/a"], "--container-mounts"),
+    (["render", "run.yaml", "--container", "/i.sqsh", "--mount", "/a b:/a"], "--mount"),  # the flag typed
     ([], "required: command"),
 ])
 def test_inputs_that_crashed_before(workdir, no_torch, args, needle):

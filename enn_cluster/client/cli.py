@@ -15,6 +15,7 @@ from enn_cluster.client.cli_ops import (
     cmd_logs,
     cmd_render,
     launch_from_flags,
+    launch_shape,
     site_config,
     slurm_request,
 )
@@ -157,10 +158,10 @@ def _site_shape_defaults(args) -> None:
 
 
 def cmd_train(args) -> int:
-    from enn_cluster.client.prepare import prepare_run, shape_from_flags
+    from enn_cluster.client.prepare import prepare_run
 
     cfg = _load_train_config(args)
-    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    shape = launch_shape(args, cfg)
     restarts = max_restarts(args.max_restarts, cfg)
     spec = None
     if args.cluster == "slurm":  # refuse a job Slurm cannot take before the run exists
@@ -200,13 +201,18 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from enn_cluster.client.prepare import prepare_resume, shape_from_flags
+    from enn_cluster.client.prepare import prepare_resume
     from enn_cluster.storage.rundir import RunDir
 
     run = RunDir(Path(args.run_dir).resolve())
     cfg = run.load_config()
     check_control_files(run)  # before prepare_resume re-freezes the config
-    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    from enn_cluster.storage.commits import resume_refusal
+
+    refusal = resume_refusal(run.checkpoints)
+    if refusal:
+        raise UserError(refusal)
+    shape = launch_shape(args, cfg)
     cfg = prepare_resume(run, cfg, shape, args.overrides)
     return launch_from_flags(args, run, "train", shape, max_restarts(args.max_restarts, cfg))
 
@@ -239,6 +245,7 @@ def cmd_verify(args) -> int:
     run = RunDir(Path(args.run_dir).resolve())
     if not run.config_path.is_file():
         raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    run.load_config()  # a damaged config.yaml is a damaged run: one line, exit 2
     bad = 0
     steps = store.list_steps(run.checkpoints)
     if not steps:
@@ -260,6 +267,9 @@ def cmd_status(args) -> int:
     path = Path(args.run_dir).resolve()
     if not (path / "config.yaml").exists():
         raise UserError(f"RUN_DIR: {path} is not a run directory (no config.yaml)")
+    from enn_cluster.storage.rundir import RunDir
+
+    RunDir(path).load_config()  # a damaged config.yaml is a damaged run: one line, exit 2
     if args.follow:
         return _follow_status(path, max(args.interval, 0.1))
     print(format_status(run_status(path)))
@@ -300,6 +310,10 @@ def cmd_plot(args) -> int:
         raise UserError(f"RUN_DIR: {run.metrics} has no training steps to plot yet")
     from enn_cluster.storage.rundir import run_umask
 
+    if args.out:
+        from enn_cluster.storage.output_target import check_local_target
+
+        check_local_target("--out", args.out, overwrite=True)
     with run_umask():  # 0640 like the rest of the run, whatever the caller's umask
         out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
                          title=run.path.name)

@@ -10,6 +10,7 @@ from pathlib import Path
 from enn_cluster.client.launching import (
     ConfigOnlyRun,
     cancel_run,
+    check_local_capacity,
     launch,
     load_flagged_config,
     slurm_spec,
@@ -30,7 +31,15 @@ def site_config(args):
 
 
 def slurm_request(args) -> SlurmRequest:
-    """The Slurm flags of a parsed command line (render has no --wait)."""
+    """The Slurm flags of a parsed command line (render has no --wait); mounts are checked
+    here so that an error names the flag the user typed."""
+    from enn_cluster.cluster.pyxis import parse_mounts
+
+    for mount in args.mounts or ():
+        if any(c in mount for c in "\n\r\0\t"):
+            raise UserError(f"--mount: {mount!r} holds a line break or control character; "
+                            "write SRC:DST[:FLAGS] on one line")
+    parse_mounts(list(args.mounts or ()), "--mount")
     return SlurmRequest(site_config=site_config(args),
         partition=args.partition, account=args.account, qos=args.qos, time=args.time,
         container=args.container, python=args.python, site=args.site, job_name=args.job_name,
@@ -38,6 +47,16 @@ def slurm_request(args) -> SlurmRequest:
         mounts=tuple(args.mounts or ()), exclusive=bool(args.exclusive),
         nodes=None if args.nodes is None else str(args.nodes),
         wait=bool(getattr(args, "wait", False)))
+
+
+def launch_shape(args, cfg):
+    """The shape the flags ask for; a local run's also checked against this machine."""
+    from enn_cluster.client.prepare import shape_from_flags
+
+    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    if getattr(args, "cluster", "local") != "slurm":
+        check_local_capacity(shape, args.procs_per_node is not None)
+    return shape
 
 
 def launch_from_flags(args, run: RunDir, task: str, shape, restarts: int, name=None,

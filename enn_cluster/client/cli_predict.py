@@ -35,20 +35,20 @@ def register(sub, add_shape_flags, commands) -> None:
 
 
 def cmd_predict(args) -> int:
-    from enn_cluster.client.cli_ops import launch_from_flags
+    from enn_cluster.client.cli_ops import launch_from_flags, launch_shape
     from enn_cluster.client.launching import check_control_files, max_restarts
     from enn_cluster.client.prediction_request import (
         DEFAULT_BATCH_SIZE,
         DEFAULT_CHUNK_ROWS,
         prepare_prediction,
     )
-    from enn_cluster.client.prepare import check_model_importable, shape_from_flags
+    from enn_cluster.client.prepare import check_model_importable
     from enn_cluster.storage.rundir import RunDir
 
     run = RunDir(Path(args.run_dir).resolve())
     cfg = run.load_config()
     check_control_files(run)
-    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    shape = launch_shape(args, cfg)
     restarts = max_restarts(args.max_restarts, cfg)
     check_model_importable(cfg.model.name)
     if args.input is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import RunningChecksum, algorithm_of, file_checksum
 from enn_cluster.storage.file_copy import kernel_copy
+from enn_cluster.storage.output_target import check_local_target
 from enn_cluster.storage.rundir import RunDir, fsync_dir
 from enn_cluster.storage.staging import progress_bar, read_npy_header
 
@@ -53,8 +55,14 @@ def find_prediction(run: RunDir, name: Optional[str]) -> str:
 
 
 def read_committed(pdir: Path) -> dict:
+    """The committed manifest, checked as data: its chunk files are plain names of this
+    prediction, each named once, before any of them is opened."""
+    where = pdir / pm.MANIFEST
     try:
-        return json.loads((pdir / pm.MANIFEST).read_text())
+        manifest = json.loads(where.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{where}: not valid JSON (damaged or hand-edited); recompute the "
+                        f"prediction with 'enn-submit predict ... --name {pdir.name}'") from None
     except FileNotFoundError:
         done = len(list(pdir.glob("chunk-*.json")))
         request = json.loads((pdir / pm.REQUEST).read_text())
@@ -62,6 +70,41 @@ def read_committed(pdir: Path) -> dict:
         raise UserError(f"prediction {pdir.name}: not complete ({done} of {total} chunks "
                         f"committed); continue it with 'enn-submit predict "
                         f"{pdir.parent.parent} --name {pdir.name}'")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{where}: {problem}; recompute the prediction with "
+                        f"'enn-submit predict ... --name {pdir.name}'")
+    return manifest
+
+
+def manifest_problem(manifest) -> Optional[str]:
+    """What makes a manifest unusable as data, or None. Pure."""
+    if not isinstance(manifest, dict):
+        return "not a manifest (a JSON object is expected)"
+    chunks = manifest.get("chunks")
+    if not isinstance(chunks, list) or not chunks or not all(isinstance(c, dict) for c in chunks):
+        return "its 'chunks' is not a list of chunk records"
+    if not isinstance(manifest.get("n_rows"), int) or not isinstance(manifest.get("output_shape"), list):
+        return "its 'n_rows' or 'output_shape' is missing or not a number/list"
+    seen: dict = {}
+    for i, rec in enumerate(chunks):
+        stem = f"chunk-{rec.get('index', i):06d}" if isinstance(rec.get("index", i), int) else f"chunk #{i}"
+        name = rec.get("file")
+        if not isinstance(name, str) or not re.fullmatch(r"chunk-[0-9]{6,}\.npy", name):
+            return f"{stem}: its file {str(name)[:80]!r} is not a chunk of this prediction"
+        if name in seen:
+            return f"{stem}: its file {name} is also {seen[name]}'s (rows would repeat)"
+        seen[name] = stem
+    if len(chunks) != len({c.get("index") for c in chunks}):
+        return "two records have one chunk index"
+    rows = [c.get("rows") for c in chunks]
+    if not all(isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r)
+               for r in rows):
+        return "a chunk record's 'rows' is not [start, stop]"
+    missing = pm.coverage_problems(chunks, manifest["n_rows"])
+    if missing:
+        return "; ".join(missing[:3])
+    return None
 
 
 def verify_chunks(pdir: Path, manifest: dict) -> list[str]:
@@ -149,7 +192,11 @@ def _assemble(pdir: Path, manifest: dict, tmp: Path, raw: bool, stream) -> list[
 def _target(out: str):
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(out)
+    try:
+        fs, path = fsspec.core.url_to_fs(out)
+    except (ValueError, ImportError) as exc:
+        raise UserError(f"--out: no storage for {out.split('://')[0]!r}:// here ({str(exc)[:120]}); "
+                        "give a local path or an fsspec URL whose package is installed") from None
     local = type(fs).__name__ == "LocalFileSystem"
     return fs, path, local
 
@@ -169,7 +216,9 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
     if not str(out).endswith(".npy"):
         raise UserError(f"--out: {out!r} must end in .npy (local path or fsspec URL)")
     fs, path, local = _target(out)
-    if fs.exists(path) and not overwrite:
+    if local:
+        check_local_target("--out", path, overwrite)
+    elif fs.exists(path) and not overwrite:
         raise UserError(f"--out: {out} exists; choose another path or pass --overwrite")
     if local:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

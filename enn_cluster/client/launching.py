@@ -57,6 +57,22 @@ def check_control_files(run: RunDir) -> None:
     run.jobs()
 
 
+LOCAL_PROCS_PER_CPU = 4  # the most local processes per CPU we start without being told to
+
+
+def check_local_capacity(shape: LaunchShape, procs_given: bool, cpus: Optional[int] = None) -> None:
+    """The local launcher starts every process on this machine: a shape meant for GPU nodes
+    (`--nodes 4 --gpus-per-node 8`) would start 32 trainers on a login node. Refused beyond a
+    few processes per CPU unless --procs-per-node says the number on purpose."""
+    cpus = cpus or os.cpu_count() or 1
+    cap = max(8, LOCAL_PROCS_PER_CPU * cpus)
+    if not procs_given and shape.world > cap:
+        raise UserError(f"--procs-per-node: a local run would start {shape.nodes} x "
+                        f"{shape.procs_per_node} = {shape.world} processes on this machine "
+                        f"({cpus} CPUs; at most {cap} unless asked for); pass --procs-per-node "
+                        "to mean it, or --cluster slurm to run on the cluster")
+
+
 def launch(run: RunDir, task: str, shape: LaunchShape, restarts: int,
            slurm: Optional[SlurmRequest] = None, name: Optional[str] = None,
            step: Optional[int] = None, spec=None) -> int:

@@ -30,7 +30,13 @@ from enn_cluster.storage.rundir import (
     run_umask,
     sigterm_unwinds,
 )
-from enn_cluster.storage.staging import read_manifest, stage_array
+from enn_cluster.storage.staging import (
+    check_layout,
+    check_source,
+    inspect_array,
+    read_manifest,
+    stage_array,
+)
 
 DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_BATCH_SIZE = 1024
@@ -66,7 +72,8 @@ def _choose_step(run: RunDir, step: Optional[int]) -> int:
     metadata loads: workers must never be started on a checkpoint they cannot read."""
     committed = store.committed_steps(run.checkpoints)
     if not committed:
-        raise UserError(f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
+        raise UserError(store.resume_refusal(run.checkpoints) or
+                        f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
                         "resume it first")
     if step is not None and step not in committed:
         raise UserError(f"--step: step-{step} is not a complete checkpoint of {run.path}; "
@@ -74,7 +81,7 @@ def _choose_step(run: RunDir, step: Optional[int]) -> int:
     skipped = []
     for cand in [step] if step is not None else committed[::-1]:
         path = store.step_dir(run.checkpoints, cand)
-        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+        problems = store.step_problems(path)
         if not problems:
             if skipped:
                 print(f"using step-{cand}: newer {', '.join(skipped)} failed verification "
@@ -117,11 +124,22 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     if source is None:
         raise UserError(f"--input: required (no prediction named {name!r} to continue in "
                         f"{run.predictions})")
+    _check_input_array(source, cfg.data.x_key)
     if existing is not None and step is None:
         step = existing["step"]
     step = _choose_step(run, step)
     with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
         return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size)
+
+
+def _check_input_array(source: Any, x_key: str) -> None:
+    """The input's header (a file) or dtype and shape (an array), before anything is made."""
+    if isinstance(source, (str, os.PathLike)):
+        source = str(source)
+        check_source("--input", source)
+        inspect_array("--input", source, x_key if source.endswith(".npz") else None)
+    elif isinstance(source, np.ndarray):
+        check_layout("--input", "the input array", tuple(source.shape), False, source.dtype, None)
 
 
 def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chunk_rows: int,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.config.checks import node_range
+from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
 from enn_cluster.errors import UserError
@@ -49,11 +49,11 @@ def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],
                      procs_per_node: Optional[int]) -> LaunchShape:
     nodes, max_nodes = node_range(nodes) if nodes is not None else (cfg.parallel.nodes,) * 2
     gpus = gpus_per_node or 0
+    if not 0 <= gpus <= MAX_PROCS_PER_NODE:
+        raise UserError(f"--gpus-per-node: {gpus} must be >= 0 and at most {MAX_PROCS_PER_NODE}")
     procs = procs_per_node if procs_per_node is not None else (gpus or cfg.parallel.procs_per_node)
-    if procs < 1:
-        raise UserError(f"--procs-per-node: {procs} must be >= 1")
-    if gpus < 0:
-        raise UserError(f"--gpus-per-node: {gpus} must be >= 0")
+    if not 1 <= procs <= MAX_PROCS_PER_NODE:
+        raise UserError(f"--procs-per-node: {procs} must be >= 1 and at most {MAX_PROCS_PER_NODE}")
     if gpus and procs != gpus:
         raise UserError(f"--procs-per-node: {procs} differs from --gpus-per-node {gpus}; "
                         "GPU runs use one process per GPU")
@@ -89,12 +89,16 @@ def freeze_global_batch(cfg: RunConfig, meshes: dict[int, MeshPlan]) -> RunConfi
 
 
 def check_model_importable(name: str) -> None:
-    """A `module:factory` model must import in the workers; find it now, without running it."""
+    """A `module:factory` model must import in the workers: import it now (the workers would
+    run the same import) and check that the factory is a class or function, so that a typo
+    is one line here rather than a traceback on every rank after the job started."""
     if ":" not in name:
         return
+    import importlib
     import importlib.util
+    import inspect
 
-    module = name.split(":", 1)[0]
+    module, attr = name.split(":", 1)
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -102,6 +106,19 @@ def check_model_importable(name: str) -> None:
     if not found:
         raise UserError(f"model.name: module {module!r} is not importable; put it on "
                         "PYTHONPATH (every node must see it) or pip install it")
+    try:
+        factory = importlib.import_module(module)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except AttributeError:
+        raise UserError(f"model.name: module {module!r} has no {attr!r}; name a class or "
+                        "function that returns an nn.Module") from None
+    except Exception as exc:  # the user's module failed to import: say so in one line
+        raise UserError(f"model.name: importing {module!r} failed ({type(exc).__name__}: "
+                        f"{str(exc)[:200]}); fix the module") from None
+    if not (inspect.isclass(factory) or inspect.isfunction(factory) or inspect.ismethod(factory)):
+        raise UserError(f"model.name: {name} is a {type(factory).__name__}, not a model factory "
+                        "(a class or Python function returning an nn.Module)")
 
 
 def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.rundir import RunDir, read_lock
@@ -11,8 +12,9 @@ from enn_cluster.storage.rundir import RunDir, read_lock
 
 def run_status(path: Path) -> dict:
     run = RunDir(Path(path))
-    last_train, last_eval, resumes, start = None, None, 0, None
+    last_train, last_eval, resumes, start, records = None, None, 0, None, 0
     for rec in read_metrics(run.metrics):
+        records += 1
         kind = rec.get("kind")
         if kind == "train":
             last_train = rec
@@ -22,6 +24,9 @@ def run_status(path: Path) -> dict:
             resumes += 1
         elif kind == "start":
             start = rec
+    if not records and run.metrics.is_file() and run.metrics.stat().st_size:
+        raise UserError(f"{run.metrics}: no readable record in it (a run writes JSON lines "
+                        "there); it is damaged: move it aside to see the rest of the status")
     jobs = with_unrecorded_slurm_jobs(run.jobs(), _slurm_log_dirs(run))
     status = {
         "run_dir": str(run.path),

@@ -29,6 +29,10 @@ def check_metrics_path(key: str, value: str) -> None:
 
 
 MAX_COUNT = 10**9  # epochs and steps: far beyond any run, far below int64 step counters
+MAX_BATCH_ROWS = 2**24  # rows per device per micro-batch, and accumulation steps
+MAX_GLOBAL_BATCH = 2**31  # rows per optimizer step
+MAX_NODES = 2**16  # beyond the largest Slurm allocation anyone has
+MAX_PROCS_PER_NODE = 1024  # processes (GPUs) per node
 
 
 def _bounded(key: str, value: Any, most: int) -> None:
@@ -154,4 +158,6 @@ def node_range(value) -> tuple[int, int]:
         raise UserError(f"--nodes: {value!r} is not a node count; give N or a range MIN-MAX")
     if not 1 <= lo <= hi:
         raise UserError(f"--nodes: {value!r} is empty or below 1; give 1 <= MIN <= MAX")
+    if hi > MAX_NODES:
+        raise UserError(f"--nodes: {value!r} is more than {MAX_NODES} nodes; give a real count")
     return lo, hi

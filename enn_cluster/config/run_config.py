@@ -15,7 +15,11 @@ from typing import Any, Optional
 import yaml
 
 from enn_cluster.config.checks import (
+    MAX_BATCH_ROWS,
     MAX_COUNT,
+    MAX_GLOBAL_BATCH,
+    MAX_NODES,
+    MAX_PROCS_PER_NODE,
     _bounded,
     _check_tree,
     _choice,
@@ -127,9 +131,12 @@ class TrainingConfig:
         _bounded("training.epochs", self.epochs, MAX_COUNT)
         _non_negative("training.max_steps", self.max_steps)
         _bounded("training.max_steps", max(self.max_steps, 1), MAX_COUNT)
-        _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
-        _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _bounded("training.per_device_train_batch_size", self.per_device_train_batch_size,
+                 MAX_BATCH_ROWS)
+        _bounded("training.gradient_accumulation_steps", self.gradient_accumulation_steps,
+                 MAX_BATCH_ROWS)
         _non_negative("training.global_batch_size", self.global_batch_size)
+        _bounded("training.global_batch_size", max(self.global_batch_size, 1), MAX_GLOBAL_BATCH)
         _positive("training.max_nonfinite_steps", self.max_nonfinite_steps)
         _seed("training.seed", self.seed)
         _non_negative("training.fail_at_step", self.fail_at_step)
@@ -175,8 +182,8 @@ class ParallelConfig:
     def validate(self) -> None:
         _choice("parallel.strategy", self.strategy, ("hsdp", "fsdp", "ddp"))
         _choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
-        _positive("parallel.nodes", self.nodes)
-        _positive("parallel.procs_per_node", self.procs_per_node)
+        _bounded("parallel.nodes", self.nodes, MAX_NODES)
+        _bounded("parallel.procs_per_node", self.procs_per_node, MAX_PROCS_PER_NODE)
         _non_negative("parallel.replicate", self.replicate)
         _non_negative("parallel.shard", self.shard)
         _non_negative("parallel.max_restarts", self.max_restarts)
@@ -383,11 +390,36 @@ def config_from_dict(data: Any) -> RunConfig:
     return _build(RunConfig, data, "").validate()
 
 
+def _no_duplicate_keys(node, path: str, where: tuple = (), walked=None) -> None:
+    """YAML keeps the last of two equal keys without a word; a run config that says
+    `lr` twice is refused, naming the key, so that nobody trains with the value they did not
+    mean. Each node is walked once (an alias is not expanded again)."""
+    walked = set() if walked is None else walked
+    if id(node) in walked:
+        return
+    walked.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else str(key.value)
+            if name in seen:
+                dotted = ".".join((*where, name))
+                raise UserError(f"{dotted}: given twice in {path} (line {key.start_mark.line + 1}); "
+                                "keep one")
+            seen.add(name)
+            _no_duplicate_keys(value, path, (*where, name), walked)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _no_duplicate_keys(item, path, where, walked)
+
+
 def read_yaml(path: str) -> dict:
     check_regular_file("--config", path, "pass the path of a run YAML")
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            text = fh.read()
+        _no_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+        data = yaml.safe_load(text)
     except FileNotFoundError:
         raise UserError(f"--config: {path} does not exist; pass the path of a run YAML")
     except IsADirectoryError:

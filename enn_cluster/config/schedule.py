@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from enn_cluster.config.checks import MAX_GLOBAL_BATCH
 from enn_cluster.config.run_config import TrainingConfig
 from enn_cluster.errors import UserError
 
@@ -39,7 +40,13 @@ def lr_at(step: int, total_steps: int, base_lr: float, warmup_ratio: float,
 
 def requested_global_batch(t: TrainingConfig, dp_size: int) -> int:
     """The global batch a run has, or gets at its first launch at `dp_size` ranks."""
-    return t.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * dp_size
+    gb = t.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * dp_size
+    if gb > MAX_GLOBAL_BATCH:
+        raise UserError(f"training.per_device_train_batch_size: {t.per_device_train_batch_size} "
+                        f"x gradient_accumulation_steps {t.gradient_accumulation_steps} x {dp_size} "
+                        f"ranks is a global batch of {gb} rows, more than {MAX_GLOBAL_BATCH}; "
+                        "make them smaller")
+    return gb
 
 
 def fitting_node_counts(global_batch: int, procs_per_node: int, limit: int = MAX_NODES_SUGGESTED) -> list[int]:
@@ -53,8 +60,17 @@ def plan_batch(t: TrainingConfig, dp_size: int, procs_per_node: int = 0) -> Batc
     if gb % dp_size:
         raise UserError(_no_split_message(gb, dp_size, procs_per_node))
     share = gb // dp_size
-    micro = max(m for m in range(1, min(share, t.per_device_train_batch_size) + 1) if share % m == 0)
+    micro = largest_divisor_at_most(share, t.per_device_train_batch_size)
     return BatchPlan(gb, micro, share // micro, dp_size)
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of n that is <= cap, in sqrt(n) steps (n may be 2**31)."""
+    best = 1
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            best = max([best] + [m for m in (d, n // d) if m <= cap])
+    return best
 
 
 def _no_split_message(gb: int, dp_size: int, procs_per_node: int) -> str:

@@ -111,6 +111,35 @@ def sound_steps(root: Path) -> list[int]:
             if not (verify_checkpoint(step_dir(root, s)) or loadable_problems(step_dir(root, s)))]
 
 
+def step_problems(path: Path) -> list[str]:
+    """Why a checkpoint cannot be resumed from ([] when it can): commit record, checksums
+    (an algorithm this version does not know included), metadata."""
+    try:
+        return verify_checkpoint(path) or loadable_problems(path)
+    except ValueError as exc:
+        return [str(exc)]
+
+
+def resume_refusal(root: Path) -> Optional[str]:
+    """Resume continues from a checkpoint, never silently from scratch: where checkpoint
+    were committed (a commit.json exists, readable or not) but none can be resumed from, the
+    newest one's problem, else None. Steps torn before their commit never counted: a run
+    stopped during its first save starts again from scratch, as it should. Checked newest
+    first, stopping at the first sound step (reading every checkpoint would read the whole
+    history)."""
+    steps = [s for s in list_steps(root) if (step_dir(root, s) / COMMIT).exists()]
+    for step in reversed(steps):
+        if not step_problems(step_dir(root, step)):
+            return None
+    if not steps:
+        return None
+    newest = steps[-1]
+    why = "; ".join(step_problems(step_dir(root, newest))[:2])
+    return (f"checkpoint step-{newest}: {why}; no checkpoint of this run verifies (resume "
+            "would start from scratch, predict has no weights): restore the checkpoint "
+            "directory, or start a new run")
+
+
 def files_for_rank(path: Path, rank: int) -> list[str]:
     """The files one rank wrote itself (DCP names them __<rank>_<i>.distcp)."""
     ours = []

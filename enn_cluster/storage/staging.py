@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -75,13 +76,87 @@ def check_source(field: str, path: Optional[str]) -> None:
 
 
 def check_data_sources(data: DataConfig) -> None:
-    check_source("data.train_path", data.train_path)
-    check_source("data.train_targets_path", data.train_targets_path)
-    check_source("data.eval_path", data.eval_path)
-    check_source("data.eval_targets_path", data.eval_targets_path)
+    """Every input file exists and holds an array we can stage, and inputs and targets have
+    the same rows: checked from the headers, before the run directory exists."""
     if data.train_path.endswith(".npy") and not data.train_targets_path:
         raise UserError("data.train_targets_path: required when data.train_path is a .npy "
                         "(or give an .npz holding data.x_key and data.y_key)")
+    for x_field, y_field in (("data.train_path", "data.train_targets_path"),
+                             ("data.eval_path", "data.eval_targets_path")):
+        x_path, y_path = getattr(data, x_field[5:]), getattr(data, y_field[5:])
+        check_source(x_field, x_path)
+        check_source(y_field, y_path)
+        if x_path is None or x_path == "synthetic":
+            continue
+        x_rows = inspect_array(x_field, x_path, data.x_key if x_path.endswith(".npz") else None)
+        y_src = y_path or x_path
+        y_rows = inspect_array(y_field if y_path else x_field, y_src,
+                               data.y_key if y_src.endswith(".npz") else None)
+        if x_rows != y_rows:
+            raise UserError(f"{x_field}: {x_path} has {x_rows} rows but its targets "
+                            f"({y_field if y_path else data.y_key}) have {y_rows}; they must match")
+
+
+# Dtype kinds we stage: booleans, integers, floats. Complex would lose its imaginary part in
+# a float model; objects need pickle; strings are not features.
+NUMERIC_KINDS = "biuf"
+
+
+def check_layout(field: str, source: str, shape, fortran: bool, dtype, data_bytes: Optional[int]) -> int:
+    """The header of an input array, judged without reading its data: rows returned. Pure.
+    `data_bytes`: what the file holds after the header, where known."""
+    if not isinstance(shape, tuple) or not shape:
+        raise UserError(f"{field}: {source} holds a single value, not rows of features; "
+                        "save a 2-D array (rows x features)")
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise UserError(f"{field}: {source} has an invalid shape in its header; re-save it with np.save")
+    if shape[0] == 0:
+        raise UserError(f"{field}: {source} has no rows; give a file with data")
+    if dtype.kind not in NUMERIC_KINDS:
+        what = {"c": "complex (its imaginary part would be lost)", "O": "Python objects",
+                "U": "strings", "S": "bytes", "V": "records"}.get(dtype.kind, str(dtype))
+        raise UserError(f"{field}: {source} holds {what}; convert it to a float or integer "
+                        "array (e.g. x.astype('float32')) and save it again")
+    if fortran:
+        raise UserError(f"{field}: {source} is Fortran-ordered; save it with "
+                        "np.save(path, np.ascontiguousarray(x))")
+    need = math.prod(shape) * dtype.itemsize
+    if data_bytes is not None and data_bytes != need:
+        raise UserError(f"{field}: {source} is truncated or damaged (its header promises {need} "
+                        f"bytes of data, the file holds {data_bytes}); save it again")
+    return shape[0]
+
+
+def _header(fh, field: str, source: str):
+    try:
+        return read_npy_header(fh)
+    except (ValueError, TypeError, SyntaxError, EOFError, OSError):
+        raise UserError(f"{field}: {source} is not a readable .npy file (bad or truncated "
+                        "header); save it with np.save") from None
+
+
+def inspect_array(field: str, source: str, key: Optional[str] = None) -> int:
+    """Open `source` (a .npy, or array `key` of an .npz; a path or fsspec URL), check its
+    header against its size, and return its rows. Nothing of the data is read."""
+    local = _local_path(source) if key is None else None
+    try:
+        if local is not None:
+            with open(local, "rb") as fh:
+                shape, fortran, dtype = _header(fh, field, source)
+                return check_layout(field, source, shape, fortran, dtype,
+                                    os.fstat(fh.fileno()).st_size - fh.tell())
+        stream, closers = _open_npy_stream(source, key, field)
+        try:
+            shape, fortran, dtype = _header(stream, field, source)
+            size = getattr(stream, "_enn_size", None)
+            return check_layout(field, source, shape, fortran, dtype,
+                                None if size is None else size - stream.tell())
+        finally:
+            for c in closers:
+                c.close()
+    except OSError as exc:
+        raise UserError(f"{field}: cannot read {source} ({exc.strerror or exc}); "
+                        "check the path and its permissions") from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -96,10 +171,8 @@ def read_npy_header(fh) -> tuple[tuple, bool, np.dtype]:
 
 
 def _layout(fh, source: str) -> tuple[tuple, np.dtype]:
-    shape, fortran, dtype = read_npy_header(fh)
-    if fortran:
-        raise UserError(f"{source}: Fortran-ordered arrays are not supported; "
-                        "save with np.ascontiguousarray")
+    shape, fortran, dtype = _header(fh, "input", source)
+    check_layout("input", source, shape, fortran, dtype, None)
     return tuple(shape), np.dtype(dtype)
 
 
@@ -114,20 +187,30 @@ def _local_path(source: str) -> Optional[str]:
     return path if isinstance(fs, LocalFileSystem) else None
 
 
-def _open_npy_stream(source: str, key: Optional[str]):
+def _open_npy_stream(source: str, key: Optional[str], field: str = "data.x_key/y_key"):
+    """A readable stream of the .npy (or of member `key` of the .npz), and what to close;
+    `_enn_size` on the stream is its size where known."""
     import fsspec
 
     handle = fsspec.open(source, "rb").open()
     if key is None:
+        handle._enn_size = getattr(handle, "size", None)
         return handle, [handle]
-    zf = zipfile.ZipFile(handle)
+    try:
+        zf = zipfile.ZipFile(handle)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        handle.close()
+        raise UserError(f"{field}: {source} is not a readable .npz file; save it with "
+                        "np.savez") from None
     name = key if key.endswith(".npy") else key + ".npy"
     if name not in zf.namelist():
+        held = ", ".join(repr(n[:-4]) for n in zf.namelist()[:20] if n.endswith(".npy"))
         zf.close()
         handle.close()
-        raise UserError(f"data.x_key/y_key: {source} has no array {key!r}; "
-                        f"it holds {', '.join(n[:-4] for n in zf.namelist())}")
+        raise UserError(f"{field}: {source} has no array {key!r} (data.x_key/y_key); "
+                        f"it holds {held or 'none'}")
     member = zf.open(name)
+    member._enn_size = zf.getinfo(name).file_size
     return member, [member, zf, handle]
 
 
@@ -217,6 +300,7 @@ def _bytes(out: np.ndarray) -> np.ndarray:
 
 
 def _stage_ndarray(arr: np.ndarray, dest: Path, progress: Optional[TextIO]) -> dict:
+    check_layout("input", "the array given", tuple(arr.shape), False, arr.dtype, None)
     def fill(out: np.memmap, running: RunningChecksum) -> None:
         src, flat = _bytes(arr), _bytes(out)
         for start in range(0, src.size, _BLOCK):
