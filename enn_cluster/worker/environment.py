@@ -62,7 +62,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
 def port_for_job(job_id: str) -> int:
     """A rendezvous port derived from the job id: stable across requeues of one job."""
     digits = re.sub(r"\D", "", job_id) or "0"
-    return 20000 + int(digits) % 20000
+    return 20000 + int(digits) % 10000  # 20000-29999: below Linux's ephemeral ports (32768-60999)
 
 
 def _int(environ: Mapping[str, str], name: str, default: Optional[int] = None) -> int:

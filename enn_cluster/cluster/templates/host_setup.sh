@@ -2,9 +2,10 @@
 # Every value read at run time is data: it is checked to be digits before any arithmetic
 # (bash evaluates `a[$(cmd)]` inside $((...)), so a file holding that would run cmd).
 enn_digits() { case "$1" in ''|*[!0-9]*) return 1 ;; esac; [ "${#1}" -le 12 ]; }
-# Rendezvous port from the job id, as the worker derives it: stable across requeues.
+# Rendezvous port from the job id, as the worker derives it: stable across requeues, in
+# 20000-29999, below the kernel's ephemeral ports (32768-60999) that outgoing connections take.
 if [ -z "${MASTER_PORT:-}" ] && enn_digits "${SLURM_JOB_ID:-}"; then
-  export MASTER_PORT="$((20000 + 10#$SLURM_JOB_ID % 20000))"
+  export MASTER_PORT="$((20000 + 10#$SLURM_JOB_ID % 10000))"
 fi
 # Requeue from the host: inside a Pyxis container `scontrol` is missing. When srun returns,
 # this EXIT trap requeues the job (it resumes from the newest complete checkpoint):
