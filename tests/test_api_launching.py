@@ -79,3 +79,30 @@ def test_train_wait_false_runs_detached_and_cancel_stops_it_in_a_pid_namespace(t
     assert (run / "checkpoints" / f"step-{saved[-1]['step']}" / "commit.json").is_file()
     assert "stopped with a committed checkpoint" in (run / "logs" / "api-launcher.log").read_text()
     assert not (run / "run.lock").exists()
+
+
+def test_memory_per_node_from_site_and_flag_reaches_the_job(tmp_path, monkeypatch):
+    """`mem_gb` in the site config, `--mem-gb` on the command line (which wins), and the
+    API's `cluster={"mem_gb": ...}` all become sbatch's --mem."""
+    from enn_cluster.cluster import job_spec
+
+    monkeypatch.chdir(tmp_path)
+    site = tmp_path / "site.yaml"
+    site.write_text("mem_gb: 32\n")
+    monkeypatch.setenv("ENN_SITE_CONFIG", str(site))
+    cfg = config_from_dict(small_config(tmp_path, "mem"))
+    base = ["train", "--cluster", "slurm", "--container", "/img/e.sqsh", "--nodes", "2"]
+    shape = _shape(cfg, {"nodes": 2}, _slurm_request({"nodes": 2}))
+    from_site = check_slurm_spec(slurm_request(build_parser().parse_args(base)), cfg, "train", shape, 0)
+    from_flag = check_slurm_spec(slurm_request(build_parser().parse_args(base + ["--mem-gb", "64"])),
+                                 cfg, "train", shape, 0)
+    from_api = check_slurm_spec(_slurm_request({"nodes": 2, "container": "/img/e.sqsh",
+                                                "mem_gb": 0}), cfg, "train", shape, 0)
+    assert (from_site.mem_gb, from_flag.mem_gb, from_api.mem_gb) == (32, 64, 0)
+    assert "#SBATCH --mem=64G" in job_spec.render_batch_script(from_flag) or \
+        "--mem=64" in job_spec.render_batch_script(from_flag)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mem_gb: lots\n")
+    monkeypatch.setenv("ENN_SITE_CONFIG", str(bad))
+    with pytest.raises(Exception, match="site.mem_gb"):
+        slurm_request(build_parser().parse_args(base))

@@ -122,7 +122,7 @@ def _slurm_request(cluster: Optional[dict]) -> Optional[SlurmRequest]:
     from enn_cluster.cluster.site import load_site
 
     keys = ("partition", "account", "qos", "time", "container", "python", "site",
-            "job_name", "signal_grace", "cpus_per_task")
+            "job_name", "signal_grace", "cpus_per_task", "mem_gb")
     nodes = cluster.get("nodes")
     return SlurmRequest(**{k: cluster.get(k) for k in keys},
                         nodes=None if nodes is None else str(nodes),

@@ -68,6 +68,8 @@ def _add_shape_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--job-name", default=None)
     g.add_argument("--cpus-per-task", type=int, default=None,
                    help="CPUs per task (default: site, else the node's CPUs / tasks per node)")
+    g.add_argument("--mem-gb", type=float, default=None,
+                   help="memory per node in GB (sbatch --mem; 0: all of it; default: site, else Slurm's)")
     g.add_argument("--signal-grace", type=int, default=None,
                    help="seconds between the USR2 warning and the time limit")
     g.add_argument("--wait", action="store_true", help="block until the Slurm job ends")

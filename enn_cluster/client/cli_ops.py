@@ -44,6 +44,7 @@ def slurm_request(args) -> SlurmRequest:
         partition=args.partition, account=args.account, qos=args.qos, time=args.time,
         container=args.container, python=args.python, site=args.site, job_name=args.job_name,
         signal_grace=args.signal_grace, cpus_per_task=getattr(args, "cpus_per_task", None),
+        mem_gb=getattr(args, "mem_gb", None),
         mounts=tuple(args.mounts or ()), exclusive=bool(args.exclusive),
         nodes=None if args.nodes is None else str(args.nodes),
         wait=bool(getattr(args, "wait", False)))

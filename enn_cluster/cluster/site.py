@@ -35,6 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
     "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
     "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
+    "mem_gb": None,
 }
 
 _LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
@@ -62,6 +63,7 @@ class SiteConfig:
     time: Optional[Union[int, str]] = None  # default time limit (minutes or Slurm time)
     cpus_per_task: Optional[int] = None  # default: the node's CPUs / tasks per node
     socket_ifname: Optional[str] = None  # control-plane NIC (gloo + NCCL bootstrap)
+    mem_gb: Optional[float] = None  # memory per node in GB (--mem); 0: all of it
     source: Optional[str] = field(default=None, compare=False)  # the file it came from
 
     def overrides(self) -> dict[str, Any]:
@@ -88,6 +90,10 @@ def _typed(key: str, value: Any, source: Optional[str]) -> Any:
     if key in _INTS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"site.{key}: expected a whole number, got {value!r}{where}")
+        return value
+    if key == "mem_gb":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"site.mem_gb: expected GB per node as a number, got {value!r}{where}")
         return value
     if key == "time":
         if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -125,6 +131,11 @@ def _check_values(site: SiteConfig) -> None:
         if site.cpus_per_task is not None and site.cpus_per_task < 1:
             raise UserError(f"site.cpus_per_task: {site.cpus_per_task} must be >= 1; "
                             "leave it out for the node's CPUs divided by its tasks")
+        if site.mem_gb is not None and (isinstance(site.mem_gb, bool) or
+                                        not isinstance(site.mem_gb, (int, float)) or
+                                        not 0 <= site.mem_gb <= 2**20):
+            raise UserError(f"site.mem_gb: {site.mem_gb!r} must be a number of GB per node "
+                            "(0: all of each node's memory)")
         if site.gpus_per_node is not None and site.gpus_per_node < 0:
             raise UserError(f"site.gpus_per_node: {site.gpus_per_node} must be >= 0")
         for i, arg in enumerate(site.extra_sbatch_args or ()):

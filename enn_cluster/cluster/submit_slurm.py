@@ -63,6 +63,7 @@ class SlurmRequest:
     job_name: Optional[str] = None
     signal_grace: Optional[int] = None
     cpus_per_task: Optional[int] = None
+    mem_gb: Optional[float] = None
     mounts: tuple = ()
     exclusive: bool = False
     nodes: Optional[str] = None
@@ -89,7 +90,7 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
     flags = {"partition": req.partition, "account": req.account, "qos": req.qos,
              "time": req.time, "image": req.container, "python": req.python,
              "signal_grace_s": req.signal_grace,
-             "cpus_per_task": req.cpus_per_task,
+             "cpus_per_task": req.cpus_per_task, "mem_gb": req.mem_gb,
              "mounts": tuple(req.mounts) if req.mounts else None}
     opts = merge(DEFAULTS, req.site_options(), flags)
     if opts["image"] is None:
@@ -101,7 +102,7 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
         run_dir=str(run.path),
         task=task, predict_name=name, nodes=req.nodes_range or shape.nodes,
         gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
-        cpus_per_task=opts["cpus_per_task"],
+        cpus_per_task=opts["cpus_per_task"], mem_gb=opts["mem_gb"],
         env={"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {},
         time=opts["time"], partition=opts["partition"], account=opts["account"],
         qos=opts["qos"], exclusive=bool(req.exclusive), signal_grace_s=opts["signal_grace_s"],
