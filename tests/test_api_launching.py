@@ -106,3 +106,25 @@ def test_memory_per_node_from_site_and_flag_reaches_the_job(tmp_path, monkeypatc
     monkeypatch.setenv("ENN_SITE_CONFIG", str(bad))
     with pytest.raises(Exception, match="site.mem_gb"):
         slurm_request(build_parser().parse_args(base))
+
+
+def test_an_sbatch_reply_without_a_job_id_is_one_line_and_leaves_no_run(tmp_path):
+    """A site wrapper whose sbatch prints no 'Submitted batch job N': exit 2, one line,
+    and the run directory this command made is gone (nothing ran in it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'queued, thanks'\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    cfg = tmp_path / "run.yaml"
+    import yaml
+
+    cfg.write_text(yaml.safe_dump(small_config(tmp_path, "noid")))
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    env.pop("ENN_SITE_CONFIG", None)
+    res = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
+                          str(cfg), "--cluster", "slurm", "--container", "none"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "queued, thanks" in errors[0] and "Traceback" not in res.stderr
+    assert not (tmp_path / "runs" / "noid").exists()

@@ -166,6 +166,10 @@ def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
         with run_umask():  # sbatch hands it to the job (SLURM_UMASK): what the tasks write
             job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
                                   step)
+    except unreadable_reply() as exc:
+        said = " ".join(str(exc).split('"')[1].split())[:160] if '"' in str(exc) else "?"
+        raise UserError(f"sbatch: its reply {said!r} names no job id (a site wrapper around "
+                        "sbatch?); check 'squeue --me' before submitting again") from None
     except subprocess_errors() as exc:
         raise UserError(f"sbatch refused the job: {str(exc).strip().splitlines()[-1]}")
     job_id = str(job.job_id)
@@ -176,6 +180,12 @@ def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
                    nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
                    image=spec.container_image)
     return job_id
+
+
+def unreadable_reply():
+    from submitit.core.utils import FailedSubmissionError
+
+    return FailedSubmissionError
 
 
 def subprocess_errors():
