@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from . import backend_report
 from . import checkpoint_store as store
 from .metrics import read_metrics
 from .rundir import RunDir, read_lock
@@ -37,6 +38,9 @@ def run_status(path: Path) -> dict:
         "jobs": jobs,
         "lock": _live_lock(run),
     }
+    attempt, reports = backend_report.newest_reports(run.logs)
+    status["backends"] = {"attempt": attempt, "ranks": reports,
+                          "lines": backend_report.summarize(reports)}
     slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
     if slurm_jobs:
         from .slurm_state import job_state
@@ -92,6 +96,8 @@ def format_status(st: dict) -> str:
              f"checkpoints:     {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}",
              f"last complete:   {('step-%s' % st['last_checkpoint']) if st['last_checkpoint'] is not None else 'none'}",
              f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
+    for i, line in enumerate((st.get("backends") or {}).get("lines", [])):
+        lines.append(f"{'backends:' if i == 0 else '':<17}{line}")
     if st.get("slurm"):
         s = st["slurm"]
         lines.append(f"slurm job:       {s.get('job_id')} {s.get('state')} "
