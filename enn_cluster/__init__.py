@@ -5,12 +5,12 @@ Importing the package stays cheap (no torch): the CLI must start fast.
 
 __version__ = "0.1.0"
 
-__all__ = ["train", "predict", "Run"]
+__all__ = ["train", "predict", "export", "Run"]
 
 
 def __getattr__(name):
-    """`enn_cluster.train/predict/Run` load on first use, keeping `import enn_cluster` light."""
-    if name in ("train", "predict"):
+    """`enn_cluster.train/predict/export/Run` load on first use, keeping `import enn_cluster` light."""
+    if name in ("train", "predict", "export"):
         from enn_cluster.client import api
 
         return getattr(api, name)

@@ -40,3 +40,16 @@ class ConstantRegressor(nn.Module):
 
 def constant(n_features: int, n_outputs: int) -> ConstantRegressor:
     return ConstantRegressor(n_outputs)
+
+
+class BranchyRegressor(TinyRegressor):
+    """Trains and predicts fine, but branches in Python on a tensor's value: not export-safe."""
+
+    def forward(self, x):
+        if x.mean() > 100.0:  # data-dependent: torch.export cannot trace this branch
+            return self.head(self.body(x)) * 0.0
+        return self.head(self.body(x))
+
+
+def branchy(n_features: int, n_outputs: int) -> BranchyRegressor:
+    return BranchyRegressor(n_features, 16, n_outputs)

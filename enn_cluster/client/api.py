@@ -238,3 +238,14 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
         return out
     array = np.load(target, mmap_mode="r")
     return np.array(array) if array.nbytes <= IN_MEMORY_LIMIT else array
+
+
+def export(run_or_dir, out, *, step: Optional[int] = None, format: str = "torch") -> Path:
+    """`enn-submit export`: the checkpoint as `model.pt` (full state dict), with
+    `format="export"` also a torch.export program `model.pt2`; returns the directory.
+
+        >>> enn_cluster.export(run, "artifact", format="export")  # doctest: +SKIP
+    """
+    from enn_cluster.client.artifact_export import export_run
+
+    return export_run(getattr(run_or_dir, "path", run_or_dir), out, step=step, fmt=format)

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     from enn_cluster.client.cli_predict import register as register_prediction
 
     register_prediction(sub, _add_shape_flags, COMMANDS)
+    from enn_cluster.client.cli_export import register as register_export
+
+    register_export(sub, COMMANDS)
 
     p = sub.add_parser("build", help="build containers/Dockerfile into an Enroot squashfs (cached)")
     p.add_argument("--dockerfile", default="containers/Dockerfile")

@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 from enn_cluster.errors import UserError
+from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.rundir import RunDir, read_lock
@@ -42,6 +43,9 @@ def run_status(path: Path) -> dict:
         "jobs": jobs,
         "lock": _live_lock(run),
     }
+    attempt, reports = backend_report.newest_reports(run.logs)
+    status["backends"] = {"attempt": attempt, "ranks": reports,
+                          "lines": backend_report.summarize(reports)}
     slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
     if slurm_jobs:
         from enn_cluster.storage.slurm_jobs import job_state
@@ -97,6 +101,8 @@ def format_status(st: dict) -> str:
              f"checkpoints:     {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}",
              f"last complete:   {('step-%s' % st['last_checkpoint']) if st['last_checkpoint'] is not None else 'none'}",
              f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
+    for i, line in enumerate((st.get("backends") or {}).get("lines", [])):
+        lines.append(f"{'backends:' if i == 0 else '':<17}{line}")
     if st.get("slurm"):
         s = st["slurm"]
         lines.append(f"slurm job:       {s.get('job_id')} {s.get('state')} "

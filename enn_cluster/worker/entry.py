@@ -20,6 +20,7 @@ from typing import Optional
 from enn_cluster.config import nccl
 from enn_cluster.config.launch_env import LAUNCH_ID_VAR, LAUNCHER_PID_VAR
 from enn_cluster.errors import UserError
+from enn_cluster.storage import backend_report
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import clean_environment, discover
@@ -51,7 +52,7 @@ def _attempt_tag(env) -> str:
     return f"{env.launcher}-r{env.restart_count}"
 
 
-def _setup_logging(run: RunDir, env) -> None:
+def _setup_logging(run: RunDir, env) -> Path:
     log_dir = run.logs / _attempt_tag(env)
     log_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(nccl.flight_recorder_env(str(log_dir), os.environ))
@@ -69,6 +70,7 @@ def _setup_logging(run: RunDir, env) -> None:
     log.info("worker rank %d/%d local %d node %d pid %d host %s launcher %s restart %d",
              env.rank, env.world_size, env.local_rank, env.node_rank, os.getpid(),
              socket.gethostname(), env.launcher, env.restart_count)
+    return log_dir
 
 
 def _say_cpu_only(env, torch_version: str) -> None:
@@ -118,15 +120,18 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
     from enn_cluster.worker.lanes import close_lanes, open_lanes
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    _setup_logging(run, env)
+    log_dir = _setup_logging(run, env)
     log.info(control_net.apply(os.environ))  # before the profile: one interface for both
     _configure_nccl(env)
+    if torch.cuda.is_available():  # NCCL's init log tells the report the transport
+        os.environ.update(backend_report.nccl_log_env(log_dir, env.rank, os.environ))
     from enn_cluster.worker.worker_lock import hold_run_lock
 
     lanes = open_lanes(env, cfg.parallel.timeout_s, cfg.parallel.rendezvous_timeout_s,
                        cfg.checkpoint.barrier_timeout_s)
     try:
         log.info(place_task(env, lanes.device))
+        _report_backends(log_dir, cfg, env, lanes)
         with hold_run_lock(run, env, lanes, task):
             if task == "train":
                 return _train(run, cfg, env, lanes)
@@ -136,6 +141,23 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
             return EXIT_OK
     finally:
         close_lanes()
+
+
+def _report_backends(log_dir: Path, cfg, env, lanes) -> None:
+    """backend-rank-R.json: what runs here, for status and doctor; mismatches are logged."""
+    import torch.distributed as dist
+
+    from enn_cluster.worker.model_setup import use_bf16
+
+    backends = {"accelerator": str(dist.get_backend()),
+                "control": str(dist.get_backend(lanes.control)),
+                "checkpoint": str(dist.get_backend(lanes.checkpoint))}
+    nccl_log = log_dir / backend_report.NCCL_LOG_NAME.format(rank=env.rank)
+    report = backend_report.gather(env.rank, lanes.device, backends,
+                                   use_bf16(cfg, lanes.device), os.environ, nccl_log)
+    backend_report.write_report(log_dir, report)
+    for line in backend_report.mismatches(report):
+        log.warning("backend: %s", line)
 
 
 def _train(run: RunDir, cfg, env, lanes) -> int:

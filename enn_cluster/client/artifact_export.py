@@ -1,0 +1,148 @@
+"""`enn-submit export`: a DCP checkpoint consolidated into an inference artifact.
+
+Why: a DCP checkpoint is sharded, holds the optimizer, and needs this package to read;
+serving wants one file. The artifact directory holds `model.pt` (the full fp32 state
+dict, loadable with `torch.load(..., weights_only=True)`), with `--format export` also
+`model.pt2` (a `torch.export` program with a dynamic batch dimension, weights inside),
+and `export.json` (run, step, input shape, the target scaler to apply to outputs, each
+file's size and checksum). It is written under a temporary name and renamed, so a
+failed export leaves nothing. safetensors is not used: a tensor-only `torch.save` read
+with `weights_only=True` runs no pickled code either, and `model.pt2` is the
+framework-neutral form.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import traceback
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from enn_cluster.errors import UserError
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
+
+FORMATS = ("torch", "export")
+STATE_FILE, PROGRAM_FILE, RECORD_FILE = "model.pt", "model.pt2", "export.json"
+
+
+def offending_line(exc: BaseException, torch_dir: str) -> str:
+    """One line from torch.export's error: its first line and the user code that raised it
+    (the last frame outside torch), e.g. 'Could not guard on data-dependent expression ...
+    at models.py:12 `if x.mean() > 0:`'."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(torch_dir) and not f.filename.endswith(__file__)]
+    if frames:
+        f = frames[-1]
+        text += f" at {f.filename}:{f.lineno}" + (f" `{f.line.strip()}`" if f.line else "")
+    return text
+
+
+def export_program(model, input_shape: tuple, model_name: str):
+    """The model as a torch.export program with a dynamic batch; UserError naming the
+    offending operation when the forward is not export-safe."""
+    import torch
+
+    example = (torch.zeros((2,) + tuple(input_shape)),)
+    logging.disable(logging.WARNING)  # a failed trace prints its whole graph; we say one line
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return torch.export.export(model, example,
+                                       dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
+    except Exception as exc:  # torch raises many types here; all mean "not exportable"
+        raise UserError(f"model.name: {model_name} is not export-safe: "
+                        f"{offending_line(exc, os.path.dirname(torch.__file__))}; make the "
+                        "forward traceable (no data-dependent Python branches or host "
+                        "round trips) or export the weights alone with --format torch")
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def export_problem(model, input_shape: tuple, model_name: str) -> Optional[str]:
+    """None when `model` exports, else the one-line reason (doctor's export layer)."""
+    try:
+        export_program(model, input_shape, model_name)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def choose_step(run: RunDir, step: Optional[int]) -> int:
+    """A committed checkpoint that verifies; UserError naming --step otherwise."""
+    committed = store.committed_steps(run.checkpoints)
+    if step is None:
+        if not committed:
+            raise UserError(f"--step: {run.path} has no complete checkpoint; train or "
+                            "resume it first")
+        step = committed[-1]
+    elif step not in committed:
+        raise UserError(f"--step: step-{step} is not a complete checkpoint of {run.path}; "
+                        f"complete ones: {', '.join(map(str, committed)) or 'none'}")
+    problems = store.verify_checkpoint(store.step_dir(run.checkpoints, step))
+    if problems:
+        raise UserError(f"--step: step-{step} fails verification ({'; '.join(problems[:3])}); "
+                        f"see 'enn-submit verify {run.path}' and choose another --step")
+    return step
+
+
+def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") -> Path:
+    """Write the artifact directory `out`; returns its path. Nothing is left on error."""
+    import torch
+
+    from enn_cluster.client.run_handle import Run
+    from enn_cluster.storage.staging import read_manifest
+
+    run = RunDir(Path(run_dir).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    if fmt not in FORMATS:
+        raise UserError(f"--format: {fmt!r} is not a format; use one of {', '.join(FORMATS)}")
+    out = Path(out).resolve()
+    if out.exists():
+        raise UserError(f"--out: {out} exists; give a new directory")
+    step = choose_step(run, step)
+    cfg, manifest = run.load_config(), read_manifest(run.data_dir)
+    with warnings.catch_warnings():  # DCP's note that it loads in one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        model = Run(run.path).load_model(step)
+    input_shape = tuple(manifest["entries"]["train_x"]["shape"][1:])
+    program = export_program(model, input_shape, cfg.model.name) if fmt == "export" else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir()
+        state = {k: v.detach().to(torch.float32).contiguous().clone()
+                 for k, v in model.state_dict().items()}
+        torch.save(state, tmp / STATE_FILE)
+        if program is not None:
+            torch.export.save(program, str(tmp / PROGRAM_FILE))
+        _write_record(tmp, run, step, fmt, input_shape, manifest)
+        fsync_dir(tmp)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_record(tmp: Path, run: RunDir, step: int, fmt: str, input_shape: tuple,
+                  manifest: dict) -> None:
+    import torch
+
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in names:
+        with open(tmp / name, "rb") as fh:
+            os.fsync(fh.fileno())
+    files = store.checksum_files(tmp, names)
+    record = {"run": str(run.path), "step": step, "format": fmt, "files": files,
+              "input_shape": list(input_shape), "torch": torch.__version__,
+              "target_scaler": manifest.get("target_scaler"),
+              "note": "outputs are in normalised units when target_scaler is set: "
+                      "y = output * std + mean"}
+    atomic_write_text(tmp / RECORD_FILE, json.dumps(record, indent=1, sort_keys=True))

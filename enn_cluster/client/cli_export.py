@@ -1,0 +1,26 @@
+"""`enn-submit export`: registered on the parser here, so cli.py stays the shared core."""
+from __future__ import annotations
+
+import sys
+
+
+def register(sub, commands) -> None:
+    from enn_cluster.client.artifact_export import FORMATS
+
+    p = sub.add_parser("export", help="consolidate a checkpoint into an inference artifact")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--out", required=True, help="directory to create (must not exist)")
+    p.add_argument("--format", default="torch", choices=FORMATS,
+                   help="torch: model.pt (full state dict); export: also model.pt2, a "
+                        "torch.export program")
+    commands.update(export=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from enn_cluster.client.artifact_export import export_run
+
+    out = export_run(args.run_dir, args.out, step=args.step, fmt=args.format)
+    print(f"exported to {out}", file=sys.stderr)
+    print(out)
+    return 0

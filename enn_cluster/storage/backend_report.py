@@ -1,0 +1,181 @@
+"""What actually runs on each rank: device, lane backends, NCCL version and transport,
+SDPA backends, bf16, compile, and the fabric the site expected.
+
+Why: a job that silently runs NCCL over TCP on an EFA cluster, or fp32 where bf16 was
+meant, is only slow; nothing fails. Each rank writes `backend-rank-R.json` into its
+attempt's log directory; `status` and `doctor` read them back and turn a mismatch into
+a warning. The parsing and comparison functions are pure (tests feed NCCL log lines);
+`gather` reads torch and `write_report` writes the file.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterable, Mapping, Optional
+
+REPORT_GLOB = "backend-rank-*.json"
+NCCL_LOG_NAME = "nccl-rank-{rank}.log"  # NCCL_DEBUG_FILE when the job set no NCCL_DEBUG
+
+# NCCL_DEBUG=INFO lines, in the order they decide: the network NCCL chose at init
+# ("Using network IB"), else the transport a channel connected over ("via NET/Socket/0").
+_NETWORK = re.compile(r"Using network (\S+(?: \S+)?)")
+_CHANNEL = re.compile(r"via NET/([^/]+)/")
+_VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+)")
+
+
+def _fabric_of(name: str) -> Optional[str]:
+    low = name.lower()
+    if "libfabric" in low or "ofi" in low or "efa" in low:
+        return "efa"
+    if low.startswith("ib"):  # IB, IBext, IBext_v8 (the SHARP plugin)
+        return "ib"
+    if low.startswith("socket"):
+        return "socket"
+    return None
+
+
+def nccl_transport(lines: Iterable[str]) -> Optional[str]:
+    """'efa' | 'ib' | 'socket' from NCCL's INFO log, or None when it says nothing."""
+    network = channel = None
+    for line in lines:
+        found = _NETWORK.search(line)
+        if found and network is None:
+            network = _fabric_of(found.group(1))
+        found = _CHANNEL.search(line)
+        if found and channel is None:
+            channel = _fabric_of(found.group(1))
+    return network or channel
+
+
+def nccl_version_from_log(lines: Iterable[str]) -> Optional[str]:
+    for line in lines:
+        found = _VERSION.search(line)
+        if found:
+            return found.group(1)
+    return None
+
+
+def expected_fabric(profile: Optional[str], detected: Optional[str]) -> Optional[str]:
+    """The fabric the site asked for: an explicit profile, else what `auto` detected."""
+    if profile in ("efa", "ib", "socket"):
+        return profile
+    if profile in (None, "", "auto"):
+        return detected
+    return None  # profile none: the site leaves NCCL alone
+
+
+def mismatches(report: Mapping) -> list[str]:
+    """Warnings for one rank's report: what runs is not what the site or config meant."""
+    out = []
+    expected, transport = report.get("expected_fabric"), report.get("nccl_transport")
+    if report.get("device", "cpu").startswith("cuda"):
+        if expected and transport and expected != transport:
+            out.append(f"the site expects {expected} but NCCL uses {transport}; see "
+                       "docs/admin.md#nccl-profiles")
+        if expected and not transport:
+            out.append(f"the site expects {expected}; NCCL's transport is unknown (NCCL_DEBUG "
+                       "was set by the job, so its log went elsewhere)")
+        if report.get("bf16") and not report.get("bf16_supported"):
+            out.append("training.bf16 is on but this GPU has no bf16 support")
+    elif report.get("gpus_requested"):
+        out.append(f"{report['gpus_requested']} GPUs per node were requested but the rank "
+                   "runs on the CPU (a CPU-only torch build?)")
+    return out
+
+
+def summarize(reports: list[Mapping]) -> list[str]:
+    """A few lines for `status`: what ran (grouped when ranks agree) and the warnings."""
+    if not reports:
+        return []
+    first = reports[0]
+    lanes = ", ".join(f"{k} {v}" for k, v in sorted(first.get("lanes", {}).items()))
+    line = f"{first.get('device_type', '?')} ({len(reports)} rank(s)); lanes: {lanes}"
+    if first.get("nccl_version"):
+        line += f"; NCCL {first['nccl_version']} over {first.get('nccl_transport') or '?'}"
+    if first.get("expected_fabric"):
+        line += f" (site: {first['expected_fabric']})"
+    sdpa = [k for k, on in sorted(first.get("sdpa", {}).items()) if on]
+    line += (f"; bf16 {'on' if first.get('bf16') else 'off'}; compile "
+             f"{'on' if first.get('compile') else 'off'}; SDPA {'+'.join(sdpa) or 'none'}")
+    warnings = sorted({f"rank {r.get('rank')}: {w}" for r in reports for w in mismatches(r)})
+    return [line] + [f"warning: {w}" for w in warnings]
+
+
+def read_reports(log_dir: Path) -> list[dict]:
+    reports = []
+    for path in sorted(log_dir.glob(REPORT_GLOB)):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(reports, key=lambda r: r.get("rank", 0))
+
+
+def newest_reports(logs: Path) -> tuple[Optional[str], list[dict]]:
+    """The reports of the newest attempt that wrote any: (attempt, reports)."""
+    if not logs.is_dir():
+        return None, []
+    dirs = sorted((d for d in logs.iterdir() if d.is_dir() and any(d.glob(REPORT_GLOB))),
+                  key=lambda d: d.stat().st_mtime)
+    return (dirs[-1].name, read_reports(dirs[-1])) if dirs else (None, [])
+
+
+def nccl_log_env(log_dir: Path, rank: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """NCCL's init log into the attempt's directory, so the report can read the transport;
+    nothing when the job chose its own NCCL_DEBUG."""
+    if environ.get("NCCL_DEBUG"):
+        return {}
+    return {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
+            "NCCL_DEBUG_FILE": str(log_dir / NCCL_LOG_NAME.format(rank=rank))}
+
+
+def gather(rank: int, device, lane_backends: Mapping[str, str], bf16: bool,
+           environ: Mapping[str, str], nccl_log: Optional[Path]) -> dict:
+    """This rank's report, from torch and the environment."""
+    import torch
+
+    from enn_cluster.config import nccl
+
+    cuda = device.type == "cuda"
+    report = {
+        "rank": rank, "device": str(device), "device_type": device.type,
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__, "lanes": dict(lane_backends),
+        "bf16": bool(bf16),
+        "bf16_supported": bool(torch.cuda.is_bf16_supported()) if cuda else True,
+        "compile": False,  # the trainer never calls torch.compile (yet)
+        "sdpa": {"flash": torch.backends.cuda.flash_sdp_enabled(),
+                 "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                 "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                 "math": torch.backends.cuda.math_sdp_enabled()},
+        "nccl_profile": environ.get(nccl.PROFILE_VAR, "auto"),
+        "nccl_version": None, "nccl_transport": None, "expected_fabric": None,
+        "gpus_requested": int(environ.get("SLURM_GPUS_ON_NODE", "0") or 0),
+    }
+    if cuda:
+        lines = _read_lines(nccl_log)
+        version = ".".join(map(str, torch.cuda.nccl.version()))
+        report["nccl_version"] = nccl_version_from_log(lines) or version
+        report["nccl_transport"] = nccl_transport(lines)
+        try:
+            detected = nccl.detect_fabric(environ=environ)
+        except Exception:  # a bad ENN_FABRIC was reported when the profile was applied
+            detected = None
+        report["expected_fabric"] = expected_fabric(report["nccl_profile"], detected)
+    return report
+
+
+def _read_lines(path: Optional[Path]) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines() if path else []
+    except OSError:
+        return []
+
+
+def write_report(log_dir: Path, report: Mapping) -> Path:
+    from enn_cluster.storage.rundir import atomic_write_text
+
+    path = log_dir / f"backend-rank-{report['rank']}.json"
+    atomic_write_text(path, json.dumps(report, indent=1, sort_keys=True))
+    return path
