@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a live one-line status until the run's job ends")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
 
+    p = sub.add_parser("doctor", help="check a run layer by layer: data, model, kernels, "
+                       "precision, logs, distributed, checkpoints, export")
+    p.add_argument("run_dir")
+
     p = sub.add_parser("plot", help="PNG of loss, validation loss, lr and throughput")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
@@ -331,6 +335,15 @@ COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "resume": cmd_resume, "v
 
 
 COMMANDS.update(render=cmd_render, logs=cmd_logs, cancel=cmd_cancel)
+
+
+def cmd_doctor(args) -> int:
+    from enn_cluster.client.doctor import cmd_doctor as doctor
+
+    return doctor(args)
+
+
+COMMANDS["doctor"] = cmd_doctor
 
 
 def main(argv: Optional[list[str]] = None) -> int:

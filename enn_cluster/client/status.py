@@ -41,7 +41,7 @@ def run_status(path: Path) -> dict:
         "checkpoints": store.committed_steps(run.checkpoints),
         "last_checkpoint": store.latest_committed(run.checkpoints),
         "jobs": jobs,
-        "lock": _live_lock(run),
+        "lock": live_lock(run),
     }
     attempt, reports = backend_report.newest_reports(run.logs)
     status["backends"] = {"attempt": attempt, "ranks": reports,
@@ -80,7 +80,7 @@ def with_unrecorded_slurm_jobs(jobs: list[dict], log_dirs: list[tuple[str, float
     return sorted(jobs + extra, key=lambda j: j.get("time", 0.0))
 
 
-def _live_lock(run: RunDir):
+def live_lock(run: RunDir):
     """The lock's owner, only while it is alive (a finished job leaves its lock behind)."""
     owner = read_lock(run)
     if not owner:

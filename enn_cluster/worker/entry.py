@@ -111,7 +111,32 @@ def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
     cleaned = clean_environment(os.environ, env)
     os.environ.clear()
     os.environ.update(cleaned)
-    return _run(run, cfg, env, task, name, step)
+    code = EXIT_FAILED  # an exception on the way out is a failure (exit 2 for UserError)
+    try:
+        code = _run(run, cfg, env, task, name, step)
+    except UserError:
+        code = EXIT_USER
+        raise
+    finally:
+        record_exit(run, env, task, code)
+    return code
+
+
+def record_exit(run: RunDir, env, task: str, code: int) -> None:
+    """logs/<attempt>/exit-rank-R.json: how this rank ended, for `doctor` (a rank killed
+    by a signal leaves none, which is itself the finding)."""
+    import json
+    import time
+
+    from enn_cluster.storage.rundir import atomic_write_text
+
+    try:
+        log_dir = run.logs / _attempt_tag(env)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(log_dir / f"exit-rank-{env.rank}.json", json.dumps(
+            {"rank": env.rank, "task": task, "code": code, "time": time.time()}))
+    except OSError as exc:  # never turn a finished task into a failed one
+        log.warning("could not record the exit code: %s", exc)
 
 
 def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[int]) -> int:

@@ -1,0 +1,234 @@
+"""`enn-submit doctor RUN_DIR`: the run's layers in the order trouble travels through them,
+one line each (ok / warning / problem) with the command that shows more.
+
+data -> model -> kernels -> precision -> logs -> distributed -> checkpoints -> export.
+Why this order: a fault in an early layer explains symptoms in the later ones (a corrupt
+staged array makes NaN losses makes failed ranks), so the first problem line is the one
+to fix first. Each check reads what the run already wrote (manifest, backend reports,
+exit records, metrics, commit records); only the model and export layers import torch.
+Exit 0 when no layer has a problem, 1 otherwise.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from enn_cluster.errors import UserError
+from enn_cluster.storage import backend_report
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
+from enn_cluster.storage.metrics import read_metrics
+from enn_cluster.storage.rundir import RunDir
+
+LEVELS = ("ok", "warning", "problem")
+EXIT_CODES_OK = (0, 75)  # done, or stopped with a checkpoint for a requeue
+
+
+@dataclass(frozen=True)
+class Finding:
+    layer: str
+    level: str  # ok | warning | problem
+    detail: str
+    more: str  # the command that shows more
+
+
+def format_finding(f: Finding) -> str:
+    return f"{f.layer:<12} {f.level:<8} {f.detail}  (more: {f.more})"
+
+
+def staged_array_problem(data_dir: Path, entry: dict) -> Optional[str]:
+    """A staged .npy against its manifest entry (the checksum covers the data bytes only)."""
+    from enn_cluster.storage.staging import read_npy_header
+
+    try:
+        running = RunningChecksum(algorithm_of(entry["checksum"]))
+        with open(data_dir / entry["file"], "rb") as fh:
+            read_npy_header(fh)
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                running.update(block)
+    except FileNotFoundError:
+        return f"{entry['file']} is missing"
+    except (OSError, ValueError) as exc:
+        return f"{entry['file']} is unreadable ({exc})"
+    if running.size != entry["nbytes"] or running.hexdigest() != entry["checksum"]:
+        return f"{entry['file']} does not match its manifest checksum (changed after staging)"
+    return None
+
+
+def check_data(run: RunDir, q: str) -> tuple[Finding, Optional[dict]]:
+    more = f"cat {q}/data/manifest.json"
+    try:
+        manifest = json.loads((run.data_dir / "manifest.json").read_text())
+    except FileNotFoundError:
+        return Finding("data", "problem", "data/manifest.json is missing: the staged data "
+                       "cannot be trusted; stage again with a new run", f"ls -l {q}/data"), None
+    except ValueError as exc:
+        return Finding("data", "problem", f"data/manifest.json is unreadable ({exc})", more), None
+    bad = [p for _, entry in sorted(manifest.get("entries", {}).items())
+           for p in [staged_array_problem(run.data_dir, entry)] if p]
+    if bad:
+        return Finding("data", "problem", "; ".join(bad), more), manifest
+    return Finding("data", "ok", f"{len(manifest.get('entries', {}))} staged arrays match "
+                   "their checksums", more), manifest
+
+
+def check_model(run: RunDir, cfg, manifest: Optional[dict]):
+    """(finding, model built with fresh weights or None, input shape)."""
+    more = f"python -c {shlex.quote('import ' + cfg.model.name.split(':')[0])}" \
+        if ":" in cfg.model.name else f"grep -A5 '^model:' {shlex.quote(str(run.config_path))}"
+    if manifest is None:
+        return Finding("model", "warning", "not checked: no data manifest gives the input "
+                       "shape", more), None, None
+    from enn_cluster.models import build_model, output_size
+
+    shape = tuple(manifest["entries"]["train_x"]["shape"][1:])
+    try:
+        model = build_model(cfg.model, shape, output_size(cfg, manifest))
+    except UserError as exc:
+        return Finding("model", "problem", str(exc), more), None, shape
+    except Exception as exc:  # the user's factory raised: report it, never crash doctor
+        return Finding("model", "problem", f"model.name: {cfg.model.name} raised "
+                       f"{type(exc).__name__}: {exc}", more), None, shape
+    n = sum(p.numel() for p in model.parameters())
+    return Finding("model", "ok", f"{cfg.model.name} builds ({n} parameters, input {shape})",
+                   more), model, shape
+
+
+def check_kernels(reports: list[dict], attempt: Optional[str], q: str) -> Finding:
+    more = f"enn-submit status {q}"
+    if not reports:
+        return Finding("kernels", "warning", "no backend report (no attempt has started, or "
+                       "the run predates backend reports)", more)
+    first = reports[0]
+    sdpa = "+".join(k for k, on in sorted(first.get("sdpa", {}).items()) if on) or "none"
+    return Finding("kernels", "ok", f"attempt {attempt}: {first.get('device_type')} "
+                   f"({first.get('device_name')}), torch {first.get('torch')}, SDPA {sdpa}, "
+                   f"compile {'on' if first.get('compile') else 'off'}", more)
+
+
+def _non_finite(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, float) and not math.isfinite(value))
+
+
+def check_precision(run: RunDir, reports: list[dict], q: str) -> Finding:
+    more = f"grep '\"kind\": \"train\"' {q}/metrics.jsonl | tail -n 5"
+    train = list(read_metrics(run.metrics, "train"))
+    bf16 = [r for r in reports if r.get("bf16")]
+    if any(not r.get("bf16_supported") for r in bf16):
+        return Finding("precision", "problem", "training.bf16 is on but the device has no "
+                       "bf16 support; set training.bf16: false", more)
+    if train and _non_finite(train[-1].get("loss")):
+        return Finding("precision", "problem", f"the last loss (step {train[-1]['step']}) is "
+                       f"{train[-1]['loss']}", more)
+    skipped = max((int(r.get("skipped") or 0) for r in train), default=0)
+    mode = "bf16 mixed precision" if bf16 else "fp32"
+    if skipped:
+        return Finding("precision", "warning", f"{mode}; {skipped} step(s) skipped for a "
+                       "non-finite loss or gradient", more)
+    return Finding("precision", "ok", f"{mode}; {len(train)} logged steps, all finite", more)
+
+
+def _attempt_findings(log_dir: Path, newest: bool, live: bool) -> tuple[str, list[str]]:
+    """(level, notes) for one attempt's rank logs and exit records."""
+    ranks = sorted(int(p.stem.rsplit("-", 1)[1]) for p in log_dir.glob("rank-*.log"))
+    notes, level = [], "ok"
+    for rank in ranks:
+        try:
+            code = json.loads((log_dir / f"exit-rank-{rank}.json").read_text())["code"]
+        except (FileNotFoundError, ValueError, KeyError):
+            if newest and live:
+                continue
+            code = None
+        if code in EXIT_CODES_OK:
+            continue
+        notes.append(f"rank {rank} " + ("left no exit record (killed?)" if code is None
+                                        else f"exited {code}"))
+        level = "problem" if newest else "warning"  # an older attempt was restarted
+    return level, notes
+
+
+def check_logs(run: RunDir, live: bool, q: str) -> Finding:
+    dirs = sorted((d for d in run.logs.iterdir() if d.is_dir()),
+                  key=lambda d: d.stat().st_mtime) if run.logs.is_dir() else []
+    if not dirs:
+        return Finding("logs", "warning", "no worker logs: the run never started",
+                       f"enn-submit status {q}")
+    worst, lines, rank = "ok", [], 0
+    for i, d in enumerate(dirs):
+        level, notes = _attempt_findings(d, i == len(dirs) - 1, live)
+        if notes:
+            lines.append(f"{d.name}: {', '.join(notes)}")
+            rank = int(notes[0].split()[1])
+            worst = max(worst, level, key=LEVELS.index)
+    detail = "; ".join(lines) if lines else f"{len(dirs)} attempt(s), every rank ended cleanly"
+    return Finding("logs", worst, detail, f"enn-submit logs {q} --rank {rank}")
+
+
+def check_distributed(reports: list[dict], attempt: Optional[str], q: str) -> Finding:
+    more = f"cat {q}/logs/{shlex.quote(attempt or 'ATTEMPT')}/backend-rank-0.json"
+    if not reports:
+        return Finding("distributed", "warning", "no backend report to read the lanes from", more)
+    warnings = [w for r in reports for w in backend_report.mismatches(r)]
+    lanes = ", ".join(f"{k} {v}" for k, v in sorted(reports[0].get("lanes", {}).items()))
+    nccl = reports[0].get("nccl_transport")
+    detail = f"{len(reports)} rank(s); lanes: {lanes}" + (f"; NCCL over {nccl}" if nccl else "")
+    if warnings:
+        return Finding("distributed", "warning", f"{detail}; {warnings[0]}", more)
+    return Finding("distributed", "ok", detail, more)
+
+
+def check_checkpoints(run: RunDir, q: str) -> Finding:
+    more = f"enn-submit verify {q}"
+    committed = store.committed_steps(run.checkpoints)
+    if not committed:
+        return Finding("checkpoints", "warning", "no complete checkpoint", more)
+    bad = []
+    for step in committed:
+        path = store.step_dir(run.checkpoints, step)
+        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+        if problems:
+            bad.append(f"step-{step}: {problems[0]}")
+    if bad:
+        return Finding("checkpoints", "problem", "; ".join(bad), more)
+    return Finding("checkpoints", "ok", f"{len(committed)} complete, all verify "
+                   f"(newest step-{committed[-1]})", more)
+
+
+def check_export(model, shape, name: str, q: str) -> Finding:
+    more = f"enn-submit export {q} --out DIR --format export"
+    if model is None:
+        return Finding("export", "warning", "not checked: the model does not build", more)
+    from enn_cluster.client.artifact_export import export_problem
+
+    problem = export_problem(model, shape, name)
+    if problem:
+        return Finding("export", "warning", problem, more)
+    return Finding("export", "ok", "torch.export traces the forward (dynamic batch)", more)
+
+
+def diagnose(path: Path) -> list[Finding]:
+    """Every layer's finding, in order."""
+    from enn_cluster.client.status import live_lock
+
+    run = RunDir(Path(path).resolve())
+    if not run.config_path.is_file():
+        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    cfg, q = run.load_config(), shlex.quote(str(run.path))
+    attempt, reports = backend_report.newest_reports(run.logs)
+    data, manifest = check_data(run, q)
+    model_finding, model, shape = check_model(run, cfg, manifest)
+    return [data, model_finding, check_kernels(reports, attempt, q),
+            check_precision(run, reports, q), check_logs(run, live_lock(run) is not None, q),
+            check_distributed(reports, attempt, q), check_checkpoints(run, q),
+            check_export(model, shape, cfg.model.name, q)]
+
+
+def cmd_doctor(args) -> int:
+    findings = diagnose(Path(args.run_dir))
+    for f in findings:
+        print(format_finding(f), flush=True)
+    return 1 if any(f.level == "problem" for f in findings) else 0
