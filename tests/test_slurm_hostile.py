@@ -176,8 +176,8 @@ def test_hostile_interpreter_and_srun_args_through_enn_submit(slurm_cluster, tmp
 @pytest.mark.parametrize("flags, field", [
     (["--job-name", "x$(touch {p})"], "--job-name"),
     (["--job-name", "a b;touch {p}"], "--job-name"),
-    (["--container", "/img/enn.sqsh", "--mount", "/data:/d $(touch {p})"], "--container-mounts"),
-    (["--container", "/img/enn.sqsh", "--mount", "/a,/b:`touch {p}`"], "--container-mounts"),
+    (["--container", "/img/enn.sqsh", "--mount", "/data:/d $(touch {p})"], "--mount"),  # the flag typed
+    (["--container", "/img/enn.sqsh", "--mount", "/a,/b:`touch {p}`"], "--mount"),  # the flag typed
     (["--set", "runs_root={tmp}/r s;$(touch {p})"], "RUN_DIR"),
     (["--set", "run_name=a'b`touch PWNED_rn`;$(touch PWNED_rn2)"], "RUN_DIR"),
     (["--partition", "gpu\n#SBATCH --uid=0"], "--partition"),
