@@ -24,9 +24,10 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import RunningChecksum, algorithm_of, file_checksum
 from enn_cluster.storage.file_copy import kernel_copy
+from enn_cluster.storage.npy_header import read_npy_header
 from enn_cluster.storage.output_target import check_local_target
 from enn_cluster.storage.rundir import RunDir, fsync_dir
-from enn_cluster.storage.staging import progress_bar, read_npy_header
+from enn_cluster.storage.staging import progress_bar
 
 
 @dataclass

@@ -42,7 +42,7 @@ def format_finding(f: Finding) -> str:
 
 def staged_array_problem(data_dir: Path, entry: dict) -> Optional[str]:
     """A staged .npy against its manifest entry (the checksum covers the data bytes only)."""
-    from enn_cluster.storage.staging import read_npy_header
+    from enn_cluster.storage.npy_header import read_npy_header
 
     try:
         running = RunningChecksum(algorithm_of(entry["checksum"]))

@@ -22,6 +22,7 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import algorithm_of, bytes_checksum
+from enn_cluster.storage.npy_header import check_layout
 from enn_cluster.storage.rundir import (
     DIR_MODE,
     RunDir,
@@ -31,7 +32,6 @@ from enn_cluster.storage.rundir import (
     sigterm_unwinds,
 )
 from enn_cluster.storage.staging import (
-    check_layout,
     check_source,
     inspect_array,
     read_manifest,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from enn_cluster.config.run_config import DataConfig, ModelConfig, SyntheticConf
 from enn_cluster.errors import UserError
 from enn_cluster.storage.checksum import RunningChecksum
 from enn_cluster.storage.file_copy import kernel_copy
+from enn_cluster.storage.npy_header import check_layout, read_header
 from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
 
 _BLOCK = 16 << 20
@@ -97,44 +97,6 @@ def check_data_sources(data: DataConfig) -> None:
                             f"({y_field if y_path else data.y_key}) have {y_rows}; they must match")
 
 
-# Dtype kinds we stage: booleans, integers, floats. Complex would lose its imaginary part in
-# a float model; objects need pickle; strings are not features.
-NUMERIC_KINDS = "biuf"
-
-
-def check_layout(field: str, source: str, shape, fortran: bool, dtype, data_bytes: Optional[int]) -> int:
-    """The header of an input array, judged without reading its data: rows returned. Pure.
-    `data_bytes`: what the file holds after the header, where known."""
-    if not isinstance(shape, tuple) or not shape:
-        raise UserError(f"{field}: {source} holds a single value, not rows of features; "
-                        "save a 2-D array (rows x features)")
-    if any(not isinstance(d, int) or d < 0 for d in shape):
-        raise UserError(f"{field}: {source} has an invalid shape in its header; re-save it with np.save")
-    if shape[0] == 0:
-        raise UserError(f"{field}: {source} has no rows; give a file with data")
-    if dtype.kind not in NUMERIC_KINDS:
-        what = {"c": "complex (its imaginary part would be lost)", "O": "Python objects",
-                "U": "strings", "S": "bytes", "V": "records"}.get(dtype.kind, str(dtype))
-        raise UserError(f"{field}: {source} holds {what}; convert it to a float or integer "
-                        "array (e.g. x.astype('float32')) and save it again")
-    if fortran:
-        raise UserError(f"{field}: {source} is Fortran-ordered; save it with "
-                        "np.save(path, np.ascontiguousarray(x))")
-    need = math.prod(shape) * dtype.itemsize
-    if data_bytes is not None and data_bytes != need:
-        raise UserError(f"{field}: {source} is truncated or damaged (its header promises {need} "
-                        f"bytes of data, the file holds {data_bytes}); save it again")
-    return shape[0]
-
-
-def _header(fh, field: str, source: str):
-    try:
-        return read_npy_header(fh)
-    except (ValueError, TypeError, SyntaxError, EOFError, OSError):
-        raise UserError(f"{field}: {source} is not a readable .npy file (bad or truncated "
-                        "header); save it with np.save") from None
-
-
 def inspect_array(field: str, source: str, key: Optional[str] = None) -> int:
     """Open `source` (a .npy, or array `key` of an .npz; a path or fsspec URL), check its
     header against its size, and return its rows. Nothing of the data is read."""
@@ -142,13 +104,12 @@ def inspect_array(field: str, source: str, key: Optional[str] = None) -> int:
     try:
         if local is not None:
             with open(local, "rb") as fh:
-                shape, fortran, dtype = _header(fh, field, source)
+                shape, fortran, dtype = read_header(fh, field, source)
                 return check_layout(field, source, shape, fortran, dtype,
                                     os.fstat(fh.fileno()).st_size - fh.tell())
-        stream, closers = _open_npy_stream(source, key, field)
+        stream, closers, size = _open_npy_stream(source, key, field)
         try:
-            shape, fortran, dtype = _header(stream, field, source)
-            size = getattr(stream, "_enn_size", None)
+            shape, fortran, dtype = read_header(stream, field, source)
             return check_layout(field, source, shape, fortran, dtype,
                                 None if size is None else size - stream.tell())
         finally:
@@ -163,15 +124,8 @@ def inspect_array(field: str, source: str, key: Optional[str] = None) -> int:
 # Copying into a memmap: in the kernel from a local .npy, streamed from anything else
 
 
-def read_npy_header(fh) -> tuple[tuple, bool, np.dtype]:
-    version = np.lib.format.read_magic(fh)
-    if version == (1, 0):
-        return np.lib.format.read_array_header_1_0(fh)
-    return np.lib.format.read_array_header_2_0(fh)
-
-
 def _layout(fh, source: str) -> tuple[tuple, np.dtype]:
-    shape, fortran, dtype = _header(fh, "input", source)
+    shape, fortran, dtype = read_header(fh, "input", source)
     check_layout("input", source, shape, fortran, dtype, None)
     return tuple(shape), np.dtype(dtype)
 
@@ -188,14 +142,13 @@ def _local_path(source: str) -> Optional[str]:
 
 
 def _open_npy_stream(source: str, key: Optional[str], field: str = "data.x_key/y_key"):
-    """A readable stream of the .npy (or of member `key` of the .npz), and what to close;
-    `_enn_size` on the stream is its size where known."""
+    """A readable stream of the .npy (or of member `key` of the .npz), what to close, and
+    the stream's size in bytes where known (None otherwise)."""
     import fsspec
 
     handle = fsspec.open(source, "rb").open()
     if key is None:
-        handle._enn_size = getattr(handle, "size", None)
-        return handle, [handle]
+        return handle, [handle], getattr(handle, "size", None)
     try:
         zf = zipfile.ZipFile(handle)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError):
@@ -210,8 +163,7 @@ def _open_npy_stream(source: str, key: Optional[str], field: str = "data.x_key/y
         raise UserError(f"{field}: {source} has no array {key!r} (data.x_key/y_key); "
                         f"it holds {held or 'none'}")
     member = zf.open(name)
-    member._enn_size = zf.getinfo(name).file_size
-    return member, [member, zf, handle]
+    return member, [member, zf, handle], zf.getinfo(name).file_size
 
 
 def progress_bar(label: str, nbytes: int, stream: Optional[TextIO]):
@@ -334,7 +286,7 @@ def _stage_local_npy(source: str, path: str, dest: Path, progress: Optional[Text
 
 def _stage_stream(source: str, key: Optional[str], dest: Path,
                   progress: Optional[TextIO]) -> dict:
-    stream, closers = _open_npy_stream(source, key)
+    stream, closers, _ = _open_npy_stream(source, key)
     try:
         shape, dtype = _layout(stream, source)
 
