@@ -27,8 +27,8 @@ from enn_cluster.config.run_config import (
     apply_overrides,
     config_from_dict,
     config_to_dict,
-    read_yaml,
 )
+from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir
 

@@ -1,0 +1,58 @@
+"""A run YAML file read as data: a regular file of UTF-8 text, valid YAML, no key given
+twice, bounded depth and size; every failure is one line naming the file."""
+from __future__ import annotations
+
+import yaml
+
+from enn_cluster.config.checks import _check_tree, check_regular_file
+from enn_cluster.errors import UserError
+
+
+def _no_duplicate_keys(node, path: str, where: tuple = (), walked=None) -> None:
+    """YAML keeps the last of two equal keys without a word; a run config that says
+    `lr` twice is refused, naming the key, so that nobody trains with the value they did not
+    mean. Each node is walked once (an alias is not expanded again)."""
+    walked = set() if walked is None else walked
+    if id(node) in walked:
+        return
+    walked.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else str(key.value)
+            if name in seen:
+                dotted = ".".join((*where, name))
+                raise UserError(f"{dotted}: given twice in {path} (line {key.start_mark.line + 1}); "
+                                "keep one")
+            seen.add(name)
+            _no_duplicate_keys(value, path, (*where, name), walked)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _no_duplicate_keys(item, path, where, walked)
+
+
+def read_yaml(path: str) -> dict:
+    check_regular_file("--config", path, "pass the path of a run YAML")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        _no_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+        data = yaml.safe_load(text)
+    except FileNotFoundError:
+        raise UserError(f"--config: {path} does not exist; pass the path of a run YAML")
+    except IsADirectoryError:
+        raise UserError(f"--config: {path} is a directory; pass the path of a run YAML")
+    except OSError as exc:
+        raise UserError(f"--config: cannot read {path} ({exc.strerror or exc}); "
+                        "fix its permissions or pass another file")
+    except UnicodeDecodeError:
+        raise UserError(f"--config: {path} is not UTF-8 text; pass a run YAML")
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: a bad date, a huge number
+        first = str(exc).splitlines()[0] if str(exc) else "invalid YAML"
+        raise UserError(f"--config: {path} is not valid YAML ({first})")
+    _check_tree(data, f"--config: {path}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"--config: {path} must hold a mapping of sections at the top level")
+    return data
