@@ -3,8 +3,10 @@
 Real daemons, real jobs: these need root and the Slurm packages (see tests/slurm_fixture.py).
 """
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -85,9 +87,16 @@ def test_step_on_n2_reaches_listener_on_n1(slurm_cluster):
         ["srun", "-N2", "--nodelist=n1,n2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
          sys.executable, "-c", TCP_PROGRAM], timeout=45)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    prefix = _network(slurm_cluster.state_dir)["prefix"]
     lines = sorted(proc.stdout.splitlines())
-    assert lines == ["n1 got 'hello from n2' from 10.213.0.12",
-                     "n2 resolved n1=10.213.0.11 reply=n1"]
+    assert lines == [f"n1 got 'hello from n2' from {prefix}.12",
+                     f"n2 resolved n1={prefix}.11 reply=n1"]
+
+
+def _network(state_dir):
+    """The slot's names that cluster.sh recorded (bridge, prefix, ctld_port)."""
+    text = Path(state_dir, "network").read_text()
+    return dict(line.split("=", 1) for line in text.splitlines())
 
 
 def _cluster_sh(*args):
@@ -106,7 +115,30 @@ def _alive(pid):
     return os.path.exists(f"/proc/{pid}")
 
 
-# Last in this file: it restarts the session's cluster (same state dir; one cluster at a time).
+def test_a_second_cluster_runs_beside_the_first(slurm_cluster, tmp_path):
+    """Two test runs on one machine (a CI check beside a developer's run) must not collide."""
+    other = tempfile.mkdtemp(prefix="enn-slurm-other-", dir="/tmp")
+    os.chmod(other, 0o755)
+    try:
+        proc = _cluster_sh("up", other, "1")
+        assert proc.returncode == 0, proc.stderr
+        mine, theirs = _network(slurm_cluster.state_dir), _network(other)
+        assert mine["bridge"] != theirs["bridge"] and mine["prefix"] != theirs["prefix"]
+        env = {**os.environ, "SLURM_CONF": os.path.join(other, "slurm.conf")}
+        proc = subprocess.run(["srun", "-N1", "hostname"], capture_output=True, text=True,
+                              timeout=30, env=env)
+        assert proc.returncode == 0 and proc.stdout.split() == ["n1"], proc.stderr
+    finally:
+        down = _cluster_sh("down", other)
+        shutil.rmtree(other, ignore_errors=True)
+    assert down.returncode == 0, down.stderr
+    # Taking the other one down left ours running.
+    assert _cluster_sh("status", slurm_cluster.state_dir).returncode == 0
+    proc = slurm_cluster.run(["srun", "-N2", "hostname"], timeout=30)
+    assert proc.returncode == 0 and sorted(proc.stdout.split()) == ["n1", "n2"], proc.stderr
+
+
+# Last in this file: it restarts the session's cluster (same state dir, same slot).
 def test_down_cleans_up_and_up_again_works(slurm_cluster):
     assert slurm_cluster.up().returncode == 0  # up again, with the same (Pyxis) settings
     assert _cluster_sh("status", slurm_cluster.state_dir).returncode == 0
@@ -117,6 +149,7 @@ def test_down_cleans_up_and_up_again_works(slurm_cluster):
     stray = int(proc.stdout.strip())
     assert _alive(stray)
     daemons = _pids_from(slurm_cluster.state_dir)
+    network = _network(slurm_cluster.state_dir)
     assert len(daemons) == 2 + len(slurm_cluster.nodes) and all(map(_alive, daemons))
 
     for _ in range(2):  # down is safe to repeat
@@ -124,8 +157,11 @@ def test_down_cleans_up_and_up_again_works(slurm_cluster):
         assert proc.returncode == 0, proc.stderr
     assert not any(map(_alive, daemons + [stray]))
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "enn-n" not in netns
-    assert subprocess.run(["ip", "link", "show", "ennbr0"], capture_output=True).returncode != 0
+    slot = Path(slurm_cluster.state_dir, "slot").read_text().strip()
+    assert f"enn-s{slot}-n" not in netns
+    assert not os.path.exists(f"/run/enn-slurm-dev/slot-{slot}")
+    assert subprocess.run(["ip", "link", "show", network["bridge"]],
+                          capture_output=True).returncode != 0
     assert _cluster_sh("status", slurm_cluster.state_dir).returncode != 0
 
     proc = slurm_cluster.up()

@@ -4,14 +4,17 @@
 #   cluster.sh up STATE_DIR [NODES]   start munged, slurmctld and NODES slurmd (default 2)
 #   cluster.sh down STATE_DIR         stop everything and remove the network; safe to repeat
 #   cluster.sh status STATE_DIR       exit 0 when every daemon runs, 1 otherwise
-# Exit codes: 0 ok, 1 error, 2 usage, 3 busy (another STATE_DIR's cluster is up).
+# Exit codes: 0 ok, 1 error, 2 usage, 3 busy (every network slot is taken).
 #
-# Each node nI is a slurmd in its own network namespace enn-nI (address 10.213.0.(10+I)) on
-# the bridge ennbr0 (10.213.0.1, where slurmctld listens), with its own hostname and its own
-# /etc/hosts, and 8 fake GPUs. The filesystem is the host's, so jobs can run any local path
+# Clusters in different STATE_DIRs run side by side (two test runs on one machine must not
+# see each other): `up` takes the first free slot K (0..7) and records it in STATE/slot and
+# GLOBAL_DIR/slot-K. Node nI is a slurmd in its own network namespace enn-sK-nI (address
+# 10.214.K.(10+I)) on the bridge enn-brK (10.214.K.1, where slurmctld listens on port
+# 6920+K), with its own hostname and its own /etc/hosts, and 8 fake GPUs; STATE/network
+# names the slot's bridge, prefix and port. A slot is free only when nothing of it exists
+# (record, bridge, addresses, namespaces): `up` never touches a network it did not make. The filesystem is the host's, so jobs can run any local path
 # (a venv's python). Everything else (configs, munge key, state, logs, pid files) lives in
 # STATE_DIR; `source STATE_DIR/env.sh` points the Slurm clients at it.
-# Only one cluster runs at a time: `up` refuses while another STATE_DIR owns the bridge.
 # Environment knobs: ENN_SLURM_CPUS (CPUs per node, default 4), ENN_SLURM_UP_TIMEOUT (s, 60),
 # ENN_SLURM_PYXIS (unset: no containers; 0 or 1: load Pyxis with use_squashfuse=0 or 1; needs
 # ../shared/tools/pyxis-enroot/install.sh run first), ENN_PYXIS_PREFIX (/opt/enn-pyxis).
@@ -20,16 +23,13 @@
 set -euo pipefail
 shopt -s nullglob
 
-readonly BRIDGE=ennbr0
-readonly NET_PREFIX=10.213.0
-readonly CTLD_ADDR="$NET_PREFIX.1"
-readonly NS_PREFIX=enn-n           # namespaces enn-n1..; host-side veths enn-n1-br..
-readonly GLOBAL_DIR=/run/enn-slurm-dev   # lock and owner record, shared by all STATE_DIRs
-readonly OWNER_FILE="$GLOBAL_DIR/owner"
+readonly GLOBAL_DIR=/run/enn-slurm-dev   # lock and slot records, shared by all STATE_DIRs
+readonly MAX_SLOTS=8
 readonly GPUS_PER_NODE=8
 readonly MEM_PER_NODE_MB=4000
 readonly MAX_NODES=50
-readonly CTLD_PORT=6917
+# Per slot (see use_slot): SLOT BRIDGE NET_PREFIX CTLD_ADDR NS_PREFIX CTLD_PORT.
+SLOT="" BRIDGE="" NET_PREFIX="" CTLD_ADDR="" NS_PREFIX="" CTLD_PORT=""
 readonly CPUS_PER_NODE="${ENN_SLURM_CPUS:-4}"
 readonly UP_TIMEOUT_S="${ENN_SLURM_UP_TIMEOUT:-60}"
 readonly PYXIS="${ENN_SLURM_PYXIS:-}"
@@ -68,7 +68,66 @@ take_global_lock() {
     flock -w 120 9 || die "timed out waiting for $GLOBAL_DIR/lock"
 }
 
-owner() { cat "$OWNER_FILE" 2>/dev/null || true; }
+# ---------------------------------------------------------------- network slots
+
+# Sets the names of slot K's network. Namespaces enn-sK-n1..; host-side veths enn-sK-n1-br..
+use_slot() {
+    SLOT="$1"
+    BRIDGE="enn-br$1"
+    NET_PREFIX="10.214.$1"
+    CTLD_ADDR="$NET_PREFIX.1"
+    NS_PREFIX="enn-s$1-n"
+    CTLD_PORT=$((6920 + $1))
+}
+
+slot_owner() { cat "$GLOBAL_DIR/slot-$1" 2>/dev/null || true; }
+
+# True when nothing of slot K exists: no record, no bridge, no address, no namespace.
+slot_free() {
+    use_slot "$1"
+    [[ -z "$(slot_owner "$1")" ]] || return 1
+    ! ip link show "$BRIDGE" >/dev/null 2>&1 || return 1
+    [[ -z "$(ip -4 -o addr show to "$NET_PREFIX.0/24")" ]] || return 1
+    [[ -z "$(our_namespaces)" ]]
+}
+
+# The slot STATE used before when it is still ours or free (a restart keeps its addresses
+# and slurm.conf), else the first free one; exits 3 when none is.
+choose_slot() {
+    local k
+    k="$(cat "$STATE/slot" 2>/dev/null || true)"
+    if [[ "$k" =~ ^[0-9]+$ && "$k" -lt "$MAX_SLOTS" ]]; then
+        if [[ "$(slot_owner "$k")" == "$STATE" ]] || slot_free "$k"; then
+            use_slot "$k"
+            return 0
+        fi
+    fi
+    for ((k = 0; k < MAX_SLOTS; k++)); do
+        if slot_free "$k"; then
+            use_slot "$k"
+            return 0
+        fi
+    done
+    echo "cluster.sh: busy: all $MAX_SLOTS network slots are taken (see $GLOBAL_DIR/slot-*);" \
+        "run \`$0 down STATE_DIR\` for a cluster you no longer need" >&2
+    exit 3
+}
+
+# The slot STATE recorded, when that slot is still ours; else returns 1.
+own_slot() {
+    local k
+    k="$(cat "$STATE/slot" 2>/dev/null || true)"
+    [[ "$k" =~ ^[0-9]+$ && "$k" -lt "$MAX_SLOTS" && "$(slot_owner "$k")" == "$STATE" ]] \
+        || return 1
+    use_slot "$k"
+}
+
+claim_slot() {
+    echo "$STATE" >"$GLOBAL_DIR/slot-$SLOT"
+    echo "$SLOT" >"$STATE/slot"
+    printf 'bridge=%s\nprefix=%s\nctld_port=%s\n' "$BRIDGE" "$NET_PREFIX" "$CTLD_PORT" \
+        >"$STATE/network"
+}
 
 # ---------------------------------------------------------------- processes by pid file
 
@@ -115,8 +174,8 @@ stop_by_pidfiles() {
 
 node_addr() { echo "$NET_PREFIX.$((10 + $1))"; }
 
-# The bridge and its address must exist before anything talks to 10.213.0.x: without it
-# those addresses would be routed off this machine.
+# The bridge and its address must exist before anything talks to the slot's addresses:
+# without it those addresses would be routed off this machine.
 setup_bridge() {
     local foreign
     foreign="$(ip -4 -o addr show to "$NET_PREFIX.0/24" | awk -v br="$BRIDGE" '$2 != br')"
@@ -406,19 +465,14 @@ cmd_up() {
     [[ "$CPUS_PER_NODE" =~ ^[0-9]+$ && "$CPUS_PER_NODE" -ge 1 ]] \
         || die "ENN_SLURM_CPUS must be a positive integer"
     take_global_lock
-    current="$(owner)"
-    if [[ -n "$current" && "$current" != "$STATE" ]]; then
-        echo "cluster.sh: busy: another dev cluster owns $BRIDGE (state dir $current);" \
-            "run \`$0 down $current\` first" >&2
-        exit 3
-    fi
+    choose_slot
     mkdir -p "$STATE"/{ctld,dev,etc,log,run,spool,munge}
     # munged refuses a socket whose directories are not searchable by every user.
     chmod 755 "$STATE" "$STATE/munge"
     write_configs "$nodes"
     echo "$nodes" >"$STATE/nodes"
 
-    echo "$STATE" >"$OWNER_FILE"   # from here on, down STATE_DIR cleans up the network
+    claim_slot   # from here on, down STATE_DIR cleans up the network
     setup_bridge
     for ((i = 1; i <= nodes; i++)); do setup_node_netns "$i"; done
 
@@ -435,25 +489,22 @@ cmd_up() {
 }
 
 cmd_down() {
-    local file daemons=() current
+    local file daemons=()
     take_global_lock
     for file in "$STATE"/run/slurmd-*.pid; do daemons+=("$file:slurmd"); done
     # All at once (each takes ~2 s to exit); none of them needs munge to shut down.
     stop_by_pidfiles "${daemons[@]}" "$STATE/run/slurmctld.pid:slurmctld" \
         "$STATE/munge/munged.pid:munged"
-    current="$(owner)"
-    if [[ -z "$current" || "$current" == "$STATE" ]]; then
+    if own_slot; then
         teardown_network
-        rm -f "$OWNER_FILE"
-    else
-        log "network left alone: it belongs to the cluster in $current"
+        rm -f "$GLOBAL_DIR/slot-$SLOT"
     fi
     log "down: $STATE"
 }
 
 cmd_status() {
     local ok=0 file name pid
-    echo "owner of $BRIDGE: $(owner)"
+    if own_slot; then echo "network: $BRIDGE $NET_PREFIX.0/24"; else echo "network: none"; fi
     for file in "$STATE/munge/munged.pid" "$STATE/run/slurmctld.pid" "$STATE"/run/slurmd-*.pid; do
         name="$(basename "$file" .pid)"
         if pid="$(live_pid "$file" "${name%%-*}")"; then
