@@ -94,3 +94,43 @@ def train_tiny(tmp: Path, name: str) -> Path:
     done = cli("train", "--config", tmp / f"{name}.yaml", cwd=tmp)
     assert done.returncode == 0, done.stderr[-2000:]
     return tmp / "runs" / name
+
+
+def wait_train_step(run: Path, step: int, timeout: float = 90) -> None:
+    """Poll the run's metrics until a train record reaches `step` (bounded)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run / "metrics.jsonl").exists() and any(
+                r["step"] >= step for r in metrics(run, "train")):
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"{run}: no train step {step} within {timeout} s")
+
+
+def wait_for_file(path: Path, timeout: float) -> None:
+    """Poll until `path` exists (bounded)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.3)
+
+
+def in_pid_namespace(code: str, *args, timeout: float = 400) -> subprocess.CompletedProcess:
+    """Run Python `code` as pid 1 of a PID namespace of its own: a test that signals a pid
+    read from a file does it there, so that a wrong pid can never reach this machine's
+    processes (and everything left over dies with the namespace)."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare: cannot isolate a test that sends signals")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
+                           sys.executable, "-c", code, *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import zipfile
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 

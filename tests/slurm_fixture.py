@@ -99,6 +99,13 @@ class SlurmCluster:
                                    f"wanted {sorted(wanted)}:\n{text}")
             time.sleep(poll_s)
 
+    def release_requeued(self, job_id: int | str) -> None:
+        """A requeued job waits ~2 min (BeginTime); start it now, as the notes advise."""
+        self.wait_job(job_id, ("PENDING",), timeout=60)
+        time.sleep(2)
+        res = self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+        assert res.returncode == 0, res.stderr
+
     def up(self, timeout: float = 300) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if k != "ENN_SLURM_PYXIS"}
         if self.pyxis is not None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli, metrics, small_config, write_config
+from enn_cluster.storage import commits as store
+from helpers import ROOT, cli, metrics, small_config, wait_for_file, write_config
 from pyxis_fixture import IMAGE_CACHE, build_test_image
 
 pytestmark = [pytest.mark.slurm, pytest.mark.podman]
@@ -94,6 +96,38 @@ def test_predict_in_the_container_then_collect_equals_local(pyxis_cluster, test_
         got = cli("collect", run, "--name", name, "--out", tmp_path / f"{name}.npy")
         assert got.returncode == 0, got.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "box.npy"), np.load(tmp_path / "local.npy"))
+
+
+def test_killed_rank_in_the_container_fails_fast_and_retry_resumes(pyxis_cluster, test_image,
+                                                                   tmp_path):
+    """Rank 2 (on n2) is SIGKILLed at step 25 (training.fail_at_step: the worker kills
+    itself, so no test signals a pid read from a file). Its peers must not hang on it: the
+    step fails within seconds, the host-side trap requeues once (--max-restarts 1), and the
+    retry resumes from the newest commit on disk."""
+    cluster = pyxis_cluster(1)
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "kill", training={"max_steps": 120, "fail_at_step": 25, "fail_rank": 2},
+        checkpoint={"every_steps": 10, "keep_last": 100}))  # every commit record stays
+    job = _submit("train", "--config", cfg, *_slurm(test_image), "--nodes", "2",
+                  "--gpus-per-node", "2", "--max-restarts", "1")
+    run = tmp_path / "runs" / "kill"
+    marker = run / "faults" / "fired-step-25"
+    wait_for_file(marker, timeout=240)
+    killed_at = marker.stat().st_mtime
+    cluster.wait_job(job, ("PENDING",), timeout=60)
+    assert time.time() - killed_at < 45  # failed fast: no collective hung on the dead rank
+    assert _started_in_container(cluster, job)
+    cluster.release_requeued(job)
+    cluster.wait_job(job, ("COMPLETED",), timeout=240)
+    resume = metrics(run, "resume")[-1]
+    # A save the dead rank had already done its part of may commit just after the kill, with
+    # no metrics record (the save's closing barrier failed): the commit records on disk decide.
+    ckpts = run / "checkpoints"
+    commits = {s: store.read_commit(store.step_dir(ckpts, s)) for s in store.committed_steps(ckpts)}
+    committed = [s for s, rec in commits.items() if rec["time"] < resume["time"]]
+    assert resume["step"] == max(committed) >= 20, (commits, resume)
+    assert metrics(run, "train")[-1]["step"] == 120
+    assert (run / "requeue" / f"failures-{job}").read_text().strip() == "1"
 
 
 def _sbatch_template(cluster, template: str, env: dict, *flags: str) -> str:

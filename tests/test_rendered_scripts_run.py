@@ -238,7 +238,8 @@ def test_submitit_parameters_through_make_sbatch_string(tmp_path):
                                folder=str(tmp_path), **kwargs)
     for line in ("#SBATCH --nodes=2-4", "#SBATCH --requeue", "#SBATCH --signal=B:USR2@90",
                  "#SBATCH --ntasks-per-node=8", "#SBATCH --constraint=a100",
-                 "#SBATCH --open-mode=append", "#SBATCH --account=ml"):
+                 "#SBATCH --open-mode=append", "#SBATCH --account=ml",
+                 "ENN_MIN_NODES=2"):  # the trap's task count after a requeue: 2 nodes x 8
         assert line in text
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert srun.index("--container-image=") < srun.index("python3 -u -m submitit")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import shutil
 
-import pytest
 
 from helpers import cli, full_params, metrics, small_config, write_config
 

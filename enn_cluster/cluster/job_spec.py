@@ -289,6 +289,7 @@ def submitit_parameters(spec: JobSpec) -> dict:
         "slurm_setup": [
             "# enn_cluster: host-side setup (job_spec.submitit_parameters)",
             f"ENN_RUN_DIR={_q(spec.run_dir)}", f"ENN_MAX_RESTARTS={spec.max_restarts}",
+            *([f"ENN_MIN_NODES={lo}"] if lo != hi else []),  # host_setup.sh: requeue
             *spec.setup_lines, *env_lines(spec), *host_setup_lines()],
     }
     optional = {"gpus_per_node": spec.gpus_per_node or None, "cpus_per_task": spec.cpus_per_task,

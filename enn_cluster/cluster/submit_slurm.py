@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.config.launch_env import SUBMISSION_VAR
 from enn_cluster.errors import UserError
-from enn_cluster.storage.rundir import RunDir, acquire_lock, run_umask
+from enn_cluster.storage.rundir import (
+    RunDir,
+    acquire_lock,
+    lock_owner,
+    release_lock,
+    replace_lock,
+    run_umask,
+)
 from enn_cluster.worker.slurm_entry import worker_entry
 
 
@@ -150,7 +159,13 @@ def batch_script(executor) -> str:
 
 
 def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
-    """Submit and record; refuse while another live job holds the run."""
+    """Submit and record; refuse while another live job holds the run.
+
+    The run lock is claimed (O_EXCL, this process) before sbatch and handed to the job
+    after it: of two clients racing `resume` on one run, one submits and the other is
+    refused, never both. The claim's token reaches the job (SUBMISSION_VAR), so a job that
+    starts before the hand-over knows the lock is its own."""
+    import secrets
     import shutil
 
     from enn_cluster.storage.slurm_jobs import job_alive
@@ -160,26 +175,48 @@ def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
         raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
                         "login node (`enn-submit render` shows the script from anywhere)")
     _check_lock(run, job_alive)
-    ensure_run(run, run.load_config())  # exported to the job with the environment
-    executor = slurm_executor(spec, submitit_folder(run.path))
+    token = secrets.token_hex(8)
+    claim = acquire_lock(run, {**lock_owner(), "submission": token})
     try:
-        with run_umask():  # sbatch hands it to the job (SLURM_UMASK): what the tasks write
+        ensure_run(run, run.load_config())  # exported to the job with the environment
+        executor = slurm_executor(spec, submitit_folder(run.path))
+        with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
             job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
                                   step)
     except unreadable_reply() as exc:
+        release_lock(run, claim)
         said = " ".join(str(exc).split('"')[1].split())[:160] if '"' in str(exc) else "?"
         raise UserError(f"sbatch: its reply {said!r} names no job id (a site wrapper around "
                         "sbatch?); check 'squeue --me' before submitting again") from None
     except subprocess_errors() as exc:
+        release_lock(run, claim)
         raise UserError(f"sbatch refused the job: {str(exc).strip().splitlines()[-1]}")
+    except BaseException:
+        release_lock(run, claim)
+        raise
     job_id = str(job.job_id)
-    acquire_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
-                       "submitted_by": "enn-submit"},
-                 slurm_job_alive=job_alive)
+    replace_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
+                       "submitted_by": "enn-submit", "submission": token})
     run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,
                    nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
                    image=spec.container_image)
     return job_id
+
+
+@contextmanager
+def exported(name: str, value: str):
+    """`name=value` in this process's environment while the block runs (sbatch exports it
+    to the job), as it was before afterwards: a notebook submitting twice keeps a clean
+    environment."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def unreadable_reply():

@@ -103,8 +103,8 @@ DESCRIPTIONS = {
     "training.max_nonfinite_steps": "Abort after this many non-finite losses/gradient norms "
                                     "in a row (each such step is skipped on the device); "
                                     "checked on `logging.every_steps` steps.",
-    "training.fail_at_step": "Fault injection for tests: rank `fail_rank` exits hard at this "
-                             "step (once per run); 0 disables it.",
+    "training.fail_at_step": "Fault injection for tests: rank `fail_rank` is killed "
+                             "(SIGKILL) at this step (once per run); 0 disables it.",
     "training.fail_rank": "The rank that `training.fail_at_step` kills.",
     # checkpoint
     "checkpoint.every_steps": "Save a checkpoint every N optimizer steps; 0 saves only at "

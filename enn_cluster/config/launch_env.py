@@ -5,3 +5,4 @@ SIM_NODES_VAR = "ENN_SIM_NODES"  # local launcher: how many nodes the processes 
 LOCK_HELD_VAR = "ENN_LOCK_HELD"  # the launcher holds the run lock for its workers
 LAUNCHER_PID_VAR = "ENN_LAUNCHER_PID"  # workers die with the local launcher
 LAUNCH_ID_VAR = "ENN_LAUNCH_ID"  # one id per local launch: names its log directory
+SUBMISSION_VAR = "ENN_SUBMISSION"  # enn-submit on Slurm: the token its claim on run.lock names

@@ -124,7 +124,7 @@ class TrainingConfig:
     seed: int = 0
     bf16: str = "auto"  # auto (GPU only) | true | false
     max_nonfinite_steps: int = 5  # abort after this many non-finite losses in a row
-    fail_at_step: int = 0  # fault injection for tests: rank fail_rank exits hard at this step
+    fail_at_step: int = 0  # fault injection for tests: rank fail_rank is SIGKILLed at this step
     fail_rank: int = 0
 
     def validate(self) -> None:

@@ -328,6 +328,18 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
     raise UserError(f"run directory {run.path}: could not take {run.lock_path}; try again")
 
 
+def replace_lock(run: RunDir, owner: dict) -> None:
+    """Hand a lock we hold to a new owner in one step (write aside, rename over it): no
+    moment without a lock for a racing submitter to take."""
+    tmp = run.lock_path.with_name(f".{run.lock_path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(owner, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, run.lock_path)
+
+
 def release_lock(run: RunDir, owner: dict) -> None:
     try:
         current = read_lock(run, settle_s=0)

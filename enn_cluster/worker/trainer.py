@@ -183,8 +183,11 @@ class Trainer:
             return
         marker.parent.mkdir(exist_ok=True)
         marker.write_text(str(os.getpid()))
-        log.error("fault injection: rank %d exits hard at step %d", self.lanes.rank, self.step)
-        os._exit(13)
+        log.error("fault injection: rank %d kills itself (SIGKILL) at step %d",
+                  self.lanes.rank, self.step)
+        # The kernel's kill -9, as an OOM killer or a scancel'd node would: no handler, no
+        # flush, no goodbye to the peers. The pid is our own, never one read from a file.
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def train_step(self, perm: np.ndarray, flags: tuple = (), log_step: bool = True) -> dict:
         """One optimizer step. `flags` (0/1 per rank, host values) ride on the step's one

@@ -11,7 +11,7 @@ import os
 from contextlib import contextmanager
 from typing import Mapping, Optional
 
-from enn_cluster.config.launch_env import LOCK_HELD_VAR
+from enn_cluster.config.launch_env import LOCK_HELD_VAR, SUBMISSION_VAR
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner, read_lock, release_lock
 from enn_cluster.worker.environment import WorkerEnv
@@ -21,6 +21,8 @@ def needs_own_lock(env: WorkerEnv, environ: Mapping[str, str], owner: Optional[d
     """False where a launcher of ours already holds the lock for this very job."""
     if environ.get(LOCK_HELD_VAR) == "1":
         return False
+    if owner and owner.get("submission") and owner["submission"] == environ.get(SUBMISSION_VAR):
+        return False  # enn-submit's claim for this job, before or after it named the job id
     if env.launcher == "slurm" and owner and owner.get("submitted_by") == "enn-submit" \
             and str(owner.get("slurm_job_id")) == str(env.job_id):
         return False

@@ -4,6 +4,9 @@
 #   cluster.sh up STATE_DIR [NODES]   start munged, slurmctld and NODES slurmd (default 2)
 #   cluster.sh down STATE_DIR         stop everything and remove the network; safe to repeat
 #   cluster.sh status STATE_DIR       exit 0 when every daemon runs, 1 otherwise
+#   cluster.sh node-down STATE_DIR NODE   NODE loses power: SIGKILL to its slurmd and every
+#                                     process in its namespace (its tasks); `up` restarts it
+#   cluster.sh restart-ctld STATE_DIR  stop and start slurmctld (jobs live on)
 # Exit codes: 0 ok, 1 error, 2 usage, 3 busy (every network slot is taken).
 #
 # Clusters in different STATE_DIRs run side by side (two test runs on one machine must not
@@ -40,7 +43,8 @@ die() { echo "cluster.sh: error: $*" >&2; exit 1; }
 log() { echo "cluster.sh: $*" >&2; }
 
 usage() {
-    echo "usage: $0 up STATE_DIR [NODES] | down STATE_DIR | status STATE_DIR" >&2
+    echo "usage: $0 up STATE_DIR [NODES] | down STATE_DIR | status STATE_DIR" \
+        "| node-down STATE_DIR NODE | restart-ctld STATE_DIR" >&2
     exit 2
 }
 
@@ -502,6 +506,34 @@ cmd_down() {
     log "down: $STATE"
 }
 
+cmd_node_down() {
+    local node="$1" pids
+    [[ "$node" =~ ^n[1-9][0-9]*$ ]] || die "NODE must be n1, n2, ..., got '$node'"
+    take_global_lock
+    own_slot || die "no cluster of $STATE is up"
+    [[ -e "/run/netns/$NS_PREFIX${node#n}" ]] || die "$node is not a node of $STATE"
+    # Everything whose network is the node's: slurmd, slurmstepd, the job's tasks.
+    mapfile -t pids < <(ip netns pids "$NS_PREFIX${node#n}" 2>/dev/null || true)
+    if [[ "${#pids[@]}" -gt 0 ]]; then kill -KILL "${pids[@]}" 2>/dev/null || true; fi
+    rm -f "$STATE/run/slurmd-$node.pid"
+    log "node-down: $node (${#pids[@]} processes killed); \`$0 up $STATE\` restarts it"
+}
+
+cmd_restart_ctld() {
+    take_global_lock
+    own_slot || die "no cluster of $STATE is up"
+    export SLURM_CONF="$STATE/slurm.conf"
+    stop_by_pidfiles "$STATE/run/slurmctld.pid:slurmctld"
+    start_slurmctld || die "slurmctld is still running"
+    local deadline=$((SECONDS + UP_TIMEOUT_S))
+    until live_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; do  # it daemonizes
+        [[ "$SECONDS" -lt "$deadline" ]] || die "slurmctld wrote no pid file; see $STATE/log"
+        sleep 0.1
+    done
+    wait_nodes_ready "$(cat "$STATE/nodes")"
+    log "restart-ctld: slurmctld restarted"
+}
+
 cmd_status() {
     local ok=0 file name pid
     if own_slot; then echo "network: $BRIDGE $NET_PREFIX.0/24"; else echo "network: none"; fi
@@ -530,6 +562,8 @@ main() {
         up) [[ $# -le 3 ]] || usage; require_tools up; cmd_up "${3:-2}" ;;
         down) [[ $# -eq 2 ]] || usage; require_tools down; cmd_down ;;
         status) [[ $# -eq 2 ]] || usage; cmd_status ;;
+        node-down) [[ $# -eq 3 ]] || usage; require_tools down; cmd_node_down "$3" ;;
+        restart-ctld) [[ $# -eq 2 ]] || usage; require_tools up; cmd_restart_ctld ;;
         *) usage ;;
     esac
 }

@@ -39,7 +39,18 @@ enn_requeue_if_asked() {
     return 0
   fi
   echo "enn: requeueing job $SLURM_JOB_ID: $why" >&2
-  scontrol requeue "$SLURM_JOB_ID" || echo "enn: scontrol requeue $SLURM_JOB_ID failed; resubmit to continue from the checkpoint" >&2
+  trap '' TERM  # the requeue TERMs this shell: finish this function first (within KillWait)
+  if ! scontrol requeue "$SLURM_JOB_ID"; then
+    echo "enn: scontrol requeue $SLURM_JOB_ID failed; resubmit to continue from the checkpoint" >&2
+    return 0
+  fi
+  # Slurm fixes a job's task count when it first allocates it (nodes x tasks per node), so a
+  # requeued --nodes MIN-MAX job would wait for all MAX nodes again (a lost node: forever).
+  # Back to MIN nodes' worth: the next allocation takes what is free and counts anew.
+  if enn_digits "${ENN_MIN_NODES:-}" && enn_digits "${SLURM_NTASKS_PER_NODE:-}"; then
+    scontrol update "JobId=$SLURM_JOB_ID" "NumTasks=$((10#$ENN_MIN_NODES * 10#$SLURM_NTASKS_PER_NODE))" \
+      || echo "enn: could not reset the task count of job $SLURM_JOB_ID; it waits for $SLURM_JOB_NUM_NODES nodes" >&2
+  fi
 }
 trap enn_requeue_if_asked EXIT
 # Stop requests reach the workers through the run directory, never as a step signal: under

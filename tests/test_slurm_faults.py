@@ -1,0 +1,145 @@
+"""What a real cluster does to a run besides stopping it (issue 15): a node lost mid-job,
+slurmctld restarted mid-job, two clients racing `resume` on one run. Real daemons on the
+local dev cluster; the node is lost the way power goes (slurm/dev/cluster.sh node-down:
+SIGKILL to its slurmd, slurmstepd and tasks), so no test here signals a pid of its own."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from enn_cluster.storage import commits as store
+from helpers import ROOT, cli, metrics, small_config, train_tiny, wait_train_step, write_config
+from slurm_fixture import CLUSTER_SH
+
+pytestmark = pytest.mark.slurm
+SLURM = ("--cluster", "slurm", "--container", "none", "--time", "10")
+
+
+def _cluster_sh(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", CLUSTER_SH, *map(str, args)], capture_output=True,
+                          text=True, timeout=180)
+
+
+def _submit(*args) -> str:
+    res = cli(*args, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _committed_before(run, when: float) -> list[int]:
+    ckpts = run / "checkpoints"
+    return [s for s in store.committed_steps(ckpts)
+            if store.read_commit(store.step_dir(ckpts, s))["time"] < when]
+
+
+def test_a_requeued_node_range_job_restarts_on_the_nodes_that_are_free(slurm_cluster, tmp_path):
+    """--nodes 1-2 gets both nodes; USR2 to the batch shell stops it with a checkpoint and
+    the shell's trap requeues it. Slurm fixed the job's task count (2 nodes x 2) when it
+    first allocated it, so with n2 drained the requeued job would wait for n2 forever; the
+    trap puts the count back at one node's worth, and the job restarts on n1 alone,
+    resuming at world 2 where it stopped: no step lost or repeated."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "shrink", training={"max_steps": 100}, checkpoint={"every_steps": 1000}))
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "1-2", "--gpus-per-node", "2")
+    run = tmp_path / "runs" / "shrink"
+    wait_train_step(run, 20)
+    res = slurm_cluster.run(["scancel", "--batch", "--signal=USR2", job])
+    assert res.returncode == 0, res.stderr
+    slurm_cluster.wait_job(job, ("PENDING",), timeout=90)
+    try:
+        res = slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=DRAIN",
+                                 "Reason=enn-test"])
+        assert res.returncode == 0, res.stderr
+        slurm_cluster.release_requeued(job)
+        slurm_cluster.wait_job(job, ("COMPLETED",), timeout=180)
+    finally:
+        slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=RESUME"])
+    assert [s["world_size"] for s in metrics(run, "start")] == [4, 2]
+    stopped = [r["step"] for r in metrics(run, "checkpoint") if r["step"] < 100]
+    assert len(stopped) == 1, metrics(run, "checkpoint")
+    resume = metrics(run, "resume")
+    assert [(r["step"], r["from_world"], r["world_size"]) for r in resume] == [(stopped[0], 4, 2)]
+    assert [r["step"] for r in metrics(run, "train")] == list(range(1, 101))
+    assert not (run / "requeue" / job).exists()
+    assert "(restarts 1)" in cli("status", run).stdout
+
+
+def test_a_lost_node_then_resume_on_the_survivor(slurm_cluster, tmp_path):
+    """n2 loses power at step >= 25 of a --nodes 1-2 job. Once Slurm declares it down
+    (here at once; slurmctld does after SlurmdTimeout) the job ends NODE_FAIL and Slurm
+    requeues it with the node count it had, 2: it waits for n2. `enn-submit cancel` and
+    `resume --nodes 1-2` continue on n1 from the newest commit, at world 2."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "lost", training={"max_steps": 100},
+        checkpoint={"every_steps": 10, "keep_last": 100}))
+    shape = ("--nodes", "1-2", "--gpus-per-node", "2")
+    job = _submit("train", "--config", cfg, *SLURM, *shape)
+    run = tmp_path / "runs" / "lost"
+    wait_train_step(run, 25)
+    try:
+        down = _cluster_sh("node-down", slurm_cluster.state_dir, "n2")
+        assert down.returncode == 0, down.stderr
+        res = slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=DOWN",
+                                 "Reason=enn-test-power-lost"])
+        assert res.returncode == 0, res.stderr
+        slurm_cluster.wait_job(job, ("PENDING",), timeout=90)  # requeued by Slurm
+        cancel = cli("cancel", run, timeout=60)
+        assert cancel.returncode == 0, cancel.stderr
+        slurm_cluster.wait_job(job, ("CANCELLED",), timeout=60)
+        job2 = _submit("resume", run, *SLURM, *shape)
+        slurm_cluster.wait_job(job2, ("COMPLETED",), timeout=240)
+    finally:  # n2 comes back: up restarts its slurmd, ReturnToService=2 takes it in
+        up = _cluster_sh("up", slurm_cluster.state_dir, len(slurm_cluster.nodes))
+    assert up.returncode == 0, up.stderr
+    assert [s["world_size"] for s in metrics(run, "start")][-1] == 2
+    resume = metrics(run, "resume")[-1]
+    assert (resume["from_world"], resume["world_size"]) == (4, 2)
+    assert resume["step"] == max(_committed_before(run, resume["time"])) >= 20
+    assert metrics(run, "train")[-1]["step"] == 100
+
+
+def test_slurmctld_restarted_mid_job_and_the_job_runs_on(slurm_cluster, tmp_path):
+    """A controller restart (an upgrade, a crash) leaves running jobs running: no stop, no
+    resume, every step once; `status` still knows the job."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "ctld", training={"max_steps": 120}, checkpoint={"every_steps": 1000}))
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--gpus-per-node", "2")
+    run = tmp_path / "runs" / "ctld"
+    wait_train_step(run, 20)
+    res = _cluster_sh("restart-ctld", slurm_cluster.state_dir)
+    assert res.returncode == 0, res.stderr
+    assert slurm_cluster.wait_job(job, ("COMPLETED",), timeout=180) == "COMPLETED"
+    _, text = slurm_cluster.job_state(job)
+    assert "Restarts=0" in text, text
+    assert [r["step"] for r in metrics(run, "train")] == list(range(1, 121))
+    assert not metrics(run, "resume")
+    assert f"{job} COMPLETED" in cli("status", run).stdout
+
+
+def test_two_clients_racing_resume_submit_one_job(slurm_cluster, tmp_path):
+    """Both start at once; the run lock is claimed before sbatch, so exactly one submits
+    and the other is refused in one line (exit 2). One job, one resume."""
+    run = train_tiny(tmp_path, "race")
+    argv = [sys.executable, "-m", "enn_cluster.client.cli", "resume", str(run), *SLURM,
+            "--nodes", "1", "--gpus-per-node", "1", "--set", "training.max_steps=6"]
+    env = {**slurm_cluster.env, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=ROOT) for _ in range(2)]
+    outs = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    codes = sorted(code for code, _, _ in outs)
+    assert codes == [0, 2], outs
+    (job,) = [out.strip().splitlines()[-1] for code, out, _ in outs if code == 0]
+    (refusal,) = [err for code, _, err in outs if code == 2]
+    assert refusal.count("\n") == 1 and "is in use by" in refusal, refusal
+    assert slurm_cluster.wait_job(job, ("COMPLETED",), timeout=120) == "COMPLETED"
+    assert [j.get("job_id") for j in _jobs(run) if j.get("kind") == "slurm"] == [job]
+    assert [r["step"] for r in metrics(run, "resume")] == [2]
+    assert metrics(run, "train")[-1]["step"] == 6
+
+
+def _jobs(run) -> list[dict]:
+    lines = (run / "jobs.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
