@@ -112,3 +112,51 @@ def test_non_finite_losses_abort_with_a_clear_message(tmp_path):
     assert "3 non-finite losses in a row at step 2" in res.stderr
     skipped = metrics(tmp_path / "runs" / "nan", "train")
     assert [(r["loss"], r["skipped"]) for r in skipped] == [("nan", 1), ("nan", 2)]
+
+
+def test_a_nan_row_is_dumped_with_its_rows_and_counts_and_the_policy_decides(tmp_path):
+    """Row 37 of 64 has a NaN target; 2 ranks, global batch 16: one non-finite step per
+    epoch. Logging every 4 steps (the dump waits for the log step, the gradients do not:
+    they are counted on the device when the step runs). `skip` trains on and leaves one
+    dump per epoch; `abort` stops at the first."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype(np.float32)
+    y = rng.standard_normal((64, 1)).astype(np.float32)
+    y[37] = np.nan
+    np.savez(tmp_path / "one_nan.npz", x=x, y=y)
+
+    def train(name, policy):
+        cfg = write_config(tmp_path / f"{name}.yaml", **small_config(
+            tmp_path, name, data={"train_path": str(tmp_path / "one_nan.npz"),
+                                  "eval_fraction": 0.0},
+            training={"nonfinite_policy": policy, "grad_clip": 1.0},
+            logging={"every_steps": 4}, parallel={"nodes": 1, "procs_per_node": 2}))
+        return cli("train", "--config", cfg, timeout=180), tmp_path / "runs" / name
+
+    res, run = train("skip", "skip")
+    assert res.returncode == 0, res.stderr[-2000:]
+    dumps = sorted((run / "nonfinite").glob("step-*.json"),
+                   key=lambda p: int(p.stem.removeprefix("step-")))
+    assert len(dumps) == 3, dumps  # 3 epochs, row 37 once in each
+    for n, path in enumerate(dumps, 1):
+        d = json.loads(path.read_text())
+        assert 37 in d["rows"] and len(d["rows"]) == 16 and len(d["rows_by_rank"]) == 2
+        assert d["loss"] != d["loss"] and d["skipped_total"] == n  # NaN loss
+        assert d["param_dtype"] == "float32" and d["policy"] == "skip" and d["lr"] > 0
+        counts = d["nonfinite_grad_elements"]  # a NaN target reaches every gradient
+        assert set(counts) == {"layers.0.0.weight", "layers.0.0.bias", "layers.1.0.weight",
+                               "layers.1.0.bias", "head.weight", "head.bias"}, counts
+        assert counts["layers.0.0.weight"] == 4 * 16 and counts["head.bias"] == 1, counts
+    status = cli("status", run)
+    assert f"non-finite:      3 dump(s); newest {dumps[-1].parent.name}/{dumps[-1].name}" \
+        in status.stdout, status.stdout
+    assert metrics(run, "train")[-1]["skipped"] == 3
+
+    res, run = train("abort", "abort")
+    assert res.returncode != 0 and "nonfinite_policy=abort" in res.stderr, res.stderr[-2000:]
+    (dump,) = (run / "nonfinite").glob("step-*.json")
+    assert 37 in json.loads(dump.read_text())["rows"]

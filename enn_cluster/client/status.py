@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Optional
 
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
@@ -46,6 +47,7 @@ def run_status(path: Path) -> dict:
     attempt, reports = backend_report.newest_reports(run.logs)
     status["backends"] = {"attempt": attempt, "ranks": reports,
                           "lines": backend_report.summarize(reports)}
+    status["nonfinite"] = nonfinite_dumps(run.path / "nonfinite")
     slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
     if slurm_jobs:
         from enn_cluster.storage.slurm_jobs import job_state
@@ -94,6 +96,31 @@ def live_lock(run: RunDir):
     return owner if owner_alive(owner) else None
 
 
+def nonfinite_dumps(folder: Path) -> Optional[dict]:
+    """How many non-finite dumps the run holds and the newest one's content (None: none)."""
+    import json
+
+    found = sorted((int(m.group(1)), p) for p in folder.glob("step-*.json")
+                   if (m := re.fullmatch(r"step-(\d+)\.json", p.name)))
+    if not found:
+        return None
+    step, newest = found[-1]
+    try:
+        record = json.loads(newest.read_text())
+    except (OSError, ValueError) as exc:
+        record = {"unreadable": str(exc)[:80]}
+    return {"count": len(found), "step": step, "path": str(newest), "record": record}
+
+
+def _nonfinite_line(nf: dict) -> str:
+    rec = nf["record"]
+    rows = rec.get("rows") or []
+    grads = ", ".join(f"{k} ({v})" for k, v in (rec.get("nonfinite_grad_elements") or {}).items())
+    return (f"{nf['count']} dump(s); newest nonfinite/step-{nf['step']}.json: rows "
+            f"{rows[:8]}{' ...' if len(rows) > 8 else ''}; non-finite grads: {grads or 'none'}"
+            f"; loss {rec.get('loss')}, lr {rec.get('lr')}")
+
+
 def format_status(st: dict) -> str:
     lines = [f"run:             {st['run_dir']}",
              f"last step:       {st['last_step']} (loss {st['last_loss']})",
@@ -103,6 +130,8 @@ def format_status(st: dict) -> str:
              f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
     for i, line in enumerate((st.get("backends") or {}).get("lines", [])):
         lines.append(f"{'backends:' if i == 0 else '':<17}{line}")
+    if st.get("nonfinite"):
+        lines.append(f"non-finite:      {_nonfinite_line(st['nonfinite'])}")
     if st.get("slurm"):
         s = st["slurm"]
         lines.append(f"slurm job:       {s.get('job_id')} {s.get('state')} "

@@ -103,6 +103,11 @@ DESCRIPTIONS = {
     "training.max_nonfinite_steps": "Abort after this many non-finite losses/gradient norms "
                                     "in a row (each such step is skipped on the device); "
                                     "checked on `logging.every_steps` steps.",
+    "training.nonfinite_policy": "What a non-finite loss or gradient does: `skip` the step "
+                                 "(on the device) and go on, `abort` training, or "
+                                 "`skip_then_abort` after `max_nonfinite_steps` in a row. "
+                                 "Each skip writes `nonfinite/step-N.json` (rows, "
+                                 "per-parameter counts, lr, norm); checked on log steps.",
     "training.fail_at_step": "Fault injection for tests: rank `fail_rank` is killed "
                              "(SIGKILL) at this step (once per run); 0 disables it.",
     "training.fail_rank": "The rank that `training.fail_at_step` kills.",

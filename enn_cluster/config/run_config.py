@@ -124,6 +124,7 @@ class TrainingConfig:
     seed: int = 0
     bf16: str = "auto"  # auto (GPU only) | true | false
     max_nonfinite_steps: int = 5  # abort after this many non-finite losses in a row
+    nonfinite_policy: str = "skip_then_abort"  # skip | abort | skip_then_abort
     fail_at_step: int = 0  # fault injection for tests: rank fail_rank is SIGKILLed at this step
     fail_rank: int = 0
 
@@ -148,6 +149,8 @@ class TrainingConfig:
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise UserError("training.warmup_ratio: must be in [0, 1)")
         _choice("training.bf16", str(self.bf16).lower(), ("auto", "true", "false"))
+        _choice("training.nonfinite_policy", str(self.nonfinite_policy),
+                ("skip", "abort", "skip_then_abort"))
         self.bf16 = str(self.bf16).lower()
 
 

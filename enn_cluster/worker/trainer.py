@@ -34,6 +34,7 @@ from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes
 from enn_cluster.worker.loader import BatchLoader, gather_rows
 from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradient_sync
+from enn_cluster.worker.nonfinite import DUMP_DIR, NonFiniteWatch
 from enn_cluster.worker.sampler import (
     DataPosition,
     advance,
@@ -94,6 +95,8 @@ class Trainer:
         self.pending = None
         self.stager = None  # async saves' CPU buffers, reused from save to save
         self.staging_wait_s = 0.0  # time optimizer steps waited for an async save's copy
+        self.nonfinite = NonFiniteWatch(self.sm.model, dev, self.sm.plan.replicate,
+                                        cfg.logging.every_steps)
         self.loader = BatchLoader(lambda rows: gather_rows(self.x, self.y, rows, self.scaler),
                                   lanes.device)
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
@@ -201,7 +204,8 @@ class Trainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
         accum = self.batch.accumulation
-        for k, (xb, yb) in enumerate(self.loader.batches(self._step_rows(perm, self.pos))):
+        rows = self._step_rows(perm, self.pos)
+        for k, (xb, yb) in enumerate(self.loader.batches(rows)):
             with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
                 loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
                 (loss / accum).backward()
@@ -209,9 +213,12 @@ class Trainer:
         decided = self.lanes.start_sum([float(f) for f in flags])
         loss_work = dist.all_reduce(loss_sum, async_op=True)  # agreed finiteness, log value
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        nonfinite_counts = self.nonfinite.count()  # before the clip (see NonFiniteWatch)
         grad_norm = clip_and_norm(sm.model.parameters(), max_norm)
         loss_work.wait()
         finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
+        self.nonfinite.observe(self.step, rows, nonfinite_counts, finite, lr, grad_norm,
+                               loss_sum / (accum * self.sm.dp_size))
         agreed = decided()
         waited = 0.0
         if self.pending is not None:  # an async save may still be copying the parameters
@@ -233,20 +240,40 @@ class Trainer:
         return stats
 
     def _read_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, accum: int) -> dict:
-        """The log step's device-to-host read: loss, norm and the non-finite counters; too
-        many non-finite steps in a row abort here."""
-        t = self.cfg.training
-        in_row, skipped = int(self.nonfinite_in_row), int(self.skipped)
-        if skipped > self.skipped_seen:
-            log.warning("non-finite loss/grad: %d step(s) skipped up to step %d (%d in a row)",
-                        skipped - self.skipped_seen, self.step, in_row)
-            self.skipped_seen = skipped
-        if in_row >= t.max_nonfinite_steps:
-            raise TrainingAborted(
-                f"{in_row} non-finite losses in a row at step {self.step}: "
-                "check the data for NaN/Inf, lower training.lr, or enable grad clipping")
+        """The log step's device-to-host read: loss, norm and the non-finite counters."""
+        skipped = self._check_nonfinite()
         return {"loss": float(loss_sum) / (accum * self.sm.dp_size),
                 "grad_norm": float(grad_norm), "skipped": skipped}
+
+    def _check_nonfinite(self) -> int:
+        """Read the non-finite counters (on every rank alike); new skips are dumped
+        (RUN/nonfinite/step-N.json) and training.nonfinite_policy decides whether to go on.
+        Returns the steps skipped so far."""
+        t = self.cfg.training
+        in_row, skipped = int(self.nonfinite_in_row), int(self.skipped)
+        if skipped <= self.skipped_seen:
+            return skipped
+        dump = self.nonfinite.dump(self.run.path, self.lanes, {
+            "bf16": self.sm.use_bf16, "policy": t.nonfinite_policy,
+            "skipped_total": skipped, "in_a_row": in_row})
+        log.warning("non-finite loss/grad: %d step(s) skipped up to step %d (%d in a row)%s",
+                    skipped - self.skipped_seen, self.step, in_row,
+                    f"; dump {dump}" if dump else "")
+        self.metrics.write("nonfinite", step=self.step, skipped=skipped, in_a_row=in_row,
+                           dump=str(dump.relative_to(self.run.path)) if dump else None)
+        self.skipped_seen = skipped
+        where = f"{DUMP_DIR}/ in the run directory"
+        if t.nonfinite_policy == "abort":
+            raise TrainingAborted(
+                f"non-finite loss/grad at step {self.step} (training.nonfinite_policy=abort; "
+                f"rows and per-parameter counts in {where}): check the data for NaN/Inf, "
+                "lower training.lr, or enable grad clipping")
+        if t.nonfinite_policy == "skip_then_abort" and in_row >= t.max_nonfinite_steps:
+            raise TrainingAborted(
+                f"{in_row} non-finite losses in a row at step {self.step} (rows and "
+                f"per-parameter counts in {where}): check the data for NaN/Inf, lower "
+                "training.lr, or enable grad clipping")
+        return skipped
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -373,6 +400,8 @@ class Trainer:
                 self.save(async_save=cfg.checkpoint.async_save)
                 last_saved = self.step
         self.finish_pending()
+        if self.step % cfg.logging.every_steps:  # the steps after the last log step
+            self._check_nonfinite()
         if last_saved != self.step:
             self.save(async_save=False)
         return "done"

@@ -1,0 +1,94 @@
+"""What a step held when its loss or gradient went NaN/Inf: kept on the device until a log
+step reads it, then written by rank 0 as RUN/nonfinite/step-N.json.
+
+Every step records, with device-side selects only (no device-to-host read, see the
+trainer), the newest non-finite step's number, lr, gradient norm and loss, and the
+non-finite element count of each of this rank's gradient shards. The log step that sees
+the skip counter grow turns that into a dump: counts summed over the ranks (each replica
+holds the same shard, so divided by the replicate size), and the step's row indices (rows
+of the staged training array) gathered from every rank over the control lane.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from enn_cluster.storage.rundir import run_umask
+
+DUMP_DIR = "nonfinite"
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+class NonFiniteWatch:
+    def __init__(self, model: torch.nn.Module, device: torch.device, replicate: int,
+                 history: int):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.replicate, self.history = replicate, max(history, 1)
+        self.counts = torch.zeros(len(named), dtype=torch.int64, device=device)
+        self.scalars = torch.zeros(4, dtype=torch.float64, device=device)  # step lr norm loss
+        self.rows: dict[int, list[int]] = {}  # step -> this rank's rows, the last `history`
+
+    def count(self) -> torch.Tensor:
+        """Non-finite elements per gradient shard (device tensor), taken before clipping:
+        a clip by a non-finite norm turns every gradient element NaN."""
+        zero = torch.zeros((), dtype=torch.int64, device=self.counts.device)
+        if not self.params:
+            return self.counts
+        return torch.stack([(~_local(p.grad).isfinite()).sum() if p.grad is not None else zero
+                            for p in self.params])
+
+    def observe(self, step: int, rows: list[np.ndarray], counts: torch.Tensor,
+                finite: torch.Tensor, lr: float, grad_norm: torch.Tensor,
+                loss: torch.Tensor) -> None:
+        """Keep this step's figures if it is non-finite (device-side selects only)."""
+        self.rows[step] = np.concatenate(rows).tolist() if rows else []
+        for old in [s for s in self.rows if s <= step - self.history]:
+            del self.rows[old]
+        bad = ~finite
+        dev = self.counts.device
+        self.counts = torch.where(bad, counts, self.counts)
+        figures = torch.stack([torch.tensor(float(step), dtype=torch.float64, device=dev),
+                               torch.tensor(lr, dtype=torch.float64, device=dev),
+                               grad_norm.detach().double().reshape(()),
+                               loss.detach().double().reshape(())])
+        self.scalars = torch.where(bad, figures, self.scalars)
+
+    def dump(self, run_path: Path, lanes, extra: dict) -> Optional[Path]:
+        """Collective (every rank calls it on the same log step). Rank 0 writes the dump of
+        the newest non-finite step and returns its path; other ranks return None."""
+        counts = self.counts.clone()
+        dist.all_reduce(counts)  # the accelerator lane, where the counts live
+        step, lr, norm, loss = (float(v) for v in self.scalars.tolist())
+        step = int(step)
+        gathered = lanes.gather_objects(self.rows.get(step, []))
+        if lanes.rank != 0:
+            return None
+        per_param = {n: int(c) // self.replicate for n, c in zip(self.names, counts.tolist())}
+        record = {
+            "step": step + 1,  # the optimizer step's number, as metrics count them
+            "lr": lr, "grad_norm": norm, "loss": loss,
+            "param_dtype": str(self.params[0].dtype).removeprefix("torch.") if self.params else None,
+            "nonfinite_grad_elements": {n: c for n, c in per_param.items() if c},
+            "parameters_checked": len(per_param),
+            "rows": sorted({r for rows in gathered for r in rows}),
+            "rows_by_rank": gathered,
+            **extra,
+        }
+        out = run_path / DUMP_DIR / f"step-{step + 1}.json"
+        with run_umask():
+            out.parent.mkdir(exist_ok=True)
+            tmp = out.with_name(f".{out.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.replace(tmp, out)
+        return out
