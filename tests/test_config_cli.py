@@ -98,3 +98,13 @@ def test_cli_help_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("value,why", [("x-3", "not a step range"), ("5-2", "forwards"),
+                                        ("0-3", "from step 1"), ("1-500", "too many"),
+                                        ("3-", "not a step range")])
+def test_a_bad_profiling_window_is_one_line(tmp_path, value, why):
+    cfg = write_config(tmp_path / "c.yaml", **small_config(tmp_path, "prof"))
+    res = cli("prepare", "--config", cfg, "--set", f"profiling.steps={value}")
+    assert res.returncode == 2 and "profiling.steps" in res.stderr and why in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and not (tmp_path / "runs").exists()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import cli, small_config, write_config
+from helpers import cli, metrics, small_config, write_config
 
 mlflow = pytest.importorskip("mlflow", reason="the dev extra installs mlflow-skinny")
 TOKEN = "tok-9f3e1c-never-on-disk"
@@ -19,7 +19,8 @@ def test_one_mlflow_run_across_restart_and_resume(tmp_path, monkeypatch):
     cfg = small_config(tmp_path, "tracked", training={"max_steps": 30, "fail_at_step": 17},
                        checkpoint={"every_steps": 10},
                        parallel={"nodes": 1, "procs_per_node": 2, "max_restarts": 1},
-                       logging={"mlflow_tracking_uri": store, "mlflow_experiment": "enn-test"})
+                       logging={"mlflow_tracking_uri": store, "mlflow_experiment": "enn-test"},
+                       profiling={"steps": "3-4"})  # issue 13 item 8: traces, as artifacts
     env = {"MLFLOW_TRACKING_TOKEN": TOKEN}
     done = cli("train", "--config", write_config(tmp_path / "c.yaml", **cfg), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -36,6 +37,14 @@ def test_one_mlflow_run_across_restart_and_resume(tmp_path, monkeypatch):
     loss_steps = {m.step for m in client.get_metric_history(run_id, "loss")}
     assert loss_steps == set(range(1, 41))  # before the crash, after it, and after resume
     assert {m.step for m in client.get_metric_history(run_id, "eval_loss")}
+    traces = sorted((run / "profiles" / "steps-3-4").glob("rank-*.json"))
+    assert [t.name for t in traces] == ["rank-0.json", "rank-1.json"]
+    for trace in traces:
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert any("aten::" in str(e.get("name")) for e in events), trace
+    assert [r["step"] for r in metrics(run, "profile")] == [4]
+    uploaded = [a.path for a in client.list_artifacts(run_id, "profiles/steps-3-4")]
+    assert uploaded == ["profiles/steps-3-4/rank-0.json", "profiles/steps-3-4/rank-1.json"]
     for path in list(run.rglob("*")) + list((tmp_path / "mlruns").rglob("*")):
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path

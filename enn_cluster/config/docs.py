@@ -36,6 +36,7 @@ SECTION_INTROS = {
     "parallel": "Launch shape and the HSDP/FSDP/DDP mesh; launcher flags override "
                 "`nodes`/`procs_per_node`.",
     "logging": "Rank-0 metrics as JSON lines.",
+    "profiling": "torch.profiler traces of chosen optimizer steps, per rank.",
 }
 
 DESCRIPTIONS = {
@@ -164,6 +165,11 @@ DESCRIPTIONS = {
     "one MLflow run across restarts (needs the `mlflow` extra). No credentials in the URI: "
     "use MLFLOW_TRACKING_TOKEN in the environment.",
     "logging.mlflow_experiment": "MLflow experiment the run is created in.",
+    # profiling
+    "profiling.steps": "`FIRST-LAST` (or one step): optimizer steps traced by "
+                       "torch.profiler, one Chrome trace per rank in "
+                       "`profiles/steps-FIRST-LAST/rank-R.json` (and an MLflow artifact when "
+                       "tracking is on); empty: off. At most 100 steps.",
 }
 
 

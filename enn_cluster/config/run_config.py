@@ -219,6 +219,39 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    steps: str = ""  # "A-B" (or "A"): optimizer steps traced by torch.profiler; "": off
+
+    def validate(self) -> None:
+        profile_window(self.steps)
+
+    @property
+    def window(self) -> Optional[tuple[int, int]]:
+        return profile_window(self.steps)
+
+
+MAX_PROFILED_STEPS = 100  # a trace grows with every step it holds
+
+
+def profile_window(text: str) -> Optional[tuple[int, int]]:
+    """`"20-25"` -> (20, 25), `"20"` -> (20, 20), `""` -> None; anything else refused."""
+    text = str(text).strip()
+    if not text:
+        return None
+    first, sep, last = text.partition("-")
+    if not (first.isdigit() and (last.isdigit() or not sep)):
+        raise UserError(f"profiling.steps: {text[:40]!r} is not a step range; give FIRST-LAST "
+                        "(optimizer steps, from 1), e.g. profiling.steps=20-25")
+    lo, hi = int(first), int(last if sep else first)
+    if not 1 <= lo <= hi:
+        raise UserError(f"profiling.steps: {text!r} must run from step 1 or later, forwards")
+    if hi - lo + 1 > MAX_PROFILED_STEPS:
+        raise UserError(f"profiling.steps: {hi - lo + 1} steps is too many to trace; keep it "
+                        f"to {MAX_PROFILED_STEPS} or fewer (a few steps show the pattern)")
+    return lo, hi
+
+
+@dataclass
 class RunConfig:
     run_name: str = "run"
     runs_root: str = "runs"
@@ -228,6 +261,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def validate(self) -> "RunConfig":
         if not self.run_name or "/" in self.run_name or self.run_name in (".", "..") \
@@ -242,7 +276,7 @@ class RunConfig:
             raise UserError("runs_root: is empty; give a directory, e.g. runs")
         _path_text("runs_root", self.runs_root)
         for section in (self.model, self.data, self.training, self.checkpoint,
-                        self.parallel, self.logging):
+                        self.parallel, self.logging, self.profiling):
             section.validate()
         return self
 
@@ -297,6 +331,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return value
     if tp is str and key.endswith(".bf16") and isinstance(value, bool):
         return str(value).lower()
+    if tp is str and key == "profiling.steps" and type(value) is int:  # one step: `=20`
+        return str(value)
     expected = origin or tp
     if expected is int and isinstance(value, bool) or not isinstance(value, expected):
         name = getattr(expected, "__name__", str(expected))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Optional
 
 from enn_cluster.errors import UserError
@@ -114,6 +115,14 @@ class MlflowSink:
             self.client.log_batch(self.run_id, metrics=batch)
         except Exception as exc:  # tracking is best effort: never stop training for it
             log.warning("MLflow logging failed (%s); metrics stay in the JSONL", exc)
+
+    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
+        """Upload a folder (profiler traces) into the run's artifacts; best effort."""
+        try:
+            self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+        except Exception as exc:  # never stop training for tracking
+            log.warning("MLflow artifact upload of %s failed (%s); the files stay there",
+                        local_dir, exc)
 
     def close(self) -> None:
         self.flush()

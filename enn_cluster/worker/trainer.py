@@ -35,6 +35,7 @@ from enn_cluster.worker.lanes import Lanes
 from enn_cluster.worker.loader import BatchLoader, gather_rows
 from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradient_sync
 from enn_cluster.worker.nonfinite import DUMP_DIR, NonFiniteWatch
+from enn_cluster.worker.profiling import StepProfiler
 from enn_cluster.worker.sampler import (
     DataPosition,
     advance,
@@ -101,6 +102,7 @@ class Trainer:
                                   lanes.device)
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
                                   sink=worker_sink(cfg, run, lanes.rank))
+        self.profiler = StepProfiler(cfg.profiling.window, run.path, lanes.rank, lanes.device)
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -376,10 +378,12 @@ class Trainer:
             pending_open = self.pending is not None and not self.pending.done()
             self.stop_requested = self.stop_requested or int(stop_file.poll())
             log_step = (self.step + 1) % cfg.logging.every_steps == 0
+            self.profiler.before_step(self.step + 1)
             stats = self.train_step(perm, (self.stop_requested, pending_open), log_step)
             stop, still_open = stats.pop("agreed")
             epoch_before = self.pos.epoch
             self.step += 1
+            self._profiled(self.profiler.after_step(self.step, final=stop))
             if self.step % GC_EVERY_STEPS == 0:
                 gc.collect()
             self.pos = advance(self.pos, self.n_rows, self.batch.global_batch)
@@ -400,13 +404,27 @@ class Trainer:
                 self.save(async_save=cfg.checkpoint.async_save)
                 last_saved = self.step
         self.finish_pending()
+        self._profiled(self.profiler.after_step(self.step, final=True))
         if self.step % cfg.logging.every_steps:  # the steps after the last log step
             self._check_nonfinite()
         if last_saved != self.step:
             self.save(async_save=False)
         return "done"
 
+    def _profiled(self, trace) -> None:
+        """Every rank wrote its trace at this step: rank 0 records it and uploads the
+        folder to MLflow when tracking is on."""
+        if trace is None:
+            return
+        self.lanes.barrier()
+        folder = trace.parent
+        self.metrics.write("profile", step=self.step,
+                           folder=str(folder.relative_to(self.run.path)))
+        if self.metrics.sink is not None:
+            self.metrics.sink.log_artifacts(folder, f"profiles/{folder.name}")
+
     def close(self) -> None:
+        self.profiler.close()
         self.loader.close()
         self.metrics.close()
         if self.stager is not None:
