@@ -183,3 +183,10 @@ def test_report_names_effective_values_and_warns_where_the_image_differs():
         "image's ENV, or the job's) wins; unset it in the image or pass it with --container-env",
         "out of its documented range: NCCL_IB_RETRY_CNT=14 (expected 0..7)"]
     assert [lv for lv, _ in nccl.report(nccl.nccl_env("efa", {}), "efa")] == ["info"]
+
+
+def test_nccl_heartbeat_outlasts_the_collective_timeout():
+    from enn_cluster.config.nccl import heartbeat_env
+
+    assert heartbeat_env(300) == {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}  # torch's default
+    assert heartbeat_env(1800) == {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1920"}

@@ -144,6 +144,10 @@ DESCRIPTIONS = {
                                      "(TCPStore and process-group setup), in seconds. On a "
                                      "restart every node unpacks the image again and nodes "
                                      "can start minutes apart: keep this well above that skew.",
+    "parallel.watchdog_s": "A rank that starts no step, collective or evaluation batch "
+                           "for this long logs where each lane was, dumps every thread's "
+                           "stack and exits 70 (retried like a failure); 0: "
+                           "`timeout_s` + 60. Checkpoint saves and loads are not timed.",
     "parallel.max_restarts": "Retries after a worker failure (default of `--max-restarts`); "
                              "each restart resumes from the newest complete checkpoint.",
     "parallel.stop_grace_s": "After SIGTERM: exit hard if the agreed checkpoint is not "

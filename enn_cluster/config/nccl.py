@@ -55,6 +55,14 @@ RANGES: dict[str, object] = {
 }
 
 
+def heartbeat_env(timeout_s: float) -> dict[str, str]:
+    """NCCL's heartbeat monitor kills a process whose watchdog thread is silent for
+    TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (torch's default: 480 s). It must outlast the lanes'
+    collective timeout (parallel.timeout_s), or a long collective that our timeout allows
+    would be killed first, without the evidence our failure path leaves."""
+    return {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(480, int(timeout_s) + 120))}
+
+
 def out_of_range(values: Mapping[str, str]) -> list[str]:
     """'NAME=value (range)' for each value outside its documented range."""
     bad = []

@@ -181,6 +181,12 @@ class ParallelConfig:
     stop_grace_s: float = 60.0  # after SIGTERM under Slurm: exit hard if no checkpoint by then
     reduce_dtype: str = "fp32"  # gradient reductions under bf16 mixed precision: fp32 | bf16
     rendezvous_timeout_s: float = 900.0  # all ranks must meet within this (image unpack skew)
+    watchdog_s: float = 0.0  # no progress for this long ends the rank; 0: timeout_s + 60
+
+    @property
+    def watchdog_limit_s(self) -> float:
+        """After the collectives' own timeout: the watchdog catches what has none."""
+        return self.watchdog_s or self.timeout_s + 60.0
 
     def validate(self) -> None:
         _choice("parallel.strategy", self.strategy, ("hsdp", "fsdp", "ddp"))
@@ -199,6 +205,9 @@ class ParallelConfig:
         if not 0 <= self.stop_grace_s <= MAX_WAIT_S:
             raise UserError(f"parallel.stop_grace_s: {self.stop_grace_s!r} must be >= 0 and at "
                             f"most {MAX_WAIT_S:.0f} seconds (a week)")
+        if not 0 <= self.watchdog_s <= MAX_WAIT_S:
+            raise UserError(f"parallel.watchdog_s: {self.watchdog_s!r} must be >= 0 (0: "
+                            f"timeout_s + 60) and at most {MAX_WAIT_S:.0f} seconds (a week)")
         plan_mesh(self, self.nodes * self.procs_per_node, self.procs_per_node)
 
 

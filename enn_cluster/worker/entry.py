@@ -83,7 +83,7 @@ def _say_cpu_only(env, torch_version: str) -> None:
         print(f"enn_cluster: {msg}", file=sys.stderr, flush=True)
 
 
-def _configure_nccl(env) -> None:
+def _configure_nccl(env, timeout_s: float) -> None:
     """On GPU nodes, pick the fabric profile unless the user set the variables."""
     try:
         import torch
@@ -93,6 +93,8 @@ def _configure_nccl(env) -> None:
             return
     except ImportError:
         return
+    for key, value in nccl.heartbeat_env(timeout_s).items():
+        os.environ.setdefault(key, value)
     profile = os.environ.get("ENN_NCCL_PROFILE", "auto")
     chosen = nccl.configure(os.environ, profile=profile) if hasattr(nccl, "configure") else None
     if env.rank == 0 and chosen is not None:
@@ -147,7 +149,7 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     log_dir = _setup_logging(run, env)
     log.info(control_net.apply(os.environ))  # before the profile: one interface for both
-    _configure_nccl(env)
+    _configure_nccl(env, cfg.parallel.timeout_s)
     if torch.cuda.is_available():  # NCCL's init log tells the report the transport
         os.environ.update(backend_report.nccl_log_env(log_dir, env.rank, os.environ))
     from enn_cluster.worker.worker_lock import hold_run_lock
@@ -199,6 +201,14 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
         if env.rank == 0:
             print(f"enn_cluster: training aborted: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except UserError:
+        raise
+    except Exception as exc:  # a collective timed out, a peer died: leave the evidence
+        from enn_cluster.worker.watchdog import dump, rank_log_stream
+
+        dump(trainer.progress, rank_log_stream(),
+             f"training failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+        raise
     finally:
         trainer.close()
     if outcome == "stopped":

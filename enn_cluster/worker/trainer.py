@@ -51,6 +51,7 @@ from enn_cluster.worker.step_math import (
     scheduled_gc,
 )
 from enn_cluster.worker.stop_request import StopPoller
+from enn_cluster.worker.watchdog import Progress, Watchdog, rank_log_stream
 
 log = logging.getLogger("enn_cluster.worker.trainer")
 
@@ -103,6 +104,7 @@ class Trainer:
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
                                   sink=worker_sink(cfg, run, lanes.rank))
         self.profiler = StepProfiler(cfg.profiling.window, run.path, lanes.rank, lanes.device)
+        self.progress = Progress()  # what the watchdog and a failure dump report
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -207,12 +209,17 @@ class Trainer:
         loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
         accum = self.batch.accumulation
         rows = self._step_rows(perm, self.pos)
+        step = self.step + 1
+        self.progress.at("accelerator", f"step {step}: forward/backward (FSDP all-gather, "
+                                        "reduce-scatter)")
         for k, (xb, yb) in enumerate(self.loader.batches(rows)):
             with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
                 loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
                 (loss / accum).backward()
             loss_sum += loss.detach().double()
+        self.progress.at("control", f"step {step}: stop/save decision all-reduce")
         decided = self.lanes.start_sum([float(f) for f in flags])
+        self.progress.at("accelerator", f"step {step}: loss and gradient-norm all-reduce")
         loss_work = dist.all_reduce(loss_sum, async_op=True)  # agreed finiteness, log value
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         nonfinite_counts = self.nonfinite.count()  # before the clip (see NonFiniteWatch)
@@ -294,6 +301,7 @@ class Trainer:
             count = len(rows)
             if count == 0:
                 rows = np.array([self.eval_rows[0]])  # keep step with the others, weight 0
+            self.progress.at("accelerator", f"evaluation after step {self.step}")
             xb, yb = self._batch(self.eval_x, self.eval_y, rows)
             with autocast(sm, self.lanes.device):
                 loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
@@ -304,6 +312,10 @@ class Trainer:
         return float(totals[0] / totals[1]) if totals[1] else float("nan")
 
     def save(self, async_save: bool) -> None:
+        with self.progress.untimed(f"checkpoint step-{self.step} save"):
+            self._save(async_save)
+
+    def _save(self, async_save: bool) -> None:
         self.finish_pending()
         args = (self.run.checkpoints, self.step, self.sm.model, self.optimizer,
                 self.state_dict(), self.lanes)
@@ -356,8 +368,13 @@ class Trainer:
     def fit(self) -> str:
         """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
         self.resume()
-        with scheduled_gc():
-            return self._loop()
+        watchdog = Watchdog(self.progress, self.cfg.parallel.watchdog_limit_s,
+                            rank_log_stream()).start()
+        try:
+            with scheduled_gc():
+                return self._loop()
+        finally:
+            watchdog.stop()
 
     def _loop(self) -> str:
         cfg = self.cfg
