@@ -6,6 +6,8 @@ same epochs and final step, and final weights within tolerance.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers import assert_same_run, cli, metrics, small_config, write_config
@@ -75,3 +77,38 @@ def test_changing_the_global_batch_on_purpose_replans_and_is_recorded(uninterrup
     start = metrics(run, "start")[-1]
     assert start["total_steps"] == 42 + 448 // 64  # one more epoch at the new batch
     assert metrics(run, "train")[-1]["step"] == 42 + 7
+
+
+def test_out_of_memory_halves_the_micro_batch_and_the_run_matches(uninterrupted, tmp_path):
+    """Issue 13 item 1: rank 1 runs out of memory at step 13 (a fault hook raises
+    torch.OutOfMemoryError on CPU). The OOM governor records it; the retry resumes from
+    step 8 with micro-batch 4 x accumulation 2 instead of 8 x 1, the same global batch, and
+    the run ends as the uninterrupted one did, within float tolerance."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "oom", training={"oom_at_step": 13, "fail_rank": 1},
+        parallel={"max_restarts": 1}))
+    res = cli("train", "--config", cfg, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "oom"
+    assert_same_run(run, uninterrupted, resumed_at_world=4)
+    (governed,) = metrics(run, "oom_governor")
+    assert (governed["micro_batch"], governed["accumulation"], governed["global_batch"]) == (4, 2, 32)
+    record = json.loads((run / "oom.json").read_text())
+    (event,) = record["events"]
+    assert (event["step"], event["rank"], event["micro_batch"], record["micro_batch_cap"]) == \
+        (13, 1, 8, 4)
+    assert event["memory"]["peak_rss_mb"] > 0
+    status = cli("status", run).stdout
+    assert "memory:          out of memory at step 13 on rank 1 (micro-batch 8 x 1); since " \
+        "then micro-batch <= 4, same global batch 32" in status, status
+
+
+def test_out_of_memory_at_micro_batch_1_stops_with_the_figures(tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "floor", training={"oom_at_step": 2, "per_device_train_batch_size": 1},
+        parallel={"nodes": 1, "procs_per_node": 1, "max_restarts": 2}))
+    res = cli("train", "--config", cfg, timeout=240)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "out of memory at step 2 on rank 0 with micro-batch 1 (memory: device cpu, " \
+        "peak_rss_mb" in res.stderr and "nothing left to halve" in res.stderr, res.stderr
+    assert len(metrics(tmp_path / "runs" / "floor", "start")) == 1  # exit 2: never retried

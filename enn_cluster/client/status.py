@@ -8,6 +8,7 @@ from typing import Optional
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import oom_record
 from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.rundir import RunDir, read_lock
 
@@ -48,6 +49,7 @@ def run_status(path: Path) -> dict:
     status["backends"] = {"attempt": attempt, "ranks": reports,
                           "lines": backend_report.summarize(reports)}
     status["nonfinite"] = nonfinite_dumps(run.path / "nonfinite")
+    status["oom"] = oom_record.read_record(run.path)
     slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
     if slurm_jobs:
         from enn_cluster.storage.slurm_jobs import job_state
@@ -130,6 +132,12 @@ def format_status(st: dict) -> str:
              f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
     for i, line in enumerate((st.get("backends") or {}).get("lines", [])):
         lines.append(f"{'backends:' if i == 0 else '':<17}{line}")
+    if st.get("oom"):
+        ev = st["oom"]["events"][-1]
+        lines.append(f"memory:          out of memory at step {ev['step']} on rank {ev['rank']} "
+                     f"(micro-batch {ev['micro_batch']} x {ev['accumulation']}); since then "
+                     f"micro-batch <= {st['oom']['micro_batch_cap']}, same global batch "
+                     f"{ev['global_batch']} ({len(st['oom']['events'])} event(s), oom.json)")
     if st.get("nonfinite"):
         lines.append(f"non-finite:      {_nonfinite_line(st['nonfinite'])}")
     if st.get("slurm"):

@@ -127,6 +127,7 @@ class TrainingConfig:
     nonfinite_policy: str = "skip_then_abort"  # skip | abort | skip_then_abort
     fail_at_step: int = 0  # fault injection for tests: rank fail_rank is SIGKILLed at this step
     fail_rank: int = 0
+    oom_at_step: int = 0  # fault injection for tests: rank fail_rank runs out of memory here
 
     def validate(self) -> None:
         _bounded("training.epochs", self.epochs, MAX_COUNT)
@@ -142,6 +143,7 @@ class TrainingConfig:
         _seed("training.seed", self.seed)
         _non_negative("training.fail_at_step", self.fail_at_step)
         _non_negative("training.fail_rank", self.fail_rank)
+        _non_negative("training.oom_at_step", self.oom_at_step)
         if not self.lr > 0:
             raise UserError(f"training.lr: {self.lr} must be > 0, e.g. 1e-3")
         if self.weight_decay < 0 or self.grad_clip < 0:

@@ -188,6 +188,7 @@ def _report_backends(log_dir: Path, cfg, env, lanes) -> None:
 
 
 def _train(run: RunDir, cfg, env, lanes) -> int:
+    from enn_cluster.worker.oom_governor import OutOfMemoryRecorded
     from enn_cluster.worker.trainer import Trainer, TrainingAborted
 
     trainer = Trainer(cfg, run, env, lanes)
@@ -200,6 +201,9 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
         log.error("training aborted: %s", exc)
         if env.rank == 0:
             print(f"enn_cluster: training aborted: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except OutOfMemoryRecorded as exc:  # the next attempt runs a smaller micro-batch
+        log.error("%s: this attempt ends; see oom.json in the run directory", exc)
         return EXIT_FAILED
     except UserError:
         raise

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.config.schedule import lr_at, plan_batch, replanned_total, total_steps
+from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, replanned_total, total_steps
 from enn_cluster.models import compute_loss
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import oom_record
 from enn_cluster.storage.metrics import MetricsLog, peak_memory_mb
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.staging import open_array, read_manifest
@@ -34,6 +35,7 @@ from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes
 from enn_cluster.worker.loader import BatchLoader, gather_rows
 from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradient_sync
+from enn_cluster.worker import oom_governor
 from enn_cluster.worker.nonfinite import DUMP_DIR, NonFiniteWatch
 from enn_cluster.worker.profiling import StepProfiler
 from enn_cluster.worker.sampler import (
@@ -86,7 +88,9 @@ class Trainer:
         t = cfg.training
         self.optimizer = new_optimizer(self.sm.model.parameters(), t)
         self.n_rows = self.rows[1] - self.rows[0]
-        self.batch = plan_batch(t, self.sm.dp_size, env.local_world_size)
+        oom_governor.refuse_after_floor(run.path)
+        self.micro_cap = oom_record.micro_batch_cap(run.path)  # the OOM governor's
+        self.batch = self._plan(t)
         self.total_steps = total_steps(t, self.n_rows, self.batch.global_batch)
         self.step, self.pos = 0, DataPosition()
         dev = lanes.device  # non-finite counters live on the device, read at log steps
@@ -132,13 +136,20 @@ class Trainer:
             if t.global_batch_size:  # changed on purpose: --set training.global_batch_size
                 changed = {"global_batch_changed": [saved, self.batch.global_batch]}
             else:  # a run from before the batch was frozen keeps the one it had
-                self.batch = plan_batch(replace(t, global_batch_size=saved), self.batch.dp_size)
+                self.batch = self._plan(replace(t, global_batch_size=saved))
         gb = self.batch.global_batch
         if self.pos.consumed and (self.n_rows - self.pos.consumed) // gb == 0:
             self.pos = DataPosition(self.pos.epoch + 1, 0)  # the batch grew: tail too short
         self.total_steps = replanned_total(t, self.n_rows, gb, self.step, self.pos.epoch,
                                            self.pos.consumed)
         return changed
+
+    def _plan(self, t) -> "BatchPlan":
+        """The batch split, with the micro-batch capped where memory ran out before."""
+        if self.micro_cap:
+            t = replace(t, per_device_train_batch_size=min(self.micro_cap,
+                                                            t.per_device_train_batch_size))
+        return plan_batch(t, self.sm.dp_size, self.env.local_world_size)
 
     # -- data ----------------------------------------------------------------------------
     def _eval_arrays(self):
@@ -181,20 +192,30 @@ class Trainer:
             signal.signal(sig, lambda signum, frame: self.request_stop(signum))
 
     # -- loop ----------------------------------------------------------------------------
-    def _maybe_inject_fault(self) -> None:
-        t = self.cfg.training
-        if not t.fail_at_step or self.step != t.fail_at_step or self.lanes.rank != t.fail_rank:
-            return
-        marker = self.run.path / "faults" / f"fired-step-{self.step}"
+    def _fault_fires(self, at_step: int, step: int, name: str) -> bool:
+        """Fault injection: rank training.fail_rank at `at_step`, once per run (a marker
+        file), so that the retry runs clean."""
+        if not at_step or step != at_step or self.lanes.rank != self.cfg.training.fail_rank:
+            return False
+        marker = self.run.path / "faults" / f"{name}-step-{step}"
         if marker.exists():
-            return
+            return False
         marker.parent.mkdir(exist_ok=True)
         marker.write_text(str(os.getpid()))
+        return True
+
+    def _maybe_inject_fault(self) -> None:
+        if not self._fault_fires(self.cfg.training.fail_at_step, self.step, "fired"):
+            return
         log.error("fault injection: rank %d kills itself (SIGKILL) at step %d",
                   self.lanes.rank, self.step)
         # The kernel's kill -9, as an OOM killer or a scancel'd node would: no handler, no
         # flush, no goodbye to the peers. The pid is our own, never one read from a file.
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _maybe_inject_oom(self, step: int) -> None:
+        if self._fault_fires(self.cfg.training.oom_at_step, step, "oom"):
+            raise torch.OutOfMemoryError(f"fault injection: out of memory at step {step}")
 
     def train_step(self, perm: np.ndarray, flags: tuple = (), log_step: bool = True) -> dict:
         """One optimizer step. `flags` (0/1 per rank, host values) ride on the step's one
@@ -212,11 +233,15 @@ class Trainer:
         step = self.step + 1
         self.progress.at("accelerator", f"step {step}: forward/backward (FSDP all-gather, "
                                         "reduce-scatter)")
-        for k, (xb, yb) in enumerate(self.loader.batches(rows)):
-            with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
-                loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
-                (loss / accum).backward()
-            loss_sum += loss.detach().double()
+        try:
+            self._maybe_inject_oom(step)
+            for k, (xb, yb) in enumerate(self.loader.batches(rows)):
+                with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
+                    loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
+                    (loss / accum).backward()
+                loss_sum += loss.detach().double()
+        except torch.OutOfMemoryError as exc:
+            oom_governor.record(self.run.path, step, self.lanes.rank, self.batch, dev, exc)
         self.progress.at("control", f"step {step}: stop/save decision all-reduce")
         decided = self.lanes.start_sum([float(f) for f in flags])
         self.progress.at("accelerator", f"step {step}: loss and gradient-norm all-reduce")
@@ -383,6 +408,10 @@ class Trainer:
                            world_size=self.env.world_size, pid=os.getpid(),
                            global_batch=b.global_batch, micro_batch=b.micro_batch,
                            accumulation=b.accumulation)
+        if self.micro_cap:
+            self.metrics.write("oom_governor", step=self.step, micro_batch=b.micro_batch,
+                               accumulation=b.accumulation, global_batch=b.global_batch,
+                               micro_batch_cap=self.micro_cap)
         every = cfg.checkpoint.every_steps
         perm_epoch, perm = -1, None
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
