@@ -135,6 +135,9 @@ def test_corrupt_or_truncated_chunk_is_detected_and_recomputed(trained, tmp_path
     assert "chunk-000002.npy" in message and "chunk-000005.npy" in message
     assert "Traceback" not in bad.stderr
     assert not (tmp_path / "bad.npy").exists() and not list(tmp_path.glob(".bad.npy*"))
+    # folders --out would have needed are not left behind either (issue 12)
+    deep = cli("collect", run, "--name", name, "--out", tmp_path / "new" / "deeper" / "bad.npy")
+    assert deep.returncode == 2 and not (tmp_path / "new").exists(), deep.stderr
     # predicting again recomputes exactly the chunks that fail their records
     fixed = cli("predict", run, "--name", name)
     assert fixed.returncode == 0, fixed.stderr[-3000:]

@@ -202,6 +202,16 @@ def _target(out: str):
     return fs, path, local
 
 
+def missing_parents(path: Path) -> list[Path]:
+    """The parent folders of `path` that do not exist yet, innermost first."""
+    missing = []
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
 def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
             overwrite: bool = False, stream: Optional[TextIO] = None) -> CollectResult:
     """Verify and assemble prediction `name` of `run` into `out` (.npy path or fsspec URL)."""
@@ -221,11 +231,14 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
         check_local_target("--out", path, overwrite)
     elif fs.exists(path) and not overwrite:
         raise UserError(f"--out: {out} exists; choose another path or pass --overwrite")
+    made: list[Path] = []  # the parents of --out this call creates: gone again on failure
     if local:
+        made = missing_parents(Path(path))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}")
     else:
         tmp = Path(tempfile.mkdtemp(prefix="enn-collect-")) / "out.npy"
+    done = False
     try:
         problems = _assemble(pdir, manifest, tmp, raw, stream)
         if problems:
@@ -239,10 +252,17 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
             fsync_dir(Path(path).parent)
         else:
             fs.put_file(str(tmp), path)
+        done = True
     finally:
         tmp.unlink(missing_ok=True)
         if not local:
             tmp.parent.rmdir()
+        if not done:
+            for folder in made:  # innermost first; only if still empty
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
     scale = manifest["scaler"]["std"] if manifest.get("scaler") else None
     warnings = pm.collapse_warnings(manifest.get("stats"), scale)
     return CollectResult(str(out), name, (manifest["n_rows"], *manifest["output_shape"]),
