@@ -91,8 +91,8 @@ def test_a_lost_node_then_resume_on_the_survivor(slurm_cluster, tmp_path):
         slurm_cluster.wait_job(job, ("CANCELLED",), timeout=60)
         job2 = _submit("resume", run, *SLURM, *shape)
         slurm_cluster.wait_job(job2, ("COMPLETED",), timeout=240)
-    finally:  # n2 comes back: up restarts its slurmd, ReturnToService=2 takes it in
-        up = _cluster_sh("up", slurm_cluster.state_dir, len(slurm_cluster.nodes))
+    finally:  # n2 comes back: up (with the session's Pyxis setting) restarts its slurmd,
+        up = slurm_cluster.up()  # and ReturnToService=2 takes it in
     assert up.returncode == 0, up.stderr
     assert [s["world_size"] for s in metrics(run, "start")][-1] == 2
     resume = metrics(run, "resume")[-1]
