@@ -54,12 +54,13 @@ with open(os.path.join(sys.argv[2], f"rank-{os.environ['RANK']}.json"), "w") as 
 os._exit(code)  # as the worker leaves (worker.exit_now): no finalisation race with gloo threads
 """
 
-WIDTH = 3072  # three 3072x3072 layers: 108 MiB of fp32 parameters, 36 MiB a layer
+WIDTH = 2048  # eight 2048x2048 layers: 128 MiB of fp32 parameters, 16 MiB a layer
+LAYERS = 8
 
 
 def test_no_rank_holds_the_whole_model(tmp_path):
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "big", model={"name": "mlp", "hidden_sizes": [WIDTH] * 4},
+        tmp_path, "big", model={"name": "mlp", "hidden_sizes": [WIDTH] * (LAYERS + 1)},
         training={"max_steps": 2, "per_device_train_batch_size": 4},
         checkpoint={"every_steps": 0}, parallel={"nodes": 1, "procs_per_node": 4,
                                                  "strategy": "fsdp"}))
@@ -72,19 +73,23 @@ def test_no_rank_holds_the_whole_model(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          str(probe), str(tmp_path / "runs" / "big"), str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+        # Every allocation of 1 MiB or more gets its own mapping, returned when freed: the
+        # peak RSS then counts live tensors, not what malloc kept from the warm-up build
+        # (without this the peak swung from 16 to 84 MiB between runs).
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                 MALLOC_MMAP_THRESHOLD_=str(2**20)))
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
     total_mb = sum(p.numel() for p in torch.nn.Sequential(
-        torch.nn.Linear(8, WIDTH), *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(3)],
+        torch.nn.Linear(8, WIDTH), *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)],
         torch.nn.Linear(WIDTH, 1)).parameters()) * 4 / 2**20
     layer_mb = WIDTH * WIDTH * 4 / 2**20
     for r in ranks:
         assert r["code"] == 0
         assert r["param_mb"] == pytest.approx(total_mb / 4, rel=0.05), r
         assert r["optim_mb"] == pytest.approx(2 * total_mb / 4, rel=0.05), r  # AdamW moments
-        # building: this rank's share, plus at most one full layer at a time
-        assert r["build_peak_mb"] < total_mb / 4 + 1.5 * layer_mb, (r, total_mb)
+        # building: this rank's share, plus one full layer at a time (and its local slice)
+        assert r["build_peak_mb"] < total_mb / 4 + 1.5 * layer_mb < total_mb / 2, (r, total_mb)
 
 
 def test_weights_do_not_depend_on_the_world_size(tmp_path):
