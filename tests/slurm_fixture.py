@@ -99,6 +99,19 @@ class SlurmCluster:
                                    f"wanted {sorted(wanted)}:\n{text}")
             time.sleep(poll_s)
 
+    def wait_idle(self, timeout: float = 90) -> None:
+        """Until every node is idle: a --nodes MIN-MAX job takes only the nodes free when it
+        starts, and the previous test's job or node may still be ending."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=15)
+            states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
+            if proc.returncode == 0 and all(states.get(n) == "idle" for n in self.nodes):
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nodes not idle after {timeout}s: {states or proc.stderr}")
+            time.sleep(0.5)
+
     def release_requeued(self, job_id: int | str) -> None:
         """A requeued job waits ~2 min (BeginTime); start it now, as the notes advise."""
         self.wait_job(job_id, ("PENDING",), timeout=60)

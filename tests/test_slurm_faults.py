@@ -43,6 +43,7 @@ def test_a_requeued_node_range_job_restarts_on_the_nodes_that_are_free(slurm_clu
     resuming at world 2 where it stopped: no step lost or repeated."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "shrink", training={"max_steps": 100}, checkpoint={"every_steps": 1000}))
+    slurm_cluster.wait_idle()
     job = _submit("train", "--config", cfg, *SLURM, "--nodes", "1-2", "--gpus-per-node", "2")
     run = tmp_path / "runs" / "shrink"
     wait_train_step(run, 20)
@@ -76,9 +77,11 @@ def test_a_lost_node_then_resume_on_the_survivor(slurm_cluster, tmp_path):
         tmp_path, "lost", training={"max_steps": 100},
         checkpoint={"every_steps": 10, "keep_last": 100}))
     shape = ("--nodes", "1-2", "--gpus-per-node", "2")
+    slurm_cluster.wait_idle()  # both nodes free: the job must span n1 and n2
     job = _submit("train", "--config", cfg, *SLURM, *shape)
     run = tmp_path / "runs" / "lost"
     wait_train_step(run, 25)
+    assert metrics(run, "start")[0]["world_size"] == 4
     try:
         down = _cluster_sh("node-down", slurm_cluster.state_dir, "n2")
         assert down.returncode == 0, down.stderr

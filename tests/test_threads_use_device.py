@@ -15,7 +15,8 @@ from enn_cluster.worker import placement
 
 PACKAGE = Path(__file__).resolve().parents[1] / "enn_cluster"
 STARTS_THREAD = re.compile(r"threading\.Thread\(|ThreadPoolExecutor\(")
-HOST_ONLY = {"storage/staging.py": "runs on the submit host before any worker; no device"}
+HOST_ONLY = {"storage/staging.py": "runs on the submit host before any worker; no device",
+             "worker/watchdog.py": "reads the progress record, dumps stacks, exits: no torch call"}
 
 
 def test_every_worker_thread_selects_its_device():
