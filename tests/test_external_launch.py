@@ -60,3 +60,22 @@ def test_a_worker_refuses_a_run_held_by_a_live_process_with_exit_2(tmp_path):
         assert f"in use by pid {os.getpid()}" in res.stderr and "Traceback" not in res.stderr
     assert (run / "run.lock").read_text() == lock
     assert not (run / "jobs.jsonl").exists()
+
+
+def test_a_taken_rendezvous_port_is_one_line_and_a_retryable_failure(tmp_path):
+    """Something else listens on MASTER_PORT: rank 0 says so in one line and exits 1 (a
+    failure the host side retries, probing for a free port), not 2 and not a traceback."""
+    run = _prepare(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        res = subprocess.run([sys.executable, "-m", "enn_cluster.worker", str(run)],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 1, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"MASTER_PORT={port} is taken on {socket.gethostname()}" in last, res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (run / "jobs.jsonl").exists() and not (run / "run.lock").exists()

@@ -162,6 +162,20 @@ def test_golden_submitit_script():
     assert text == path.read_text(), f"{path} differs: review, then ENN_UPDATE_GOLDEN=1"
 
 
+@pytest.mark.parametrize("request_, line", [
+    ("gpus-per-node", "#SBATCH --gpus-per-node=8"), ("gres", "#SBATCH --gres=gpu:8"),
+    ("gres:a100", "#SBATCH --gres=gpu:a100:8")])
+def test_gpu_request_renders_in_both_scripts(request_, line):
+    """site.gpu_request: sites without select/cons_tres ask for GPUs with --gres (issue 12)."""
+    spec = JobSpec(job_name="j", run_dir="/r", gpus_per_node=8, gpu_request=request_)
+    for text in (job_spec.render_batch_script(spec), make_submitit_script(spec, "/r/slurm/%j")):
+        gpu_lines = [x for x in text.splitlines() if x.startswith("#SBATCH --g")]
+        assert gpu_lines == [line], text
+    cpu = JobSpec(job_name="j", run_dir="/r", gpus_per_node=0, gpu_request=request_)
+    assert "--g" not in "".join(x for x in job_spec.render_batch_script(cpu).splitlines()
+                                if x.startswith("#SBATCH"))
+
+
 @pytest.mark.parametrize("task", ["train", "predict"])
 def test_admin_templates(task):
     shipped = (TEMPLATES / f"{task}.sbatch").read_text()

@@ -300,3 +300,40 @@ def test_possibly_empty_arrays_expand_safely_on_old_bash():
         for script in (text, rendered):
             assert re.findall(r'(?<!\+)"\$\{enn_srun_extra\[@\]\}"(?!\})', script) == []
             assert '${enn_srun_extra[@]+"${enn_srun_extra[@]}"}' in script
+
+
+def _two_free_ports_in_the_job_range() -> int:
+    """A port P in 20000-29998 with P and P+1 free on loopback (this machine's other
+    listeners decide which)."""
+    import socket
+
+    for port in range(24000, 29998):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    pytest.skip("no two free ports in 24000-29999 on loopback")
+
+
+def test_a_taken_rendezvous_port_is_passed_over(stub, run_dir):
+    """The port derived from the job id is taken on the first node: the batch shell
+    exports the next free one for the workers (and says so)."""
+    import socket
+
+    port = _two_free_ports_in_the_job_range()
+    script = job_spec.render_batch_script(JobSpec(job_name="j", run_dir=run_dir))
+    job_id = str(port - 20000 + 10000 * 7)  # the modulo folds it back onto `port`
+    done = stub.run(script, SLURM_JOB_ID=job_id)
+    assert done.returncode == 0, done.stderr
+    assert stub.env["MASTER_PORT"] == str(port)  # free: the derived port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        done = stub.run(script, SLURM_JOB_ID=job_id)
+    assert done.returncode == 0, done.stderr
+    assert stub.env["MASTER_PORT"] == str(port + 1)
+    assert f"enn: port {port} is taken on {socket.gethostname()}; trying the next one" \
+        in done.stderr.splitlines()

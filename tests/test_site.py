@@ -73,7 +73,7 @@ def test_every_key_is_known_and_typed():
         "nccl_profile": "efa", "gpus_per_node": 4, "extra_sbatch_args": ["--constraint=a100"],
         "extra_srun_args": ["--cpu-bind=none"], "setup_lines": ["module load x"],
         "python": "/usr/bin/python3", "signal_grace_s": 120, "time": 240,
-        "cpus_per_task": 12, "socket_ifname": "ib0", "mem_gb": 480})
+        "cpus_per_task": 12, "socket_ifname": "ib0", "mem_gb": 480, "gpu_request": "gres:a100"})
     assert set(conf.overrides()) == set(site.KEYS) == set(site.DEFAULTS)
     assert conf.mounts == ("/d:/d:ro+rprivate",)
 
@@ -98,6 +98,8 @@ def test_every_key_is_known_and_typed():
     ({"image": "docker://ubuntu"}, r"site\.image: .*drop 'docker://'"),
     ({"runs_root": "runs"}, r"site\.runs_root: .*must be absolute"),
     ({"signal_grace_s": 0}, r"site\.signal_grace_s: 0 must be >= 1"),
+    ({"gpu_request": "gpus"}, r"site\.gpu_request: 'gpus' is not a way to ask for GPUs.*gres:TYPE"),
+    ({"gpu_request": "gres:a 100"}, r"site\.gpu_request: 'gres:a 100' is not"),
     ({"cpus_per_task": 0}, r"site\.cpus_per_task: 0 must be >= 1; leave it out"),
     ({"socket_ifname": "eth0,ib0"}, r"site\.socket_ifname: 'eth0,ib0' is not an interface"),
     ({"cpus_per_task": "8"}, r"site\.cpus_per_task: expected a whole number"),

@@ -34,9 +34,16 @@ def test_train_2x2_across_two_nodes_then_resume_on_one(slurm_cluster, tmp_path):
     status = cli("status", run)
     assert f"slurm job:       {job} COMPLETED" in status.stdout, status.stdout
     assert "last complete:   step-28" in status.stdout
-    job2 = _submit("resume", run, *SLURM, "--nodes", "1", "--gpus-per-node", "2",
+    # a site without select/cons_tres asks with --gres=gpu:N (issue 12): the tasks get the same GPUs
+    site = tmp_path / "site.yaml"
+    site.write_text("gpu_request: gres\n")
+    job2 = _submit("resume", run, *SLURM, "--site", site, "--nodes", "1", "--gpus-per-node", "2",
                    "--set", "training.epochs=3", "--wait")
     slurm_cluster.wait_job(job2, ("COMPLETED",), timeout=120)
+    script = next((run / "slurm").rglob(f"{job2}_submission.sh")).read_text()
+    assert "#SBATCH --gres=gpu:2" in script and "--gpus-per-node" not in script, script
+    rank0 = (run / "logs" / f"slurm-{job2}-r0" / "rank-0.log").read_text()
+    assert "the job has 2 GPUs per node, but torch" in rank0, rank0
     resume = metrics(run, "resume")[-1]
     assert (resume["step"], resume["from_world"], resume["world_size"]) == (28, 4, 2)
     assert metrics(run, "train")[-1]["step"] == 28 + 14  # the run's global batch: 32 rows
@@ -50,6 +57,7 @@ def test_a_node_range_resumes_exactly_on_the_nodes_granted(slurm_cluster, baseli
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "range", training={"fail_at_step": 13, "fail_rank": 3}))
     shape = ("--nodes", "1-2", "--gpus-per-node", "2", "--wait")
+    slurm_cluster.wait_idle()  # both nodes free: the first job must span n1 and n2
     first = cli("train", "--config", cfg, *SLURM, *shape, timeout=240)
     assert first.returncode not in (0, 2), first.stderr
     run = tmp_path / "runs" / "range"

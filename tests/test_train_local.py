@@ -67,6 +67,11 @@ def test_resume_at_smaller_world_skips_torn_and_corrupt_checkpoints(baseline, tm
     verify = cli("verify", run)
     assert verify.returncode == 1 and "step-40: CORRUPT" in verify.stdout, verify.stdout
     assert "step-42: incomplete" in verify.stdout
+    # issue 12: status never calls a checksum-corrupt step "last complete" (sizes are right)
+    status = cli("status", run).stdout.splitlines()
+    assert "last complete:   step-32 (checksums verified)" in status, status
+    assert any(line.startswith("corrupt:         step-40: __1_0.distcp: checksum")
+               and "resume skips it" in line for line in status), status
     res = cli("resume", run, "--nodes", "1", "--procs-per-node", "2",
               "--set", "training.max_steps=50")
     assert res.returncode == 0, res.stderr

@@ -291,9 +291,9 @@ def _follow_status(path: Path, interval: float) -> int:
 
     from enn_cluster.client.status import live, progress_line, run_status
 
-    tty, previous = sys.stdout.isatty(), None
+    tty, previous, verified = sys.stdout.isatty(), None, {}
     while True:
-        st = run_status(path)
+        st = run_status(path, verified)  # a checkpoint's bytes are read once
         line = progress_line(st)
         if line != previous:
             sys.stdout.write(f"\r\033[K{line}" if tty else line + "\n")

@@ -13,7 +13,8 @@ from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.rundir import RunDir, read_lock
 
 
-def run_status(path: Path) -> dict:
+def run_status(path: Path, verified: Optional[dict] = None) -> dict:
+    """`verified`: checksum results to reuse between calls (status --follow)."""
     run = RunDir(Path(path))
     last_train, last_eval, resumes, start, records = None, None, 0, None, 0
     for rec in read_metrics(run.metrics):
@@ -41,10 +42,12 @@ def run_status(path: Path) -> dict:
         "step_time_s": last_train.get("step_time_s") if last_train else None,
         "samples_per_s": last_train.get("samples_per_s") if last_train else None,
         "checkpoints": store.committed_steps(run.checkpoints),
-        "last_checkpoint": store.latest_committed(run.checkpoints),
         "jobs": jobs,
         "lock": live_lock(run),
     }
+    # "last complete" is a step whose bytes match their checksums, as resume will find it
+    status["last_checkpoint"], status["corrupt_checkpoints"] = store.newest_verified(
+        run.checkpoints, verified)
     attempt, reports = backend_report.newest_reports(run.logs)
     status["backends"] = {"attempt": attempt, "ranks": reports,
                           "lines": backend_report.summarize(reports)}
@@ -128,7 +131,11 @@ def format_status(st: dict) -> str:
              f"last step:       {st['last_step']} (loss {st['last_loss']})",
              f"last eval loss:  {st['last_eval_loss']}",
              f"checkpoints:     {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}",
-             f"last complete:   {('step-%s' % st['last_checkpoint']) if st['last_checkpoint'] is not None else 'none'}",
+             f"last complete:   {('step-%s' % st['last_checkpoint']) if st['last_checkpoint'] is not None else 'none'}"
+             + (" (checksums verified)" if st["last_checkpoint"] is not None else ""),
+             *(f"{'corrupt:' if i == 0 else '':<17}step-{step}: {problems[0]} "
+               f"(resume skips it; `enn-submit verify` lists every problem)"
+               for i, (step, problems) in enumerate(sorted(st["corrupt_checkpoints"].items()))),
              f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
     for i, line in enumerate((st.get("backends") or {}).get("lines", [])):
         lines.append(f"{'backends:' if i == 0 else '':<17}{line}")

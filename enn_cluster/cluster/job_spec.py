@@ -23,9 +23,11 @@ from enn_cluster.cluster.slurm_values import (
     _NAME,
     _fail,
     _int,
+    check_gpu_request,
     check_line,
     check_srun_arg,
     check_word,
+    gpu_option,
     parse_sbatch_arg,
     time_minutes,
 )
@@ -47,6 +49,7 @@ class JobSpec:
     predict_name: Optional[str] = None
     nodes: Union[int, str] = 1  # N, or "MIN-MAX" for an elastic allocation
     gpus_per_node: int = 1  # one task per GPU
+    gpu_request: str = "gpus-per-node"  # or gres / gres:TYPE (site.gpu_request)
     procs_per_node: int = 1  # tasks per node when gpus_per_node == 0 (CPU runs)
     cpus_per_task: Optional[int] = None
     mem_gb: Optional[float] = None  # 0: all of each node's memory (--mem=0)
@@ -126,6 +129,7 @@ def _validate(s: JobSpec) -> None:
         check_word(s.predict_name, "--name", _NAME)
     time_minutes(s.time)
     _int(s.gpus_per_node, "--gpus-per-node", 0)
+    check_gpu_request(s.gpu_request, "site.gpu_request")
     _int(s.procs_per_node, "--procs-per-node", 1)
     if s.cpus_per_task is not None:
         _int(s.cpus_per_task, "--cpus-per-task", 1)
@@ -292,7 +296,12 @@ def submitit_parameters(spec: JobSpec) -> dict:
             *([f"ENN_MIN_NODES={lo}"] if lo != hi else []),  # host_setup.sh: requeue
             *spec.setup_lines, *env_lines(spec), *host_setup_lines()],
     }
-    optional = {"gpus_per_node": spec.gpus_per_node or None, "cpus_per_task": spec.cpus_per_task,
+    gpus = {}
+    if spec.gpus_per_node:
+        option, value = gpu_option(spec.gpu_request, spec.gpus_per_node)
+        gpus = ({"gpus_per_node": spec.gpus_per_node} if option == "gpus-per-node"
+                else {"slurm_gres": value})  # submitit wants an int for the former
+    optional = {**gpus, "cpus_per_task": spec.cpus_per_task,
                 "mem_gb": spec.mem_gb or None, "slurm_partition": spec.partition,
                 "slurm_account": spec.account, "slurm_qos": spec.qos,
                 "slurm_exclusive": True if spec.exclusive else None}
@@ -313,7 +322,8 @@ def sbatch_lines(spec: JobSpec) -> list[str]:
     lo, hi = spec.node_range
     opts = [("job-name", spec.job_name), ("nodes", f"{lo}-{hi}" if lo != hi else lo),
             ("ntasks-per-node", spec.tasks_per_node),
-            ("gpus-per-node", spec.gpus_per_node or None), ("cpus-per-task", spec.cpus_per_task),
+            gpu_option(spec.gpu_request, spec.gpus_per_node) if spec.gpus_per_node
+            else ("gpus-per-node", None), ("cpus-per-task", spec.cpus_per_task),
             ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
             ("account", spec.account), ("qos", spec.qos),
             ("exclusive", True if spec.exclusive else None), ("requeue", True),

@@ -35,7 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
     "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
     "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
-    "mem_gb": None,
+    "mem_gb": None, "gpu_request": "gpus-per-node",
 }
 
 _LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
@@ -64,6 +64,7 @@ class SiteConfig:
     cpus_per_task: Optional[int] = None  # default: the node's CPUs / tasks per node
     socket_ifname: Optional[str] = None  # control-plane NIC (gloo + NCCL bootstrap)
     mem_gb: Optional[float] = None  # memory per node in GB (--mem); 0: all of it
+    gpu_request: Optional[str] = None  # gpus-per-node | gres | gres:TYPE (no select/cons_tres)
     source: Optional[str] = field(default=None, compare=False)  # the file it came from
 
     def overrides(self) -> dict[str, Any]:
@@ -136,6 +137,8 @@ def _check_values(site: SiteConfig) -> None:
                                         not 0 <= site.mem_gb <= 2**20):
             raise UserError(f"site.mem_gb: {site.mem_gb!r} must be a number of GB per node "
                             "(0: all of each node's memory)")
+        if site.gpu_request is not None:
+            slurm_values.check_gpu_request(site.gpu_request, "site.gpu_request")
         if site.gpus_per_node is not None and site.gpus_per_node < 0:
             raise UserError(f"site.gpus_per_node: {site.gpus_per_node} must be >= 0")
         for i, arg in enumerate(site.extra_sbatch_args or ()):

@@ -93,3 +93,24 @@ def check_word(value: Optional[str], flag: str, pattern=_SLURM_WORD) -> Optional
         raise _fail(flag, f"{value!r} has characters an #SBATCH line cannot carry",
                     "use letters, digits and . _ - +")
     return value
+
+
+_GPU_REQUEST = re.compile(r"^(?:gpus-per-node|gres(?::[A-Za-z0-9_.-]{1,64})?)\Z")
+
+
+def check_gpu_request(value: str, flag: str) -> str:
+    """How a job asks for GPUs: --gpus-per-node (select/cons_tres), or --gres=gpu[:TYPE]:N
+    on sites whose select plugin has no GPU-per-node option."""
+    if not isinstance(value, str) or not _GPU_REQUEST.match(value):
+        raise _fail(flag, f"{value!r} is not a way to ask for GPUs",
+                    "use gpus-per-node, gres or gres:TYPE (TYPE as in the site's gres.conf)")
+    return value
+
+
+def gpu_option(request: str, gpus: int) -> tuple[str, str]:
+    """The (sbatch option, value) for `gpus` per node: ("gpus-per-node", "8") or
+    ("gres", "gpu:a100:8")."""
+    if request == "gpus-per-node":
+        return "gpus-per-node", str(gpus)
+    gpu_type = request.partition(":")[2]
+    return "gres", f"gpu:{gpu_type}:{gpus}" if gpu_type else f"gpu:{gpus}"

@@ -111,7 +111,7 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
         run_dir=str(run.path),
         task=task, predict_name=name, nodes=req.nodes_range or shape.nodes,
         gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
-        cpus_per_task=opts["cpus_per_task"], mem_gb=opts["mem_gb"],
+        gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=opts["mem_gb"],
         env={"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {},
         time=opts["time"], partition=opts["partition"], account=opts["account"],
         qos=opts["qos"], exclusive=bool(req.exclusive), signal_grace_s=opts["signal_grace_s"],

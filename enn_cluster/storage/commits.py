@@ -120,6 +120,34 @@ def step_problems(path: Path) -> list[str]:
         return [str(exc)]
 
 
+def newest_verified(root: Path, seen: Optional[dict] = None) -> tuple[Optional[int], dict]:
+    """The newest committed step whose every file has its recorded size and checksum (its
+    bytes are read: no torch), and {newer committed step: its problems}. `seen` keeps
+    results keyed by each file's size, inode and ctime (which every write changes), so
+    that a caller asking again (status --follow) reads only what changed."""
+    seen = {} if seen is None else seen
+    corrupt = {}
+    for step in reversed(committed_steps(root)):
+        path = step_dir(root, step)
+        try:
+            record = read_commit(path) or {"files": {}}
+            key = (str(path), *((name, *_identity(path / name)) for name in sorted(record["files"])))
+            if key not in seen:
+                seen[key] = verify_checkpoint(path)
+            problems = seen[key]
+        except (OSError, ValueError) as exc:  # gone meanwhile, an unknown checksum algorithm
+            problems = [str(exc)]
+        if not problems:
+            return step, corrupt
+        corrupt[step] = problems
+    return None, corrupt
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_size, st.st_ino, st.st_ctime_ns
+
+
 def shape_problems(path: Path) -> list[str]:
     """What can be told about a committed step without reading its data: a readable commit
     record, checksum algorithms this version knows, every file at its recorded size, and

@@ -250,11 +250,16 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
     signal handling and the same exit codes, 2 for bad input (never retried)."""
     install_early_stop_handlers()
     die_with_launcher(os.environ)
+    from enn_cluster.worker.lanes import PortTaken
+
     try:
         return run_task(run_dir, task, name, step)
     except UserError as exc:
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER
+    except PortTaken as exc:  # retried (the host side probes again), unlike bad input
+        print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -74,9 +74,24 @@ def rendezvous_store(env: WorkerEnv, timeout: timedelta):
     group would otherwise read the dead group's addresses ("Connection refused").
     """
     use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                          is_master=env.rank == 0 and not use_agent_store, timeout=timeout)
-    return dist.PrefixStore(f"enn/attempt-{env.restart_count}", store)
+    is_master = env.rank == 0 and not use_agent_store
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                              is_master=is_master, timeout=timeout)
+    except dist.DistNetworkError as exc:
+        if is_master and "EADDRINUSE" in str(exc):
+            raise PortTaken(f"rendezvous: MASTER_PORT={env.master_port} is taken on "
+                            f"{socket.gethostname()} (another job or service listens there); "
+                            "this attempt fails, and its retry probes for a free port "
+                            "(or set MASTER_PORT to a free one)") from None
+        raise
+    # The job id in the prefix: peers that reach another job's store on a shared port
+    # wait for keys it never writes (a clear rendezvous timeout), never join that job.
+    return dist.PrefixStore(f"enn/job-{env.job_id or 'none'}/attempt-{env.restart_count}", store)
+
+
+class PortTaken(RuntimeError):
+    """Rank 0 could not listen on the rendezvous port: a failure the retry can mend."""
 
 
 def open_lanes(env: WorkerEnv, timeout_s: float, rendezvous_s: float = 0.0,
