@@ -55,6 +55,7 @@ def test_predict_2x2_equals_single_process_forward(trained, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "full"
     manifest = json.loads((run / "predictions" / "full" / "manifest.json").read_text())
+    assert manifest["collapse"] is None and manifest["input_spread"] > 0  # varied: no verdict
     assert manifest["step"] == step and manifest["world_size"] == 4
     assert sorted({c["rank"] for c in manifest["chunks"]}) == [0, 1, 2, 3]
     assert manifest["precision_check"] == {"reduced_precision": False, "dtype": "float32"}
@@ -193,3 +194,7 @@ def test_constant_model_warns_of_collapse_and_bf16_is_checked(tmp_path):
     got = cli("collect", run, "--out", tmp_path / "y.npy")
     assert got.returncode == 0, got.stderr
     assert "near-constant" in got.stderr and "max |fp32 - bfloat16|" in got.stderr
+    # issue 13 item 6: the inputs vary, the fp32 re-run is as constant: the model itself
+    assert manifest["collapse"]["verdict"] == "model", manifest["collapse"]
+    assert not manifest["collapse"]["candidates"]["fp32_rerun"]["varies"]
+    assert "collapse verdict (model): output 0: the inputs vary" in got.stderr, got.stderr

@@ -77,3 +77,17 @@ def test_commit_record_verification_and_prune(tmp_path):
     assert store.prune_plan([1, 2, 3, 4, 5], [1, 3, 4], keep_last=2) == [1, 2]
     assert store.prune_plan([1, 2, 3, 6], [1, 3], keep_last=5) == [2]  # torn 6 may be in flight
     assert json.loads((good / "commit.json").read_text())["step"] == 10
+
+
+def test_target_scaler_keeps_a_small_spread_around_a_large_mean(tmp_path):
+    """Targets 1e6 +- 1e-3: E[y^2] - E[y]^2 cancelled to 0 (and the std fell back to 1,
+    undoing the normalisation); mean first, deviations second keeps it."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4000, 2)).astype(np.float32)
+    y = 1e6 + 1e-3 * rng.standard_normal((4000, 1))
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    (tmp_path / "staged").mkdir()
+    data = DataConfig(train_path=str(tmp_path / "d.npz"), eval_fraction=0.0, normalize_targets=True)
+    scaler = stage_run_data(data, ModelConfig(), tmp_path / "staged")["target_scaler"]
+    assert scaler["mean"][0] == pytest.approx(y.mean(), rel=1e-12)
+    assert scaler["std"][0] == pytest.approx(y.std(), rel=1e-6)

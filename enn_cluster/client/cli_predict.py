@@ -90,5 +90,8 @@ def cmd_collect(args) -> int:
     for line in result.warnings:
         print(f"warning: {line}: predictions are almost identical across samples; "
               "see docs/troubleshooting.md", file=sys.stderr)
+    if result.collapse:
+        print(f"collapse verdict ({result.collapse['verdict']}): {result.collapse['message']}",
+              file=sys.stderr)
     print(result.out)
     return 0

@@ -38,6 +38,7 @@ class CollectResult:
     step: int
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    collapse: Optional[dict] = None  # the manifest's verdict on near-constant outputs
 
 
 def find_prediction(run: RunDir, name: Optional[str]) -> str:
@@ -266,4 +267,13 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
     scale = manifest["scaler"]["std"] if manifest.get("scaler") else None
     warnings = pm.collapse_warnings(manifest.get("stats"), scale)
     return CollectResult(str(out), name, (manifest["n_rows"], *manifest["output_shape"]),
-                         manifest["step"], warnings, pm.summary_lines(manifest))
+                         manifest["step"], warnings, pm.summary_lines(manifest),
+                         _collapse(manifest.get("collapse")))
+
+
+def _collapse(record) -> Optional[dict]:
+    """The manifest's collapse verdict when it has the shape the workers write (a
+    hand-edited manifest's odd value is left out, not printed)."""
+    ok = isinstance(record, dict) and all(isinstance(record.get(k), str)
+                                          for k in ("verdict", "message"))
+    return record if ok else None

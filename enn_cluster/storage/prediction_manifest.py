@@ -14,11 +14,12 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from enn_cluster.storage.prediction_collapse import collapsed_outputs
+
 REQUEST = "request.json"  # name, checkpoint step, input entry, chunk plan (client-written)
 MANIFEST = "manifest.json"  # the committed prediction (rank 0, after every rank finished)
 INPUT = "input.npy"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-COLLAPSE_REL_STD = 1e-3  # std below this fraction of the output's scale counts as constant
 
 
 @dataclass(frozen=True)
@@ -118,15 +119,9 @@ def collapse_warnings(stats: Optional[dict], scale: Optional[list[float]] = None
     `scale` is the training targets' std where a scaler exists; otherwise the output's own
     magnitude is the reference. A constant output has std 0 and always warns.
     """
-    if not stats or stats["count"] < 2:
-        return []
-    warnings = []
-    for j, std in enumerate(stats["std"]):
-        ref = max(abs(stats["mean"][j]), (scale[j] if scale else 0.0), 1e-12)
-        if std <= COLLAPSE_REL_STD * ref:
-            warnings.append(f"output {j}: near-constant across {stats['count']} samples "
-                            f"(std {std:.3g}, mean {stats['mean'][j]:.6g})")
-    return warnings
+    return [f"output {j}: near-constant across {stats['count']} samples "
+            f"(std {stats['std'][j]:.3g}, mean {stats['mean'][j]:.6g})"
+            for j in collapsed_outputs(stats, scale)]
 
 
 def summary_lines(manifest: dict) -> list[str]:

@@ -336,14 +336,16 @@ def stage_array(source: Any, dest: Path, key: Optional[str] = None,
 
 
 def _target_scaler(y: np.ndarray) -> dict:
-    """Per-output mean/std in float64, computed in blocks over the memmap."""
+    """Per-output mean/std in float64, in blocks over the memmap: the mean first, then the
+    squared deviations from it (E[y^2] - E[y]^2 cancels to noise when targets vary little
+    around a large mean: 3 +- 1e-7 lost a tenth of its variance that way)."""
     flat = y.reshape(len(y), -1)
-    total = np.zeros(flat.shape[1]); sq = np.zeros(flat.shape[1])
-    for start in range(0, len(flat), 65536):
-        block = flat[start:start + 65536].astype(np.float64)
-        total += block.sum(0); sq += (block ** 2).sum(0)
-    mean = total / max(len(flat), 1)
-    std = np.sqrt(np.maximum(sq / max(len(flat), 1) - mean ** 2, 0.0))
+    n, blocks = max(len(flat), 1), range(0, len(flat), 65536)
+    mean = sum((flat[i:i + 65536].astype(np.float64).sum(0) for i in blocks),
+               np.zeros(flat.shape[1])) / n
+    var = sum((((flat[i:i + 65536].astype(np.float64) - mean) ** 2).sum(0) for i in blocks),
+              np.zeros(flat.shape[1])) / n
+    std = np.sqrt(var)
     return {"mean": mean.tolist(), "std": np.where(std > 0, std, 1.0).tolist()}
 
 

@@ -21,6 +21,7 @@ import torch
 from enn_cluster.errors import UserError
 from enn_cluster.models import build_model, output_size
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import prediction_collapse
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
@@ -125,23 +126,31 @@ class ChunkWriter:
     def _forward(self, xb: torch.Tensor) -> torch.Tensor:
         return self.model(xb.to(self.dtype)).float()
 
-    def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None]:
+    def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None, float]:
+        """The chunk's raw outputs, the precision check (first batch of this rank) and the
+        largest spread of any input feature over the chunk's rows (0: identical rows)."""
         out = np.empty((spec.rows,) + self.out_shape, dtype=np.float32)
-        batch, check = int(self.request["batch_size"]), None
+        batch, check, spread, first = int(self.request["batch_size"]), None, 0.0, None
         with torch.inference_mode():
             for start in range(spec.start, spec.stop, batch):
                 stop = min(start + batch, spec.stop)
-                xb = torch.from_numpy(np.array(self.x[start:stop], dtype=np.float32))
-                xb = xb.to(self.lanes.device, non_blocking=True)
+                rows = np.array(self.x[start:stop], dtype=np.float32)
+                flat = rows.reshape(len(rows), -1)
+                lo, hi = flat.min(axis=0), flat.max(axis=0)
+                first = flat[0].copy() if first is None else first
+                spread = max(spread, float(np.nanmax(np.maximum(hi - first, first - lo),
+                                                     initial=0.0)))
+                xb = torch.from_numpy(rows).to(self.lanes.device, non_blocking=True)
                 yb = self._forward(xb)
                 if not self.precision_checked:
                     check = self._precision_check(xb, yb)
                 out[start - spec.start:stop - spec.start] = \
                     yb.reshape((stop - start,) + self.out_shape).cpu().numpy()
-        return out, check
+        return out, check, spread
 
     def _precision_check(self, xb: torch.Tensor, yb: torch.Tensor) -> dict:
-        """On the first batch: how far reduced precision is from an fp32 forward pass."""
+        """On the first batch: how far reduced precision is from an fp32 forward pass, and
+        each output's spread in both (a collapse verdict's fp32 re-run candidate)."""
         self.precision_checked = True
         if not self.bf16 or self.reference is None:
             return {"reduced_precision": False, "dtype": "float32"}
@@ -149,10 +158,17 @@ class ChunkWriter:
         self.reference = None
         diff = float((ref - yb.cpu()).abs().max()) if yb.numel() else 0.0
         log.info("precision check: max |fp32 - bf16| on the first batch = %.3g", diff)
+        flat_ref, flat_red = ref.reshape(len(ref), -1), yb.cpu().reshape(len(yb), -1)
+        spread = lambda t: t.std(dim=0, correction=0).tolist()  # noqa: E731
         return {"reduced_precision": True, "dtype": "bfloat16", "max_abs_diff": diff,
-                "weights_dtype": str(self.dtype).replace("torch.", "")}
+                "weights_dtype": str(self.dtype).replace("torch.", ""),
+                "fp32_mean": flat_ref.mean(dim=0).tolist(), "fp32_std": spread(flat_ref),
+                "reduced_std": spread(flat_red)}
 
-    def write(self, spec: pm.ChunkSpec, raw: np.ndarray, check: dict | None) -> dict:
+    def write(self, spec: pm.ChunkSpec, raw: np.ndarray, check: dict | None,
+              input_spread: float, began: float) -> dict:
+        """Commit one chunk; its record keeps the seconds from `began` (reading, inferring,
+        writing and checksumming it): rows/s per rank, for slow-rank hunts and the bench."""
         path = self.pdir / f"{spec.stem}.npy"
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         with open(tmp, "wb") as fh:
@@ -164,6 +180,10 @@ class ChunkWriter:
         rec = pm.chunk_record(spec, shape=raw.shape, dtype=raw.dtype.str, checksum=checksum,
                               nbytes=size, rank=self.lanes.rank,
                               stats=chunk_stats(denormalise(raw, self.request.get("scaler"))))
+        rec["input_spread"] = input_spread
+        rec["seconds"] = round(time.perf_counter() - began, 6)
+        if self.request.get("scaler"):  # normalised units: a collapse verdict's raw candidate
+            rec["raw_stats"] = chunk_stats(raw)
         if check is not None:
             rec["precision_check"] = check
         atomic_write_text(self.pdir / f"{spec.stem}.json", json.dumps(rec, sort_keys=True))
@@ -209,8 +229,9 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         if writer.committed(spec):
             skipped += 1
             continue
-        raw, check = writer.infer(spec)
-        writer.write(spec, raw, check)
+        began = time.perf_counter()
+        raw, check, spread = writer.infer(spec)
+        writer.write(spec, raw, check, spread, began)
         written += 1
         _maybe_inject_fault(run, name, lanes.rank, written)
     log.info("rank %d: %d chunks written, %d already committed, %.2f s", lanes.rank, written,
@@ -238,7 +259,13 @@ def write_manifest(pdir: Path, request: dict, n_rows: int, world_size: int) -> d
         "chunks": records, "stats": pm.merge_stats([r["stats"] for r in records]),
         "precision_check": (max(reduced, key=lambda c: c["max_abs_diff"]) if reduced
                             else (checks[0] if checks else None)),
+        "raw_stats": pm.merge_stats([r.get("raw_stats") for r in records]),
+        "input_spread": max((r.get("input_spread", 0.0) for r in records), default=0.0),
     }
+    manifest["collapse"] = prediction_collapse.verdict(manifest)
+    if manifest["collapse"]:
+        log.warning("prediction %s is near-constant: %s", request["name"],
+                    manifest["collapse"]["message"])
     atomic_write_text(pdir / pm.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     fsync_dir(pdir)
     log.info("prediction %s committed: %d rows in %d chunks", request["name"], n_rows, len(records))
