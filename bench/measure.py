@@ -24,6 +24,25 @@ def summary(values: Iterable[float]) -> dict:
     return {"n": len(vals), "min": min(vals), "median": statistics.median(vals), "max": max(vals)}
 
 
+def median_interval(values: Iterable[float], confidence: float = 0.9) -> Optional[tuple]:
+    """A distribution-free interval for the median: order statistics k and n+1-k, with the
+    largest k whose binomial coverage is still >= `confidence` (n=5: min..max, 94 %;
+    n=10: 2nd..9th, 98 %). (lo, hi, coverage), or None below 3 samples."""
+    from math import comb
+
+    vals = sorted(float(v) for v in values)
+    n = len(vals)
+    if n < 3:
+        return None
+    best = None
+    for k in range(1, n // 2 + 1):
+        coverage = 1 - 2 * sum(comb(n, i) for i in range(k)) / 2 ** n
+        if coverage < confidence:
+            break
+        best = (vals[k - 1], vals[n - k], coverage)
+    return best or (vals[0], vals[-1], 1 - 2 / 2 ** n)
+
+
 @dataclass
 class Series:
     label: str  # what was measured, e.g. "raw tofile+fsync"
@@ -61,6 +80,22 @@ class Result:
             return "not measured"
         return "pass" if OPS[self.op](med, self.target) else "miss"
 
+    @property
+    def straddles(self) -> bool:
+        """The median's interval holds the target: more repeats could change the verdict."""
+        if self.op is None or self.skipped or self.check_failed:
+            return False
+        interval = median_interval(self.samples)
+        return interval is not None and interval[0] <= self.target <= interval[1]
+
+    def merge(self, more: "Result") -> None:
+        """Add another round's repeats of the same figure (run.py's extra rounds)."""
+        self.samples += more.samples
+        for key in ("ours", "baseline"):
+            mine, theirs = getattr(self, key), getattr(more, key)
+            if mine is not None and theirs is not None:
+                mine.values += theirs.values
+
     def target_text(self) -> str:
         if self.op is None:
             return "info"
@@ -70,6 +105,8 @@ class Result:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["summary"] = summary(self.samples)
+        out["median_interval"] = median_interval(self.samples)
+        out["straddles"] = self.straddles
         out["verdict"] = self.verdict
         out["target_text"] = self.target_text()
         for key in ("ours", "baseline"):

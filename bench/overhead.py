@@ -1,7 +1,8 @@
 """Runtime overhead: training steps/s of a real `enn-submit train` run vs a bare FSDP2 loop.
 
 Both run 4 CPU processes on a 2x2 HSDP mesh (2 simulated nodes x 2 processes), the same
-MLP, per-device batch, optimizer, clipping and .npy data. Steps/s comes from wall-clock
+MLP, per-device batch, optimizer (fused AdamW), clipping (one norm all-reduce), GC policy,
+per-step loss read and .npy data (bare_loop.py lists what only ours does). Steps/s comes from wall-clock
 stamps at the end of each step (enn: the `time` of metrics.jsonl train records, which
 includes everything the loop does per step; bare: time.time() after optimizer.step),
 over the steps after the first `skip`. The two alternate, `pairs` times.

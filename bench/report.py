@@ -5,8 +5,9 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import Optional
 
-from .measure import Result, summary
+from .measure import Result, median_interval, summary
 
 
 def _num(value, unit: str) -> str:
@@ -26,11 +27,12 @@ def _series(series) -> str:
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| benchmark | target | measured: median [min - max] | ours (median) | "
-             "baseline (median) | result |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| benchmark | target | measured: median [min - max] | median's 90 % interval | "
+             "ours (median) | baseline (median) | result |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         s = summary(r.samples)
+        interval = median_interval(r.samples)
         if r.skipped:
             measured = r.skipped
         elif s["median"] is None:
@@ -38,8 +40,11 @@ def table(results: list[Result]) -> str:
         else:
             measured = (f"{_num(s['median'], r.unit)} [{_num(s['min'], r.unit)} - "
                         f"{_num(s['max'], r.unit)}] (n={s['n']})")
-        lines.append(f"| {r.name} | {r.target_text()} | {measured} | {_series(r.ours)} | "
-                     f"{_series(r.baseline)} | **{r.verdict}** |")
+        ci = (f"{_num(interval[0], r.unit)} - {_num(interval[1], r.unit)}"
+              if interval and not r.skipped else "-")
+        verdict = f"**{r.verdict}**" + (" (interval holds the target)" if r.straddles else "")
+        lines.append(f"| {r.name} | {r.target_text()} | {measured} | {ci} | "
+                     f"{_series(r.ours)} | {_series(r.baseline)} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -83,19 +88,22 @@ def machine() -> dict:
 
 
 def write(results: list[Result], out_dir: Path, quick: bool, elapsed: float,
-          stem: str = "results") -> str:
+          stem: str = "results", busy_at_start: Optional[float] = None) -> str:
     info = machine()
     git = info.get("git") or {}
     code = (f"code at {git.get('head')}" + (f" + uncommitted changes in "
             f"{len(git['enn_cluster_uncommitted'])} enn_cluster file(s)"
             if git.get("enn_cluster_uncommitted") else "")) if git.get("head") else "code: unknown"
+    busy = (f"; BUSY at the start: load average {busy_at_start:.2f} on {info['cpus']} "
+            "CPUs, ratios are noisier than usual" if busy_at_start is not None else "")
     header = (f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {info['cpus']} CPUs "
-              f"(load average at the end {info['load_avg'][0]:.2f}), "
+              f"(load average at the end {info['load_avg'][0]:.2f}{busy}), "
               f"{'--quick' if quick else 'full'} run, {elapsed:.0f} s; {code}.")
     text = f"{header}\n\n{table(results)}\n\n{notes(results)}\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(text)
     doc = {"quick": quick, "elapsed_s": round(elapsed, 1), "machine": info,
+           "busy_at_start": busy_at_start,
            "time": time.time(), "results": [r.to_dict() for r in results]}
     (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     return text

@@ -137,3 +137,43 @@ def test_gpu_bench_counts_parameters_and_skips_without_cuda(tmp_path):
                            repeats=1)
         (result,) = gpu.run(ctx)
         assert result.skipped.startswith("skipped: no CUDA") and result.verdict == "not measured"
+
+
+def test_median_interval_from_order_statistics():
+    from bench.measure import median_interval
+
+    assert median_interval([1.0, 2.0]) is None
+    lo, hi, cover = median_interval([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (lo, hi) == (1.0, 5.0) and cover == pytest.approx(1 - 2 / 32)  # n=5: min..max
+    lo, hi, cover = median_interval(range(10))
+    assert (lo, hi) == (1.0, 8.0) and cover >= 0.9  # n=10: 2nd..9th
+    assert Result("x", "a", ">=", 0.8, samples=[0.7, 0.9, 0.85]).straddles
+    assert not Result("x", "b", ">=", 0.8, samples=[0.9, 0.95, 0.85]).straddles
+    assert not Result("x", "c", samples=[0.7, 0.9, 0.85]).straddles  # info: no target
+
+
+def test_a_straddling_figure_gets_more_interleaved_rounds(tmp_path):
+    """run_with_rounds pools another round's repeats (ours and baseline too) while the
+    median's interval holds the target, and stops once it does not."""
+    from bench.measure import BenchContext
+
+    rounds = iter([[0.7, 0.9, 0.85], [0.95, 0.96, 0.97], [0.99, 0.98, 0.97], [0.0, 0.0, 0.0]])
+    calls = []
+
+    def runner(ctx, chosen):
+        calls.append(chosen)
+        (ctx.workdir / "run-0").mkdir()  # as a real benchmark makes its runs: once per workdir
+        samples = next(rounds)
+        return [Result("x", "fig", ">=", 0.8, samples=list(samples),
+                       ours=Series("o", "MB/s", list(samples)), baseline=Series("b", "MB/s", [1.0] * 3)),
+                Result("x", "info", samples=[1.0])]
+
+    ctx = BenchContext(quick=False, workdir=tmp_path, root=tmp_path, python=sys.executable, repeats=3)
+    fig, info = run.run_with_rounds(ctx, runner, ["x"], rounds=2)
+    assert len(calls) == 3  # the third round: pooled [0.7 .. 0.99] no longer straddles
+    assert fig.samples == [0.7, 0.9, 0.85, 0.95, 0.96, 0.97, 0.99, 0.98, 0.97]
+    assert len(fig.ours.values) == 9 and len(fig.baseline.values) == 9 and not fig.straddles
+    assert info.samples == [1.0] * 3  # every figure of a rerun runner is pooled
+    text = report.write([fig], tmp_path, quick=False, elapsed=1.0, busy_at_start=9.5)
+    assert "BUSY at the start: load average 9.50" in text
+    assert json.loads((tmp_path / "results.json").read_text())["results"][0]["straddles"] is False
