@@ -38,6 +38,8 @@ def test_usr2_to_the_batch_shell_checkpoints_and_requeues(pyxis_cluster, test_im
     assert "Restarts=1" in text and "Reason=BeginTime" in text, text
     logs = "".join(p.read_text(errors="replace") for p in (run / "slurm").rglob("*_log.*"))
     assert "Bus error" not in logs and "Stale file handle" not in logs, logs[-3000:]
+    # a checkpointed stop is a clean exit to srun: no peer killed by --kill-on-bad-exit
+    assert "Terminated" not in logs and "exit code" not in logs, logs[-3000:]
     stopped = [r for r in metrics(run, "train")][-1]["step"]
     rank0 = (run / "logs" / f"slurm-{job}-r0" / "rank-0.log").read_text()
     assert f"stopped at step {stopped} with a committed checkpoint" in rank0, rank0[-2000:]

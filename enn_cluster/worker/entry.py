@@ -4,7 +4,8 @@
     python -m enn_cluster.worker RUN_DIR --task predict --name NAME
 
 Flow: clean env -> discover rank/world/master -> NCCL profile (GPU) -> lanes -> task.
-Exit codes: 0 done, 2 bad input, 75 stopped with a checkpoint ("requeue me"), 1 failure.
+Exit codes: 0 done, 2 bad input, 75 stopped with a checkpoint ("requeue me"; under Slurm 0,
+the requeue marker says it), 1 failure.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
-from enn_cluster.worker.environment import clean_environment, discover
+from enn_cluster.worker.environment import clean_environment, detect_launcher, discover
 from enn_cluster.worker.exec_env import reexec_if_needed
 from enn_cluster.worker.placement import place_task
 
@@ -252,14 +253,22 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
     die_with_launcher(os.environ)
     from enn_cluster.worker.lanes import PortTaken
 
+    under_slurm = detect_launcher(os.environ) == "slurm"
     try:
-        return run_task(run_dir, task, name, step)
+        return slurm_exit_code(run_task(run_dir, task, name, step), under_slurm)
     except UserError as exc:
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER
     except PortTaken as exc:  # retried (the host side probes again), unlike bad input
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+
+
+def slurm_exit_code(code: int, under_slurm: bool) -> int:
+    """A Slurm task stopped with a checkpoint exits 0, not 75: every rank has written the
+    requeue marker the host-side trap acts on, and a non-zero exit would trip srun's
+    --kill-on-bad-exit, killing the peers still on their way out ("Terminated" noise)."""
+    return EXIT_OK if under_slurm and code == EXIT_REQUEUE else code
 
 
 def main(argv: Optional[list[str]] = None) -> int:
