@@ -30,18 +30,17 @@ def _model(n_features: int, hidden: list[int], n_outputs: int):
     return nn.Sequential(*blocks, nn.Linear(sizes[-1], n_outputs)), blocks
 
 
-def train(x_path: str, y_path: str, hidden: list[int], replicate: int, shard: int,
-          batch: int, steps: int, lr: float, seed: int) -> list[float]:
+def setup(x_path: str, y_path: str, hidden: list[int], replicate: int, shard: int, lr: float,
+          seed: int):
+    """Process group, 2-D mesh, memmapped data, the sharded model and fused AdamW."""
     import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
     x = np.load(x_path, mmap_mode="r")
     y = np.load(y_path, mmap_mode="r")
@@ -51,30 +50,48 @@ def train(x_path: str, y_path: str, hidden: list[int], replicate: int, shard: in
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
+    return x, y, model, opt
+
+
+def step(model, opt, x, y, rows) -> None:
+    """One optimizer step on `rows`: the norm in one all-reduce, the clip, the loss read."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
     params = list(model.parameters())
+    xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32))
+    yb = torch.from_numpy(np.ascontiguousarray(y[rows], dtype=np.float32))
+    loss = F.mse_loss(model(xb), yb)
+    loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss.item()
+
+
+def train(x_path: str, y_path: str, hidden: list[int], replicate: int, shard: int,
+          batch: int, steps: int, lr: float, seed: int) -> list[float]:
+    import numpy as np
+    import torch.distributed as dist
+
+    x, y, model, opt = setup(x_path, y_path, hidden, replicate, shard, lr, seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
     gbatch = batch * world
     perm, epoch, pos = None, -1, 0
     stamps = []
     gc.collect()
     gc.freeze()
     gc.disable()
-    for step in range(1, steps + 1):
+    for n in range(1, steps + 1):
         if perm is None or pos + gbatch > len(x):
             epoch, pos = epoch + 1, 0
             perm = np.random.default_rng([seed, epoch]).permutation(len(x))
-        rows = perm[pos + rank * batch: pos + (rank + 1) * batch]
+        step(model, opt, x, y, perm[pos + rank * batch: pos + (rank + 1) * batch])
         pos += gbatch
-        xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32))
-        yb = torch.from_numpy(np.ascontiguousarray(y[rows], dtype=np.float32))
-        loss = F.mse_loss(model(xb), yb)
-        loss.backward()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        if step % 100 == 0:
+        if n % 100 == 0:
             gc.collect()
         stamps.append(time.time())
     gc.enable()

@@ -42,7 +42,6 @@ class Shape:
 
 
 def build(shape: Shape):
-    import torch
     from torch import nn
     from torch.nn import functional as F
 

@@ -142,6 +142,15 @@ def settle() -> None:
     os.sync()
 
 
+def alternating(pairs: int):
+    """(i, "ours" | "bare") in ABBA order, each after `settle()`: drift on a shared machine
+    lands on both sides alike."""
+    for i in range(pairs):
+        for side in (("ours", "bare") if i % 2 == 0 else ("bare", "ours")):
+            settle()
+            yield i, side
+
+
 def drop_cache(paths: Iterable[Path]) -> None:
     """Evict the files' clean pages from the page cache (posix_fadvise DONTNEED).
 

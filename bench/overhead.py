@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from .group import run_group
-from .measure import regression_arrays, BenchContext, Result, Series, ratios, settle
+from .measure import regression_arrays, BenchContext, Result, Series, alternating, ratios
 
 SHAPE = {"nodes": 2, "procs_per_node": 2}
 
@@ -75,16 +75,13 @@ def run(ctx: BenchContext) -> list[Result]:
     x, y = _data(ctx, s)
     ctx.log(f"overhead: {s['pairs']} pairs of 4-process runs, {s['steps']} steps each")
     enn_sps, bare_sps, inner = [], [], []
-    for i in range(s["pairs"]):
-        order = ("enn", "bare") if i % 2 == 0 else ("bare", "enn")
-        for side in order:
-            settle()
-            if side == "enn":
-                stamps, step_times = _enn(ctx, s, x, y, i)
-                enn_sps.append(steps_per_s(stamps, s["skip"]))
-                inner.append(statistics.median(step_times[s["skip"]:]))
-            else:
-                bare_sps.append(steps_per_s(_bare(s, x, y), s["skip"]))
+    for i, side in alternating(s["pairs"]):
+        if side == "ours":
+            stamps, step_times = _enn(ctx, s, x, y, i)
+            enn_sps.append(steps_per_s(stamps, s["skip"]))
+            inner.append(statistics.median(step_times[s["skip"]:]))
+        else:
+            bare_sps.append(steps_per_s(_bare(s, x, y), s["skip"]))
     return [Result(
         "overhead", "runtime overhead: steps/s vs bare FSDP2 loop", ">=", 0.95,
         samples=ratios(enn_sps, bare_sps),

@@ -7,7 +7,8 @@ import torch
 
 import enn_cluster
 from enn_cluster.errors import UserError
-from api_models import TinyRegressor, preset
+from enn_cluster.storage import commits as store
+from api_models import preset
 from helpers import full_params
 
 
@@ -27,6 +28,10 @@ def test_train_from_preset_weights_and_load_model(tmp_path):
     for key, value in model.state_dict().items():
         assert torch.equal(step0[key], value), key  # the caller's weights, exactly
     assert run.latest_checkpoint == 24  # 384 rows / (16 x 2 ranks) x 2 epochs
+    for step in (0, 24):  # each commit record vouches for every file of its step
+        path = store.step_dir(run.path / "checkpoints", step)
+        assert sorted(store.read_commit(path)["files"]) == store.step_files(path), step
+        assert store.verify_checkpoint(path) == [], step
     trained = run.load_model()
     final = full_params(run.path / "checkpoints" / "step-24")
     for key, value in trained.state_dict().items():

@@ -177,3 +177,31 @@ def test_a_straddling_figure_gets_more_interleaved_rounds(tmp_path):
     text = report.write([fig], tmp_path, quick=False, elapsed=1.0, busy_at_start=9.5)
     assert "BUSY at the start: load average 9.50" in text
     assert json.loads((tmp_path / "results.json").read_text())["results"][0]["straddles"] is False
+
+
+def test_metadata_ops_are_counted_between_the_markers():
+    """The strace window parser: only calls between the markers, only paths under the
+    checkpoint root (fd-only calls all), directory listings of the root found."""
+    from bench.metadata_ops import MARK, count_window
+
+    root = "/ck"
+    trace = "\n".join([
+        f'10 1.0 openat(AT_FDCWD, "{root}/step-1/a", O_WRONLY|O_CREAT, 0640) = 3',  # before
+        f'10 2.0 newfstatat(AT_FDCWD, "{root}/{MARK}-begin-0", 0x7f, 0) = -1 ENOENT',
+        f'11 2.5 newfstatat(AT_FDCWD, "{root}/{MARK}-begin-1", 0x7f, 0) = -1 ENOENT',
+        f'10 3.0 openat(AT_FDCWD, "{root}/step-2/__0_0.distcp", O_WRONLY|O_CREAT, 0640) = 3',
+        '12 3.1 fsync(3) = 0',
+        f'10 3.2 renameat2(AT_FDCWD, "{root}/step-2/.tmp", AT_FDCWD, "{root}/step-2/x", 0) = 0',
+        '10 3.3 openat(AT_FDCWD, "/usr/lib/python3/x.py", O_RDONLY) = 4',  # not under root
+        f'11 3.4 openat(AT_FDCWD, "{root}", O_RDONLY|O_NONBLOCK|O_CLOEXEC|O_DIRECTORY) = 5',
+        '11 3.5 getdents64(5, 0x55 /* 4 entries */, 32768) = 112',
+        f'10 3.6 openat(AT_FDCWD, "{root}/step-2", O_RDONLY|O_CLOEXEC|O_DIRECTORY) = 6',
+        f'10 4.0 newfstatat(AT_FDCWD, "{root}/{MARK}-end-0", 0x7f, 0) = -1 ENOENT',
+        f'11 4.5 newfstatat(AT_FDCWD, "{root}/{MARK}-end-1", 0x7f, 0) = -1 ENOENT',
+        '12 5.0 fsync(3) = 0',  # after
+    ])
+    found = count_window(trace, root)
+    assert found == {"counts": {"open": 3, "fsync": 1, "rename": 1, "listdir": 1},
+                     "dir_listings": 2, "listers": 2}
+    with pytest.raises(RuntimeError, match="no markers"):
+        count_window("10 1.0 fsync(3) = 0", root)

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from enn_cluster.storage import commits as store
 from enn_cluster.storage import torch_save_layout as tsl
 from enn_cluster.storage.checksum import file_checksum
-from enn_cluster.storage.dcp_io import ChecksummingWriter, safe_load
+from enn_cluster.storage.dcp_io import ChecksummingWriter, ShardVerifier, safe_load
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -136,3 +137,61 @@ def test_a_planted_global_in_a_tensor_record_never_runs(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         tsl._meta_tensor(io.BytesIO(pickle.dumps(_Plant(sentinel), protocol=2)))
     assert not sentinel.exists()
+
+
+def _io_read_bytes() -> int:
+    """Bytes this process has read through read-like syscalls (page cache or not)."""
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
+
+
+def _verified_checkpoint(tmp_path):
+    state = dict({k: v.clone() for k, v in TENSORS.items()}, big=torch.randn(1 << 21))
+    path = tmp_path / "ckpt"
+    dcp.save(state, storage_writer=ChecksummingWriter(path), no_dist=True)
+    record = {"files": store.checksum_files(path, store.step_files(path))}
+    return state, path, record
+
+
+def test_a_verified_load_reads_each_shard_once_and_checksums_all_of_it(tmp_path):
+    """One pass: the shard's bytes are read once (rchar), its checksum is the whole
+    file's, gaps between records and the zip directory at the end included."""
+    state, path, record = _verified_checkpoint(tmp_path)
+    shard = path / "__0_0.distcp"
+    verifier = ShardVerifier(record, sorted(record["files"]), rank=0, world=1)
+    assert verifier.mine == ["__0_0.distcp"]
+    loaded = _zeros(state)
+    before = _io_read_bytes()
+    safe_load(loaded, path, verifier=verifier)
+    read = _io_read_bytes() - before
+    assert verifier.problems(path) == []
+    assert verifier.found["__0_0.distcp"] == file_checksum(shard)
+    size = shard.stat().st_size
+    assert read < 1.1 * size + (path / ".metadata").stat().st_size, (read, size)
+    for key in state:
+        assert torch.equal(loaded[key], state[key]), key
+
+
+@pytest.mark.parametrize("where", ["tensor data", "zip directory"])
+def test_a_flipped_byte_anywhere_in_a_shard_fails_the_verified_load(tmp_path, where):
+    state, path, record = _verified_checkpoint(tmp_path)
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    at = len(data) // 2 if where == "tensor data" else len(data) - 30  # 'big' fills the middle
+    data[at] ^= 0x01
+    shard.write_bytes(bytes(data))
+    verifier = ShardVerifier(record, sorted(record["files"]), rank=0, world=1)
+    safe_load(_zeros(state), path, verifier=verifier)
+    problems = verifier.problems(path)
+    assert len(problems) == 1 and problems[0].startswith("__0_0.distcp: checksum"), problems
+
+
+def test_shards_are_shared_out_by_writer_rank_and_an_unread_one_is_still_checked(tmp_path):
+    state, path, record = _verified_checkpoint(tmp_path)
+    names = ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", ".metadata", "rng/rank-1.pt"]
+    assert [ShardVerifier(record, names, r, 2).mine for r in (0, 1)] == \
+        [["__0_0.distcp", "__2_0.distcp"], ["__1_0.distcp"]]
+    assert ShardVerifier(record, sorted(record["files"]), 0, 1).problems(path) == []  # unread
+    (path / "__0_0.distcp").unlink()
+    verifier = ShardVerifier(record, sorted(record["files"]), rank=0, world=1)
+    assert verifier.problems(path) == ["__0_0.distcp: missing"]

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from enn_cluster.storage.dcp_metadata import load_metadata
 from helpers import assert_same_run, cli, metrics, small_config, write_config
 
 
@@ -18,15 +19,19 @@ def uninterrupted(baseline):
     return baseline
 
 
-def _crash_then_resume(tmp_path, first: tuple, then: tuple, **training):
+def _crash_then_resume(tmp_path, first: tuple, then: tuple, between=None, checkpoint=None,
+                       **training):
     """First launch at `first` (nodes, procs) with rank 1 dying at step 13; then `resume`
-    at `then`. Returns the run directory."""
+    at `then` (after `between(run)`, when given). Returns the run directory."""
+    extra = {"checkpoint": checkpoint} if checkpoint else {}
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "moved", training={"fail_at_step": 13, "fail_rank": 1, **training},
-        parallel={"nodes": first[0], "procs_per_node": first[1]}))
+        parallel={"nodes": first[0], "procs_per_node": first[1]}, **extra))
     res = cli("train", "--config", cfg, timeout=240)
     assert res.returncode not in (0, 2), res.stderr
     run = tmp_path / "runs" / "moved"
+    if between is not None:
+        between(run)
     res = cli("resume", run, "--nodes", then[0], "--procs-per-node", then[1], timeout=240)
     assert res.returncode == 0, res.stderr
     return run
@@ -38,6 +43,34 @@ def test_resume_at_a_smaller_world_matches_the_uninterrupted_run(uninterrupted, 
     assert_same_run(run, uninterrupted, then[0] * then[1])
     micro = {r["micro_batch"] for r in metrics(run, "resume")}
     assert micro == {8}  # per_device_train_batch_size stays the largest micro-batch
+
+
+def test_a_shard_failing_its_checksum_during_the_load_falls_back_and_matches(uninterrupted,
+                                                                             tmp_path):
+    """Resume reads each shard once, checksumming it as it loads. The newest checkpoint's
+    shard has a flipped byte in the middle of its tensor data (loaded into the model
+    before the checksum ends): every rank falls back to the older step, whose load
+    overwrites all of it, and the run still matches the uninterrupted one."""
+    flipped = {}
+
+    def corrupt_newest(run):
+        steps = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+        path = run / "checkpoints" / f"step-{steps[-1]}"
+        meta = load_metadata(path / ".metadata")
+        big = max((d for d in meta.storage_data.values() if d.relative_path == "__1_0.distcp"),
+                  key=lambda d: d.length)  # the largest tensor record: mostly its data
+        data = bytearray((path / "__1_0.distcp").read_bytes())
+        data[big.offset + big.length // 2] ^= 0x40
+        (path / "__1_0.distcp").write_bytes(bytes(data))
+        flipped.update(step=steps[-1], older=steps[-2])
+
+    run = _crash_then_resume(tmp_path, (2, 2), (1, 2), between=corrupt_newest,
+                             checkpoint={"every_steps": 4})
+    assert [r["step"] for r in metrics(run, "resume")] == [flipped["older"]]
+    log = "".join(p.read_text() for p in (run / "logs").rglob("rank-0.log"))
+    assert f"checkpoint step-{flipped['step']} fails verification" in log
+    assert "__1_0.distcp: checksum" in log
+    assert_same_run(run, uninterrupted, 2)
 
 
 def test_resume_at_a_larger_world_matches_the_uninterrupted_run(uninterrupted, tmp_path):

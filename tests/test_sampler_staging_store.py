@@ -79,6 +79,19 @@ def test_commit_record_verification_and_prune(tmp_path):
     assert json.loads((good / "commit.json").read_text())["step"] == 10
 
 
+def test_step_files_name_their_writers(tmp_path):
+    path = _fake_checkpoint(tmp_path, 3, {".metadata": b"m", "__0_0.distcp": b"a",
+                                          "__12_3.distcp": b"b", "trainer.json": b"{}",
+                                          ".trainer.json.tmp-9": b"", "commit.json": b"{}"})
+    (path / "rng").mkdir()
+    (path / "rng" / "rank-12.pt").write_bytes(b"r")
+    assert store.step_files(path) == [".metadata", "__0_0.distcp", "__12_3.distcp",
+                                      "rng/rank-12.pt", "trainer.json"]
+    owners = [store.owner_rank(n) for n in store.step_files(path)]
+    assert owners == [None, 0, 12, 12, None]
+    assert store.owner_rank("x__1_0.distcp") is None and store.owner_rank("rng/rank-1.ptx") is None
+
+
 def test_target_scaler_keeps_a_small_spread_around_a_large_mean(tmp_path):
     """Targets 1e6 +- 1e-3: E[y^2] - E[y]^2 cancelled to 0 (and the std fell back to 1,
     undoing the normalisation); mean first, deviations second keeps it."""

@@ -110,7 +110,7 @@ def _write_step0(model, run: RunDir) -> None:
     path.mkdir(parents=True)
     state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    files = store.checksum_files(path, store.unowned_files(path, 1))
+    files = store.checksum_files(path, store.step_files(path))
     store.write_commit(path, 0, files, world_size=1, contents=["model"], source="api")
 
 

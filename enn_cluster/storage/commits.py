@@ -8,6 +8,7 @@ and `status` use it from the login node.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -192,26 +193,29 @@ def resume_refusal(root: Path) -> Optional[str]:
             "directory, or start a new run")
 
 
-def files_for_rank(path: Path, rank: int) -> list[str]:
-    """The files one rank wrote itself (DCP names them __<rank>_<i>.distcp)."""
-    ours = []
-    for p in Path(path).rglob("*"):
-        if not p.is_file() or p.name == COMMIT:
-            continue
-        rel = str(p.relative_to(path))
-        if re.match(rf"^__{rank}_\d+\.distcp$", rel) or rel == f"rng/rank-{rank}.pt":
-            ours.append(rel)
-    return ours
+_OWNED_RE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng/rank-(\d+)\.pt)$")
 
 
-def unowned_files(path: Path, world_size: int) -> list[str]:
-    """Files no rank claims (metadata, trainer state): rank 0 checksums these."""
-    owned = set()
-    for r in range(world_size):
-        owned.update(files_for_rank(path, r))
-    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*")
-                  if p.is_file() and p.name != COMMIT and str(p.relative_to(path)) not in owned
-                  and ".tmp" not in p.name)
+def owner_rank(name: str) -> Optional[int]:
+    """The rank that wrote a step file itself (DCP's __<rank>_<i>.distcp, rng/rank-<rank>.pt);
+    None for shared files (metadata, trainer state), which rank 0 checksums. Pure."""
+    m = _OWNED_RE.match(name)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
+def is_shard(name: str) -> bool:
+    """A DCP data file (__<rank>_<i>.distcp): the bulk of a checkpoint's bytes."""
+    return name.endswith(".distcp") and owner_rank(name) is not None
+
+
+def step_files(path: Path) -> list[str]:
+    """Every file of a step directory but its commit record and temporaries, in one walk:
+    on Lustre each listing is a metadata-server request, so only rank 0 lists, once."""
+    out = []
+    for folder, _, names in os.walk(path):  # one listing per directory (rglob makes two)
+        rel = Path(folder).relative_to(path)
+        out += [str(rel / n) for n in names if n != COMMIT and ".tmp" not in n]
+    return sorted(out)
 
 
 def checksum_files(path: Path, names: Iterable[str]) -> dict:

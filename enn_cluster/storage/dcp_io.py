@@ -25,7 +25,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from enn_cluster.storage.checksum import RunningChecksum
+from enn_cluster.storage.checksum import RunningChecksum, algorithm_of, file_checksum
+from enn_cluster.storage.commits import is_shard, owner_rank
 from enn_cluster.storage.dcp_metadata import load_metadata
 from enn_cluster.storage.torch_save_layout import DESCRIPTOR_MAX, descriptor_ok
 from enn_cluster.storage.torch_save_layout import parse as layout_of
@@ -98,6 +99,9 @@ class _HashingFileSystem(FileSystem):
             hashing = _HashingStream(stream)
             yield hashing
             hashing.close()
+            # every file is named (its rank need not list the directory to find it);
+            # one whose checksum the stream cannot vouch for is read back (None)
+            self.sink[Path(path).name] = None
             if hashing.intact and hashing.final_size == hashing.running.size:
                 self.sink[Path(path).name] = {"size": hashing.running.size,
                                               "checksum": hashing.running.hexdigest()}
@@ -149,8 +153,130 @@ def _read_exact(fd: int, views: list, pos: int) -> None:
             views[0] = views[0][n:]
 
 
+class _DirectReads:
+    """Positional reads of one file (no checksum)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read(self, n: int, at: int) -> bytes:
+        return os.pread(self.fd, n, at)
+
+    def read_into(self, views: list, at: int) -> None:
+        _read_exact(self.fd, views, at)
+
+
+class _StreamingReads(_DirectReads):
+    """Positional reads that checksum the whole file as they go, front to back, so that a
+    load verifies the bytes it reads with no second pass: a gap before a read is read (and
+    hashed) on the way, a read that starts before the frontier is served from the last
+    headers read. `finish` hashes the rest of the file. A read the frontier cannot serve
+    (never expected: requests come in file order) leaves the checksum to a full re-read."""
+
+    def __init__(self, fd: int, running: RunningChecksum) -> None:
+        super().__init__(fd)
+        self.running, self.pos, self.whole = running, 0, True
+        self._last, self._last_at = b"", 0
+
+    def _advance_to(self, at: int) -> None:
+        while self.pos < at:
+            chunk = os.pread(self.fd, min(at - self.pos, 8 << 20), self.pos)
+            if not chunk:
+                raise OSError(f"checkpoint file ends at {self.pos}, before {at} (truncated)")
+            self.running.update(chunk)
+            self.pos += len(chunk)
+
+    def _from_last(self, views: list, at: int) -> tuple[list, int]:
+        """Fill the front of `views` from the bytes already read before the frontier."""
+        if at >= self.pos or not self.whole:
+            return views, at
+        if at < self._last_at:
+            self.whole = False
+            return views, at
+        views = [v for v in views if len(v)]
+        while views and at < self.pos:
+            k = min(len(views[0]), self.pos - at)
+            views[0][:k] = self._last[at - self._last_at:at - self._last_at + k]
+            at += k
+            views[0] = views[0][k:]
+            if not len(views[0]):
+                views.pop(0)
+        return views, at
+
+    def read(self, n: int, at: int) -> bytes:
+        buf = bytearray(n)
+        self.read_into([memoryview(buf)], at)
+        if at + n == self.pos:  # ends at the frontier: the next read may start inside it
+            self._last, self._last_at = bytes(buf), at
+        return bytes(buf)
+
+    def read_into(self, views: list, at: int) -> None:
+        views, at = self._from_last(views, at)
+        if not views:
+            return
+        if not self.whole or at < self.pos:
+            self.whole = False
+            _read_exact(self.fd, views, at)
+            return
+        self._advance_to(at)
+        views = [v for v in views if len(v)]
+        _read_exact(self.fd, list(views), at)
+        for v in views:
+            self.running.update(v)
+            self.pos += len(v)
+        self._last, self._last_at = b"", self.pos
+
+    def finish(self, path: str) -> tuple[int, str]:
+        """(size, checksum) of the whole file: the rest hashed, or all of it re-read."""
+        if not self.whole:
+            return file_checksum(Path(path), like=self.running.hexdigest())
+        self._advance_to(os.fstat(self.fd).st_size)
+        return self.pos, self.running.hexdigest()
+
+
+class ShardVerifier:
+    """The shard files one rank checksums while it loads, against the commit record: DCP's
+    `__K_I.distcp` goes to rank K mod world, which at an unchanged world size is the rank
+    that reads all of it anyway. A file none of its requests reach is read for its
+    checksum alone."""
+
+    def __init__(self, record: dict, names: list, rank: int, world: int) -> None:
+        self.record = record
+        self.mine = [n for n in names if is_shard(n) and owner_rank(n) % world == rank]
+        self.found: dict = {}
+
+    def running(self, name: str) -> Optional[RunningChecksum]:
+        if name not in self.mine:
+            return None
+        return RunningChecksum(algorithm_of(self.record["files"][name]["checksum"]))
+
+    def problems(self, path) -> list:
+        """What disagrees with the record; files no request reached are read here."""
+        out = []
+        for name in self.mine:
+            if name not in self.found:
+                try:
+                    self.found[name] = file_checksum(Path(path) / name,
+                                                     like=self.record["files"][name]["checksum"])
+                except FileNotFoundError:
+                    out.append(f"{name}: missing")
+                    continue
+            size, checksum = self.found[name]
+            info = self.record["files"][name]
+            if size != info["size"]:
+                out.append(f"{name}: size {size}, recorded {info['size']}")
+            elif checksum != info["checksum"]:
+                out.append(f"{name}: checksum {checksum}, recorded {info['checksum']}")
+        return out
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader with an allow-list `.metadata` unpickler and in-place tensor reads."""
+    """FileSystemReader with an allow-list `.metadata` unpickler and in-place tensor reads;
+    with a `verifier`, the files it names are checksummed as they are read."""
+
+    def __init__(self, path, verifier: Optional[ShardVerifier] = None) -> None:
+        super().__init__(path)
+        self.verifier = verifier
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -167,23 +293,36 @@ class SafeFileSystemReader(FileSystemReader):
         per_file: dict = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        if self.verifier is not None:
+            for name in self.verifier.mine:  # verified in this pass even if nothing is read
+                per_file.setdefault(name, [])
         rest = []
         for relative_path, reqs in per_file.items():
             reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
-            fd = os.open(os.path.join(str(self.path), relative_path), os.O_RDONLY)
+            full = os.path.join(str(self.path), relative_path)
+            running = self.verifier.running(relative_path) if self.verifier else None
             try:
-                rest += [r for r in reqs if not self._read_in_place(fd, r, planner)]
+                fd = os.open(full, os.O_RDONLY)
+            except FileNotFoundError:
+                if reqs:
+                    raise
+                continue  # reported missing by the verifier
+            try:
+                reads = _DirectReads(fd) if running is None else _StreamingReads(fd, running)
+                rest += [r for r in reqs if not self._read_in_place(reads, r, planner)]
+                if running is not None:
+                    self.verifier.found[relative_path] = reads.finish(full)
             finally:
                 os.close(fd)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
-    def _read_in_place(self, fd: int, req, planner) -> bool:
+    def _read_in_place(self, reads: _DirectReads, req, planner) -> bool:
         """Read one tensor's bytes front to back straight into its destination; False
         when they are not one contiguous range (DCP's own path takes those)."""
         info = self.storage_data[req.storage_index]
         if req.type != LoadItemType.TENSOR or getattr(info, "transform_descriptors", None):
             return False
-        head = os.pread(fd, min(_HEAD, info.length), info.offset)
+        head = reads.read(min(_HEAD, info.length), info.offset)
         layout = layout_of(head)
         if layout is None or not layout.little_endian:
             return False
@@ -202,10 +341,10 @@ class SafeFileSystemReader(FileSystemReader):
         view[:have] = head[start:start + have]
         desc = bytearray(min(DESCRIPTOR_MAX, info.length - desc_at))
         if start + nbytes == desc_at:  # the usual case: one read up to the descriptor
-            _read_exact(fd, [view[have:], memoryview(desc)], info.offset + start + have)
+            reads.read_into([view[have:], memoryview(desc)], info.offset + start + have)
         else:
-            _read_exact(fd, [view[have:]], info.offset + start + have)
-            _read_exact(fd, [memoryview(desc)], info.offset + desc_at)
+            reads.read_into([view[have:]], info.offset + start + have)
+            reads.read_into([memoryview(desc)], info.offset + desc_at)
         if not descriptor_ok(bytes(desc), layout.nbytes):
             log.warning("%s: tensor record at %d does not end where its header says; "
                         "reading it the slow way", self.path, info.offset)
@@ -226,10 +365,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, io.BytesIO(data))
 
 
-def safe_load(state: dict, path, process_group=None) -> None:
-    """dcp.load that never unpickles arbitrary objects from the checkpoint."""
+def safe_load(state: dict, path, process_group=None,
+              verifier: Optional[ShardVerifier] = None) -> None:
+    """dcp.load that never unpickles arbitrary objects from the checkpoint; with a
+    `verifier`, its files are checksummed in the same pass (see `verifier.problems`)."""
     import torch.distributed as dist
 
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path), verifier),
+             planner=SafeLoadPlanner(),
              process_group=process_group,
              no_dist=process_group is None and not dist.is_initialized())

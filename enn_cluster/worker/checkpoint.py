@@ -2,9 +2,10 @@
 
 Save: every rank writes its shards (DCP, one file per rank), its RNG state, and rank 0
 the trainer state. Commit: each rank checksums the files it wrote, rank 0 gathers them
-on the control lane and writes `commit.json` last. Resume: rank 0 lists committed steps,
-all ranks verify checksums of the newest in parallel, and the first that verifies
-everywhere is broadcast. Loading at another world size reshards through DTensor metadata.
+on the control lane and writes `commit.json` last. Resume: rank 0 lists committed steps;
+the newest is loaded while each shard is checksummed by one rank in the same read, and
+one that fails falls back to the next older. Loading at another world size reshards
+through DTensor metadata. `choose_resume` (verify first, then load) serves prediction.
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from enn_cluster.storage import commits as store
-from enn_cluster.storage.dcp_io import ChecksummingWriter, safe_load
+from enn_cluster.storage.dcp_io import ChecksummingWriter, ShardVerifier, safe_load
 from enn_cluster.storage.rundir import atomic_write_bytes, atomic_write_text
 from enn_cluster.worker.lanes import Lanes
 
@@ -114,7 +116,7 @@ def _commit(path: Path, step: int, written: dict, contents: tuple, started: floa
         files: dict = {}
         for part in gathered:
             files.update(part)
-        rest = [n for n in store.unowned_files(path, lanes.world_size) if n not in files]
+        rest = [n for n in store.step_files(path) if n not in files]
         files.update(store.checksum_files(path, rest))
         if store.METADATA not in files:
             raise OSError(f"DCP wrote no {store.METADATA} in {path}; not committing")
@@ -127,10 +129,11 @@ def _commit(path: Path, step: int, written: dict, contents: tuple, started: floa
 
 
 def _my_checksums(path: Path, written: dict, rank: int) -> dict:
-    """This rank's files: DCP's as the writer checksummed them (when their size still
-    agrees), the rest (RNG state) read back."""
+    """This rank's files, named from what it wrote (no directory listing): DCP's as the
+    writer checksummed them (when their size still agrees), the rest (RNG state) read back."""
     out, rest = {}, []
-    for name in store.files_for_rank(path, rank):
+    names = [n for n in written if store.owner_rank(n) == rank] + [f"rng/rank-{rank}.pt"]
+    for name in names:
         made = written.get(name)
         if made and (path / name).stat().st_size == made["size"]:
             out[name] = made
@@ -162,13 +165,58 @@ def choose_resume(root: Path, lanes: Lanes, step: Optional[int] = None) -> Optio
     return None
 
 
-def load(root: Path, step: int, model, optimizer, lanes: Lanes) -> dict:
-    """Restore model (+ optimizer if saved) into the already-sharded model; return trainer state."""
+class CorruptCheckpoint(Exception):
+    """Shards whose bytes, read while loading, disagree with the commit record."""
+
+    def __init__(self, problems: list) -> None:
+        super().__init__("; ".join(problems[:5]))
+        self.problems = problems
+
+
+def resume(root: Path, model, optimizer, lanes: Lanes) -> Optional[tuple[int, dict]]:
+    """Load the newest checkpoint that verifies, reading its bytes once: the small files
+    (metadata, trainer and RNG state) are verified first, the shards while they load
+    (`load(verify=True)`). A step that fails either way is skipped for the next older one,
+    whose load overwrites everything the failed one wrote. Returns (step, trainer state)."""
+    candidates = None
+    if lanes.rank == 0:
+        candidates = store.committed_steps(root)[::-1]
+    for cand in lanes.broadcast_object(candidates):
+        path = store.step_dir(root, cand)
+        record = store.read_commit(path)
+        small = [n for n in sorted(record["files"]) if not store.is_shard(n)] if record else []
+        problems = store.verify_files(path, small[lanes.rank::lanes.world_size], record) \
+            if record else ["commit.json unreadable"]
+        problems = [p for part in lanes.gather_objects(problems) for p in part]
+        if not problems:
+            try:
+                return cand, load(root, cand, model, optimizer, lanes, verify=True)
+            except CorruptCheckpoint as exc:
+                problems = exc.problems
+            except CheckpointException as exc:  # raised on every rank alike
+                problems = [f"load failed on rank {r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                            for r, (e, _) in sorted(exc.failures.items())]
+        if lanes.rank == 0:
+            log.warning("checkpoint step-%d fails verification, skipping: %s", cand,
+                        "; ".join(problems[:5]))
+    return None
+
+
+def load(root: Path, step: int, model, optimizer, lanes: Lanes, verify: bool = False) -> dict:
+    """Restore model (+ optimizer if saved) into the already-sharded model; return trainer
+    state. `verify`: every shard is checksummed by one rank as it is read (raises
+    CorruptCheckpoint on every rank before anything but the tensors was restored)."""
     path = store.step_dir(root, step)
     record = store.read_commit(path) or {}
     with_optim = optimizer is not None and "optim" in record.get("contents", ["model", "optim"])
     state = state_of(model, optimizer if with_optim else None)
-    safe_load(state, path, process_group=lanes.control)
+    verifier = ShardVerifier(record, sorted(record["files"]), lanes.rank, lanes.world_size) \
+        if verify and record else None
+    safe_load(state, path, process_group=lanes.control, verifier=verifier)
+    if verifier is not None:
+        problems = [p for part in lanes.gather_objects(verifier.problems(path)) for p in part]
+        if problems:
+            raise CorruptCheckpoint(problems)
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])

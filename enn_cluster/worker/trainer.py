@@ -374,10 +374,10 @@ class Trainer:
                 raise self._save_failed(exc) from exc
 
     def resume(self) -> None:
-        step = ckpt.choose_resume(self.run.checkpoints, self.lanes)
-        if step is None:
+        found = ckpt.resume(self.run.checkpoints, self.sm.model, self.optimizer, self.lanes)
+        if found is None:
             return
-        state = ckpt.load(self.run.checkpoints, step, self.sm.model, self.optimizer, self.lanes)
+        step, state = found
         keep_fused(self.optimizer)
         changed = self.load_state_dict(state)
         b = self.batch
