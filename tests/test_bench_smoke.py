@@ -205,3 +205,18 @@ def test_metadata_ops_are_counted_between_the_markers():
                      "dir_listings": 2, "listers": 2}
     with pytest.raises(RuntimeError, match="no markers"):
         count_window("10 1.0 fsync(3) = 0", root)
+
+
+def test_the_control_plane_simulation_commits_a_step_with_the_products_functions(tmp_path):
+    """The simulated coordinator (fake process group, 8 ranks) plans with DCP, writes a
+    real `.metadata` and commit record that the product's committed check accepts."""
+    from bench.control_plane import _one
+    from bench.measure import BenchContext
+
+    ctx = BenchContext(quick=True, workdir=tmp_path, root=ROOT, python=sys.executable, repeats=1)
+    found = _one(ctx, 8)
+    assert found["world"] == 8 and found["ours_s"] >= found["plan_s"] > 0
+    record = json.loads((tmp_path / "control-8" / "ours" / "step-10" / "commit.json").read_text())
+    assert sorted(record["files"]) == sorted(
+        [".metadata"] + [f"__{r}_0.distcp" for r in range(8)] + [f"rng/rank-{r}.pt" for r in range(8)])
+    assert found["commit_bytes"] > 0 and found["metadata_bytes"] > found["plan_bytes"] > 0
