@@ -195,6 +195,18 @@ class BenchContext:
         return env
 
 
+def mlp_run(ctx: "BenchContext", name: str, s: dict, x: Path, y: Path, **sections) -> dict:
+    """An `enn-submit train` config: the MLP of `s` on regression_arrays' data, the same
+    optimizer settings as the bare loop; `sections` add to (training) or set the rest."""
+    training = {"max_steps": s.get("steps", 1), "per_device_train_batch_size": s["batch"],
+                "lr": s["lr"], "weight_decay": 0.0, "grad_clip": 1.0, "seed": s["seed"],
+                **sections.pop("training", {})}
+    return {"run_name": name, "runs_root": str(ctx.workdir / "runs"),
+            "model": {"name": "mlp", "hidden_sizes": s["hidden"]},
+            "data": {"train_path": str(x), "train_targets_path": str(y), "eval_fraction": 0.0},
+            "training": training, "logging": {"every_steps": 1}, **sections}
+
+
 def regression_arrays(base: Path, rows: int, features: int, seed: int) -> tuple[Path, Path]:
     """x.npy / y.npy of a smooth regression task, the data both sides of a benchmark train on."""
     import numpy as np

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from .group import run_group
-from .measure import regression_arrays, BenchContext, Result, Series, alternating, ratios
+from .measure import regression_arrays, BenchContext, Result, Series, alternating, mlp_run, ratios
 
 SHAPE = {"nodes": 2, "procs_per_node": 2}
 
@@ -38,16 +38,8 @@ def steps_per_s(stamps: list[float], skip: int) -> float:
 
 
 def _enn(ctx: BenchContext, s: dict, x: Path, y: Path, i: int) -> tuple[list[float], list]:
-    cfg = {
-        "run_name": f"overhead-{i}", "runs_root": str(ctx.workdir / "runs"),
-        "model": {"name": "mlp", "hidden_sizes": s["hidden"]},
-        "data": {"train_path": str(x), "train_targets_path": str(y), "eval_fraction": 0.0},
-        "training": {"max_steps": s["steps"], "per_device_train_batch_size": s["batch"],
-                     "lr": s["lr"], "weight_decay": 0.0, "grad_clip": 1.0, "seed": s["seed"]},
-        "checkpoint": {"every_steps": 0, "keep_last": 1},
-        "parallel": {"strategy": "hsdp", **SHAPE},
-        "logging": {"every_steps": 1},
-    }
+    cfg = mlp_run(ctx, f"overhead-{i}", s, x, y, checkpoint={"every_steps": 0, "keep_last": 1},
+                  parallel={"strategy": "hsdp", **SHAPE})
     path = ctx.workdir / "overhead" / f"run-{i}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", "train", "--config", str(path)],

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from .measure import BenchContext, Result, Series, alternating, ratios
+from .measure import BenchContext, Result, Series, alternating, mlp_run, ratios
 from .overhead import SHAPE, _data, _sizes
 
 
@@ -31,17 +31,10 @@ def _plan(ctx: BenchContext) -> dict:
 
 def _ours(ctx: BenchContext, s: dict, x: Path, y: Path, i: int) -> dict:
     name = f"recover-{i}"
-    cfg = {
-        "run_name": name, "runs_root": str(ctx.workdir / "runs"),
-        "model": {"name": "mlp", "hidden_sizes": s["hidden"]},
-        "data": {"train_path": str(x), "train_targets_path": str(y), "eval_fraction": 0.0},
-        "training": {"max_steps": s["die_at"] + 1, "per_device_train_batch_size": s["batch"],
-                     "lr": s["lr"], "weight_decay": 0.0, "grad_clip": 1.0, "seed": s["seed"],
-                     "fail_at_step": s["die_at"], "fail_rank": 1},
-        "checkpoint": {"every_steps": s["save_at"], "keep_last": 2},
-        "parallel": {"strategy": "hsdp", "max_restarts": 1, **SHAPE},
-        "logging": {"every_steps": 1},
-    }
+    cfg = mlp_run(ctx, name, s, x, y, training={"max_steps": s["die_at"] + 1,
+                                                "fail_at_step": s["die_at"], "fail_rank": 1},
+                  checkpoint={"every_steps": s["save_at"], "keep_last": 2},
+                  parallel={"strategy": "hsdp", "max_restarts": 1, **SHAPE})
     path = ctx.workdir / "overhead" / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", "train", "--config",

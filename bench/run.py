@@ -1,7 +1,7 @@
 """`python -m bench.run [--quick] [--only NAME[,NAME]]`: run benchmarks, print and write the table.
 
 Names: checkpoint, async, staging, collect, overhead, prefetch, predict, metadata, recovery,
-control, cli, gpu (the default set) and scale
+control, submit, cli, gpu (the default set) and scale
 (only when named, and never with --quick). Results go to bench/results.json and bench/results.md
 (or --out DIR); a selection that includes scale writes results-scale.json/.md instead, so
 the long scale run never overwrites the default set's results. Exit code 1 when a benchmark failed to run; a missed target is not an error.
@@ -23,7 +23,7 @@ from .measure import BenchContext, Result
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ("checkpoint", "async", "staging", "collect", "overhead", "prefetch", "predict",
-           "metadata", "recovery", "control", "cli", "gpu")
+           "metadata", "recovery", "control", "submit", "cli", "gpu")
 ALL = DEFAULT + ("scale",)
 
 
@@ -81,6 +81,12 @@ def _run_control(ctx: BenchContext, names: list[str]) -> list[Result]:
     return control_plane.run(ctx)
 
 
+def _run_submit(ctx: BenchContext, names: list[str]) -> list[Result]:
+    from . import submit_latency
+
+    return submit_latency.run(ctx)
+
+
 def _run_cli(ctx: BenchContext, names: list[str]) -> list[Result]:
     from . import cli_latency
 
@@ -105,6 +111,7 @@ RUNNERS = [(("checkpoint", "async"), _run_checkpoint), (("staging",), _run_stagi
            (("collect",), _run_collect), (("overhead",), _run_overhead), (("prefetch",), _run_prefetch),
            (("predict",), _run_predict), (("metadata",), _run_metadata),
            (("recovery",), _run_recovery), (("control",), _run_control),
+           (("submit",), _run_submit),
            (("cli",), _run_cli),
            (("gpu",), _run_gpu), (("scale",), _run_scale)]
 

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from .measure import regression_arrays, BenchContext, Result, Series, ratios
+from .measure import regression_arrays, BenchContext, Result, Series, mlp_run, ratios
 
 NODES = 4
 WORLDS = (4, 8, 16, 32)
@@ -91,17 +91,10 @@ def _enn_train(ctx: BenchContext, s: dict, x: Path, y: Path, world: int, tag: st
     import yaml
 
     name = f"scale-{world}-{tag}"
-    cfg = {
-        "run_name": name, "runs_root": str(ctx.workdir / "runs"),
-        "model": {"name": "mlp", "hidden_sizes": s["hidden"]},
-        "data": {"train_path": str(x), "train_targets_path": str(y), "eval_fraction": 0.0},
-        "training": {"max_steps": s["steps"], "per_device_train_batch_size": s["batch"],
-                     "lr": s["lr"], "weight_decay": 0.0, "grad_clip": 1.0, "seed": s["seed"]},
-        "checkpoint": {"every_steps": 0, "keep_last": 1, "async_save": False},
-        "parallel": {"strategy": "hsdp", "nodes": NODES, "procs_per_node": world // NODES,
-                     "timeout_s": 600},
-        "logging": {"every_steps": 1},
-    }
+    cfg = mlp_run(ctx, name, s, x, y,
+                  checkpoint={"every_steps": 0, "keep_last": 1, "async_save": False},
+                  parallel={"strategy": "hsdp", "nodes": NODES, "procs_per_node": world // NODES,
+                            "timeout_s": 600})
     path = ctx.workdir / "scale" / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     t0 = _cli(ctx, ["train", "--config", str(path), "--nodes", str(NODES),

@@ -1,0 +1,174 @@
+"""Submit latency on the local Slurm: command -> first training step (information).
+
+A one-node dev cluster (slurm/dev/cluster.sh, root only) runs both sides, in turn, with
+overhead.py's model and data on 2 tasks:
+- ours: `enn-submit train --cluster slurm --container none` (run directory, frozen config,
+  staging, submitit's scripts, sbatch), then Slurm starts the batch shell, srun the
+  workers; until the `time` of the first train record. The command's own return (job
+  submitted) is reported apart.
+- baseline: `sbatch` of a two-line script whose srun starts bare_loop's setup and one
+  step on each task (env:// rendezvous on the node), rank 0 stamping the end of the step.
+Each side waits for the node to be idle before it starts. Skipped without root or the
+Slurm tools, or when another dev cluster holds the network slots.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from .measure import BenchContext, Result, Series, alternating, mlp_run, ratios
+from .overhead import _data, _sizes
+
+EXIT_BUSY = 3  # cluster.sh: every network slot is taken
+BARE = """\
+import os, sys, time
+import torch.distributed as dist
+from bench.bare_loop import setup, step
+x, y, model, opt = setup(sys.argv[1], sys.argv[2], [1024] * 4, 1, 2, 1e-3, 0)
+rank = dist.get_rank()
+step(model, opt, x, y, list(range(rank * 64, (rank + 1) * 64)))
+if rank == 0:
+    open(sys.argv[3], "w").write(repr(time.time()))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (the dev cluster's network namespaces and daemons)"
+    search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    missing = [t for t in ("sbatch", "srun", "scontrol", "sinfo", "slurmctld", "slurmd",
+                           "munged") if shutil.which(t, path=search) is None]
+    return f"missing {' '.join(missing)} (slurm/dev/install-deps.sh)" if missing else None
+
+
+def _wait(what, timeout: float, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = what()
+        if found is not None:
+            return found
+        time.sleep(poll)
+    raise RuntimeError(f"timed out after {timeout:.0f} s")
+
+
+def _idle(env: dict) -> None:
+    def check():
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                             env=env).stdout.split()
+        jobs = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=env).stdout
+        return True if out and all(s == "idle" for s in out) and not jobs.strip() else None
+    _wait(check, 120, 0.2)
+
+
+def _first_train(metrics: Path):
+    if not metrics.exists():
+        return None
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "train":
+            return rec["time"]
+    return None
+
+
+def _ours(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, i: int) -> dict:
+    name = f"submit-{i}"
+    cfg = mlp_run(ctx, name, s, x, y, training={"max_steps": 2}, checkpoint={"every_steps": 0})
+    path = ctx.workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    began = time.time()
+    res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", "train", "--config",
+                          str(path), "--cluster", "slurm", "--container", "none", "--time", "10",
+                          "--nodes", "1", "--procs-per-node", "2"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    submitted = time.time()
+    if res.returncode != 0:
+        raise RuntimeError(f"enn-submit train exited {res.returncode}: {res.stderr[-800:]}")
+    run = ctx.workdir / "runs" / name
+    first = _wait(lambda: _first_train(run / "metrics.jsonl"), 300)
+    log = next((run / "logs").rglob("rank-0.log")).read_text().splitlines()[0]
+    worker = datetime.strptime(log[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # local time
+    start = next(json.loads(line)["time"] for line in (run / "metrics.jsonl").read_text()
+                 .splitlines() if json.loads(line)["kind"] == "start")
+    return {"total": first - began, "submit": submitted - began, "worker": worker - submitted,
+            "setup": start - worker, "first_step": first - start}
+
+
+def _bare(ctx: BenchContext, x: Path, y: Path, env: dict, i: int, port: int) -> float:
+    stamp = ctx.workdir / f"bare-first-{i}"
+    task = (f"RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
+            f"exec {shlex.quote(ctx.python)} -c {shlex.quote(BARE)} {shlex.quote(str(x))} "
+            f"{shlex.quote(str(y))} {shlex.quote(str(stamp))}")
+    script = ctx.workdir / f"bare-{i}.sh"
+    script.write_text("#!/bin/bash\n"
+                      f"#SBATCH --nodes=1 --ntasks-per-node=2 --time=10 "
+                      f"--output={shlex.quote(str(ctx.workdir / f'bare-{i}.out'))}\n"
+                      f"export MASTER_ADDR=127.0.0.1 MASTER_PORT={port} OMP_NUM_THREADS=1 "
+                      f"PYTHONPATH={shlex.quote(str(ctx.root))}\n"
+                      f"srun bash -c {shlex.quote(task)}\n")
+    began = time.time()
+    res = subprocess.run(["sbatch", str(script)], capture_output=True, text=True, env=env,
+                         timeout=60)
+    if res.returncode != 0:
+        raise RuntimeError(f"sbatch exited {res.returncode}: {res.stderr[-400:]}")
+    first = _wait(lambda: float(stamp.read_text()) if stamp.exists() and stamp.read_text()
+                  else None, 300)
+    return first - began
+
+
+def run(ctx: BenchContext) -> list[Result]:
+    from enn_cluster.client.launch_local import free_port
+
+    why = _missing()
+    if why:
+        return [Result("submit", "submit latency on the local Slurm", skipped=why)]
+    s = _sizes(ctx)
+    x, y = _data(ctx, s)
+    state = tempfile.mkdtemp(prefix="enn-slurm-bench-", dir="/tmp")  # munged: searchable
+    os.chmod(state, 0o755)
+    cluster_sh = str(ctx.root / "slurm" / "dev" / "cluster.sh")
+    env = dict(ctx.subprocess_env(), SLURM_CONF=os.path.join(state, "slurm.conf"))
+    ctx.log("submit: bringing up a one-node dev Slurm cluster")
+    up = subprocess.run(["bash", cluster_sh, "up", state, "1"], capture_output=True, text=True,
+                        timeout=300)
+    try:
+        if up.returncode == EXIT_BUSY:
+            return [Result("submit", "submit latency on the local Slurm",
+                           skipped=up.stderr.strip()[-300:])]
+        if up.returncode != 0:
+            raise RuntimeError(f"cluster.sh up exited {up.returncode}: {up.stderr[-800:]}")
+        ours, bare = [], []
+        for i, side in alternating(1 if ctx.quick else 3):
+            _idle(env)
+            if side == "ours":
+                ours.append(_ours(ctx, s, x, y, env, i))
+            else:
+                bare.append(_bare(ctx, x, y, env, i, free_port()))
+        _idle(env)
+    finally:
+        subprocess.run(["bash", cluster_sh, "down", state], capture_output=True, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
+    totals = [o["total"] for o in ours]
+    phase = {k: statistics.median(o[k] for o in ours)
+             for k in ("submit", "worker", "setup", "first_step")}
+    return [Result(
+        "submit", "submit latency: command -> first step on the local Slurm, ours / sbatch",
+        samples=ratios(totals, bare),
+        ours=Series("enn-submit train --cluster slurm (1 node x 2 tasks)", "s", totals),
+        baseline=Series("sbatch + srun of the bare loop's setup and one step", "s", bare),
+        note=(f"ours by phase (median): the command returns (job submitted) "
+              f"{phase['submit']:.2f} s; Slurm starts the job, the batch shell, srun and the "
+              f"worker's imports until rank 0's first log line {phase['worker']:.2f} s; lanes, "
+              f"model build, data checks and resume until the start record "
+              f"{phase['setup']:.2f} s; the first step {phase['first_step']:.2f} s"))]
