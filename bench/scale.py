@@ -100,15 +100,17 @@ def _enn_train(ctx: BenchContext, s: dict, x: Path, y: Path, world: int, tag: st
     t0 = _cli(ctx, ["train", "--config", str(path), "--nodes", str(NODES),
                     "--procs-per-node", str(world // NODES)])
     run = ctx.workdir / "runs" / name
-    return _timeline(run, t0, world, attempt="local-r0")
+    return _timeline(run, t0, world)
 
 
-def _timeline(run: Path, t0: float, world: int, attempt: str, after_step: int = 0) -> dict:
+def _timeline(run: Path, t0: float, world: int, after_step: int = 0) -> dict:
     recs = _records(run)
     train = [r for r in recs if r["kind"] == "train" and r["step"] > after_step]
     ckpts = [r for r in recs if r["kind"] == "checkpoint" and r["step"] > after_step]
-    launched = [json.loads(line)["time"] for line in
-                (run / "jobs.jsonl").read_text().splitlines() if line.strip()][-1]
+    jobs = [json.loads(line) for line in (run / "jobs.jsonl").read_text().splitlines()
+            if line.strip()]
+    launched = jobs[-1]["time"]
+    attempt = f"local-{len(jobs)}-r0"  # the launcher's logs/ folder for this launch
     starts = _log_start_times(run / "logs" / attempt, launched)
     if len(starts) != world:
         raise RuntimeError(f"{run.name}: {len(starts)} rank logs under {attempt}, expected {world}")
@@ -140,8 +142,7 @@ def _enn_resume(ctx: BenchContext, s: dict, world: int, tag: str) -> dict:
     nodes, ppn = RESUME_SHAPE
     t0 = _cli(ctx, ["resume", str(run), "--nodes", str(nodes), "--procs-per-node", str(ppn),
                     "--set", f"training.max_steps={s['steps'] + s['resume_steps']}"])
-    # the resumed attempt is again local-r0: its ranks append to the first run's logs
-    return _timeline(run, t0, nodes * ppn, attempt="local-r0", after_step=s["steps"])
+    return _timeline(run, t0, nodes * ppn, after_step=s["steps"])
 
 
 # ---------------------------------------------------------------------------------------
