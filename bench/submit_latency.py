@@ -127,6 +127,63 @@ def _bare(ctx: BenchContext, x: Path, y: Path, env: dict, i: int, port: int) -> 
     return first - began
 
 
+def _job(env: dict, job: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                          env=env).stdout
+
+
+def _records(run: Path, kind: str, after: float) -> list:
+    path = run / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in recs if r["kind"] == kind and r["time"] > after]
+
+
+def _preempted(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict) -> dict:
+    """USR2 to the batch shell -> checkpoint -> requeue -> first step after the restart;
+    Slurm's requeue hold (BeginTime) is measured, then lifted (StartTime=now), and left
+    out of the total."""
+    name = "preempt"
+    cfg = mlp_run(ctx, name, s, x, y, training={"max_steps": 100000},
+                  checkpoint={"every_steps": 0})
+    path = ctx.workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", "train", "--config",
+                          str(path), "--cluster", "slurm", "--container", "none", "--time", "10",
+                          "--nodes", "1", "--procs-per-node", "2"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"enn-submit train exited {res.returncode}: {res.stderr[-800:]}")
+    job = res.stdout.strip().splitlines()[-1]
+    run = ctx.workdir / "runs" / name
+    try:
+        _wait(lambda: True if len(_records(run, "train", 0)) >= 3 else None, 300)
+        signalled = time.time()
+        sig = subprocess.run(["scancel", "--batch", "--signal=USR2", job], capture_output=True,
+                             text=True, env=env)
+        if sig.returncode != 0:
+            raise RuntimeError(f"scancel --signal=USR2 exited {sig.returncode}: {sig.stderr}")
+        saved = _wait(lambda: (_records(run, "checkpoint", signalled) or [None])[0], 120)["time"]
+        pending = _wait(lambda: time.time() if "JobState=PENDING" in _job(env, job) else None,
+                        120)
+        text = _job(env, job)  # Reason=BeginTime: eligible only at EligibleTime
+        begin = text.split("EligibleTime=", 1)[1].split()[0] if "EligibleTime=2" in text \
+            else text.split("StartTime=", 1)[1].split()[0]
+        hold = datetime.strptime(begin, "%Y-%m-%dT%H:%M:%S").timestamp() - pending
+        time.sleep(2)  # an update in the requeue's first moments does not take (the notes)
+        lift = subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env,
+                              capture_output=True, text=True, timeout=30)
+        if lift.returncode != 0:
+            raise RuntimeError(f"scontrol update StartTime=now: {lift.stderr.strip()}")
+        released = time.time()
+        resumed = _wait(lambda: (_records(run, "resume", released) or [None])[0], 120)["time"]
+        first = _wait(lambda: (_records(run, "train", resumed) or [None])[0], 300)["time"]
+    finally:
+        subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
+    return {"total": (pending - signalled) + (first - released), "saved": saved - signalled,
+            "requeued": pending - saved, "hold": hold, "resumed": resumed - released,
+            "first_step": first - resumed}
+
+
 def run(ctx: BenchContext) -> list[Result]:
     from enn_cluster.client.launch_local import free_port
 
@@ -156,6 +213,8 @@ def run(ctx: BenchContext) -> list[Result]:
             else:
                 bare.append(_bare(ctx, x, y, env, i, free_port()))
         _idle(env)
+        preempt = _preempted(ctx, s, x, y, env)
+        _idle(env)
     finally:
         subprocess.run(["bash", cluster_sh, "down", state], capture_output=True, timeout=120)
         shutil.rmtree(state, ignore_errors=True)
@@ -171,4 +230,11 @@ def run(ctx: BenchContext) -> list[Result]:
               f"{phase['submit']:.2f} s; Slurm starts the job, the batch shell, srun and the "
               f"worker's imports until rank 0's first log line {phase['worker']:.2f} s; lanes, "
               f"model build, data checks and resume until the start record "
-              f"{phase['setup']:.2f} s; the first step {phase['first_step']:.2f} s"))]
+              f"{phase['setup']:.2f} s; the first step {phase['first_step']:.2f} s")),
+        Result("submit", "preemption on the local Slurm: USR2 -> first step after the requeue",
+               samples=[preempt["total"]], unit="s",
+               note=(f"USR2 to the batch shell -> checkpoint committed {preempt['saved']:.2f} s "
+                     f"-> job requeued (PENDING) {preempt['requeued']:.2f} s; Slurm's requeue "
+                     f"hold (BeginTime) {preempt['hold']:.0f} s, lifted and not counted; "
+                     f"restart -> resumed {preempt['resumed']:.2f} s -> first step "
+                     f"{preempt['first_step']:.2f} s"))]
