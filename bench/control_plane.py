@@ -105,17 +105,12 @@ def _finish(writer_cls, global_plans: list, metadata, path: Path) -> float:
 
 
 def _commit(files_dir: Path, world: int, gathered: list) -> float:
-    """What checkpoint._commit adds on rank 0, with the product's own functions."""
+    """What checkpoint._commit does on rank 0 (the product's own function)."""
     from enn_cluster.storage import commits as store
 
     began = time.perf_counter()
-    files: dict = {}
-    for part in gathered:
-        files.update(part)
-    rest = [n for n in store.step_files(files_dir) if n not in files]
-    files.update(store.checksum_files(files_dir, rest))
-    store.write_commit(files_dir, 10, files, world_size=world, contents=["model", "optim"],
-                       time=time.time(), save_seconds=0.0)
+    store.commit_gathered(files_dir, 10, gathered, world_size=world,
+                          contents=["model", "optim"], time=time.time(), save_seconds=0.0)
     return time.perf_counter() - began
 
 

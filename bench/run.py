@@ -9,6 +9,7 @@ the long scale run never overwrites the default set's results. Exit code 1 when 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import sys
@@ -33,87 +34,28 @@ def _run_checkpoint(ctx: BenchContext, names: list[str]) -> list[Result]:
     return checkpoint.run(ctx, [n for n in names if n in ("checkpoint", "async")])
 
 
-def _run_staging(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import staging
-
-    return staging.run(ctx)
-
-
 def _run_collect(ctx: BenchContext, names: list[str]) -> list[Result]:
     from . import staging
 
     return [staging.collect_result(ctx)]
 
 
-def _run_overhead(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import overhead
-
-    return overhead.run(ctx)
-
-
-def _run_prefetch(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import prefetch
-
-    return prefetch.run(ctx)
-
-
-def _run_predict(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import predict
-
-    return predict.run(ctx)
-
-
-def _run_metadata(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import metadata_ops
-
-    return metadata_ops.run(ctx)
-
-
-def _run_recovery(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import recovery
-
-    return recovery.run(ctx)
-
-
-def _run_control(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import control_plane
-
-    return control_plane.run(ctx)
-
-
-def _run_submit(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import submit_latency
-
-    return submit_latency.run(ctx)
-
-
-def _run_cli(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import cli_latency
-
-    return cli_latency.run(ctx)
-
-
-def _run_gpu(ctx: BenchContext, names: list[str]) -> list[Result]:
-    """Tokens/s and MFU of a ~1B decoder (bench/gpu.py); a skipped result without CUDA."""
-    from . import gpu
-
-    return gpu.run(ctx)
-
-
-def _run_scale(ctx: BenchContext, names: list[str]) -> list[Result]:
-    from . import scale
-
-    return scale.run(ctx)
+def _module(name: str):
+    """The runner of a benchmark module: bench.NAME is imported only when chosen (its
+    imports, torch among them, cost nothing otherwise) and its run(ctx) called."""
+    def runner(ctx: BenchContext, names: list[str]) -> list[Result]:
+        return importlib.import_module(f"{__package__}.{name}").run(ctx)
+    return runner
 
 
 # one runner may serve several names (checkpoint and async share one process group)
-RUNNERS = [(("checkpoint", "async"), _run_checkpoint), (("staging",), _run_staging),
-           (("collect",), _run_collect), (("overhead",), _run_overhead), (("prefetch",), _run_prefetch),
-           (("predict",), _run_predict), (("metadata",), _run_metadata),
-           (("recovery",), _run_recovery), (("control",), _run_control),
-           (("submit",), _run_submit),
-           (("cli",), _run_cli),
-           (("gpu",), _run_gpu), (("scale",), _run_scale)]
+RUNNERS = [(("checkpoint", "async"), _run_checkpoint), (("staging",), _module("staging")),
+           (("collect",), _run_collect), (("overhead",), _module("overhead")),
+           (("prefetch",), _module("prefetch")), (("predict",), _module("predict")),
+           (("metadata",), _module("metadata_ops")), (("recovery",), _module("recovery")),
+           (("control",), _module("control_plane")), (("submit",), _module("submit_latency")),
+           (("cli",), _module("cli_latency")), (("gpu",), _module("gpu")),
+           (("scale",), _module("scale"))]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -226,6 +226,20 @@ def checksum_files(path: Path, names: Iterable[str]) -> dict:
     return out
 
 
+def commit_gathered(path: Path, step: int, gathered: Iterable[dict], **info) -> int:
+    """Rank 0's commit of a step: the ranks' own file checksums, the rest (metadata,
+    trainer state) read here after one listing, `commit.json` written last. Returns the
+    number of files."""
+    files: dict = {}
+    for part in gathered:
+        files.update(part)
+    files.update(checksum_files(path, [n for n in step_files(path) if n not in files]))
+    if METADATA not in files:
+        raise OSError(f"DCP wrote no {METADATA} in {path}; not committing")
+    write_commit(path, step, files, **info)
+    return len(files)
+
+
 def write_commit(path: Path, step: int, files: dict, **info) -> None:
     record = {"step": step, "files": dict(sorted(files.items())), **info}
     atomic_write_text(Path(path) / COMMIT, json.dumps(record, indent=1, sort_keys=True))

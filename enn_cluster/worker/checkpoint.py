@@ -113,17 +113,10 @@ def _commit(path: Path, step: int, written: dict, contents: tuple, started: floa
     def write_record() -> None:
         if lanes.rank != 0:
             return
-        files: dict = {}
-        for part in gathered:
-            files.update(part)
-        rest = [n for n in store.step_files(path) if n not in files]
-        files.update(store.checksum_files(path, rest))
-        if store.METADATA not in files:
-            raise OSError(f"DCP wrote no {store.METADATA} in {path}; not committing")
-        store.write_commit(path, step, files, world_size=lanes.world_size,
-                           contents=list(contents), time=time.time(),
-                           save_seconds=round(time.perf_counter() - started, 3))
-        log.info("checkpoint step-%d committed (%d files)", step, len(files))
+        n = store.commit_gathered(path, step, gathered, world_size=lanes.world_size,
+                                  contents=list(contents), time=time.time(),
+                                  save_seconds=round(time.perf_counter() - started, 3))
+        log.info("checkpoint step-%d committed (%d files)", step, n)
 
     _agreed(lanes, write_record)  # also the barrier: nobody runs ahead of the commit
 
@@ -143,25 +136,39 @@ def _my_checksums(path: Path, written: dict, rank: int) -> dict:
     return out
 
 
+def _candidates(root: Path, lanes: Lanes, step: Optional[int] = None) -> list[int]:
+    """Committed steps (`step` alone, when given), newest first: listed by rank 0, broadcast."""
+    found = None
+    if lanes.rank == 0:
+        found = [s for s in store.committed_steps(root) if step is None or s == step][::-1]
+    return lanes.broadcast_object(found)
+
+
+def _verified(path: Path, record: Optional[dict], lanes: Lanes, keep=lambda name: True) -> list:
+    """Each rank checksums its share of the recorded files that `keep` selects; every
+    rank gets all ranks' problems ([]: all verified)."""
+    if record is None:
+        problems = ["commit.json unreadable"]
+    else:
+        names = [n for n in sorted(record["files"]) if keep(n)]
+        problems = store.verify_files(path, names[lanes.rank::lanes.world_size], record)
+    return [p for part in lanes.gather_objects(problems) for p in part]
+
+
+def _skipped(step: int, problems: list, lanes: Lanes) -> None:
+    if lanes.rank == 0:
+        log.warning("checkpoint step-%d fails verification, skipping: %s", step,
+                    "; ".join(problems[:5]))
+
+
 def choose_resume(root: Path, lanes: Lanes, step: Optional[int] = None) -> Optional[int]:
     """Newest checkpoint whose every file verifies, decided jointly and broadcast."""
-    candidates = None
-    if lanes.rank == 0:
-        committed = store.committed_steps(root)
-        candidates = [s for s in committed if step is None or s == step][::-1]
-    candidates = lanes.broadcast_object(candidates)
-    for cand in candidates:
+    for cand in _candidates(root, lanes, step):
         path = store.step_dir(root, cand)
-        record = store.read_commit(path)
-        names = sorted(record["files"]) if record else []
-        problems = store.verify_files(path, names[lanes.rank::lanes.world_size], record) \
-            if record else ["commit.json unreadable"]
-        all_problems = [p for part in lanes.gather_objects(problems) for p in part]
-        if not all_problems:
+        problems = _verified(path, store.read_commit(path), lanes)
+        if not problems:
             return cand
-        if lanes.rank == 0:
-            log.warning("checkpoint step-%d fails verification, skipping: %s", cand,
-                        "; ".join(all_problems[:5]))
+        _skipped(cand, problems, lanes)
     return None
 
 
@@ -173,45 +180,45 @@ class CorruptCheckpoint(Exception):
         self.problems = problems
 
 
+def _load_failures(exc: CheckpointException) -> list:
+    """One line per failed rank (DCP's own message carries every rank's traceback)."""
+    return [f"load failed on rank {r}: {type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0][:200]}" for r, (e, _) in sorted(exc.failures.items())]
+
+
 def resume(root: Path, model, optimizer, lanes: Lanes) -> Optional[tuple[int, dict]]:
     """Load the newest checkpoint that verifies, reading its bytes once: the small files
     (metadata, trainer and RNG state) are verified first, the shards while they load
-    (`load(verify=True)`). A step that fails either way is skipped for the next older one,
-    whose load overwrites everything the failed one wrote. Returns (step, trainer state)."""
-    candidates = None
-    if lanes.rank == 0:
-        candidates = store.committed_steps(root)[::-1]
-    for cand in lanes.broadcast_object(candidates):
+    (`load(verify_against=record)`). A step that fails either way is skipped for the next
+    older one, whose load overwrites everything the failed one wrote. Returns (step,
+    trainer state)."""
+    for cand in _candidates(root, lanes):
         path = store.step_dir(root, cand)
         record = store.read_commit(path)
-        small = [n for n in sorted(record["files"]) if not store.is_shard(n)] if record else []
-        problems = store.verify_files(path, small[lanes.rank::lanes.world_size], record) \
-            if record else ["commit.json unreadable"]
-        problems = [p for part in lanes.gather_objects(problems) for p in part]
+        problems = _verified(path, record, lanes, keep=lambda n: not store.is_shard(n))
         if not problems:
             try:
-                return cand, load(root, cand, model, optimizer, lanes, verify=True)
+                return cand, load(root, cand, model, optimizer, lanes, verify_against=record)
             except CorruptCheckpoint as exc:
                 problems = exc.problems
             except CheckpointException as exc:  # raised on every rank alike
-                problems = [f"load failed on rank {r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-                            for r, (e, _) in sorted(exc.failures.items())]
-        if lanes.rank == 0:
-            log.warning("checkpoint step-%d fails verification, skipping: %s", cand,
-                        "; ".join(problems[:5]))
+                problems = _load_failures(exc)
+        _skipped(cand, problems, lanes)
     return None
 
 
-def load(root: Path, step: int, model, optimizer, lanes: Lanes, verify: bool = False) -> dict:
+def load(root: Path, step: int, model, optimizer, lanes: Lanes,
+         verify_against: Optional[dict] = None) -> dict:
     """Restore model (+ optimizer if saved) into the already-sharded model; return trainer
-    state. `verify`: every shard is checksummed by one rank as it is read (raises
-    CorruptCheckpoint on every rank before anything but the tensors was restored)."""
+    state. `verify_against` (the step's commit record): every shard is checksummed by one
+    rank as it is read (raises CorruptCheckpoint on every rank before anything but the
+    tensors was restored)."""
     path = store.step_dir(root, step)
-    record = store.read_commit(path) or {}
+    record = verify_against or store.read_commit(path) or {}
     with_optim = optimizer is not None and "optim" in record.get("contents", ["model", "optim"])
     state = state_of(model, optimizer if with_optim else None)
-    verifier = ShardVerifier(record, sorted(record["files"]), lanes.rank, lanes.world_size) \
-        if verify and record else None
+    verifier = None if verify_against is None else ShardVerifier(
+        record, sorted(record["files"]), lanes.rank, lanes.world_size)
     safe_load(state, path, process_group=lanes.control, verifier=verifier)
     if verifier is not None:
         problems = [p for part in lanes.gather_objects(verifier.problems(path)) for p in part]
