@@ -153,5 +153,5 @@ def test_collect_names_every_bad_chunk_and_writes_nothing(tmp_path, copies):
     assert "chunk-000005.npy: unknown checksum algorithm 'sha9'" in message
     assert copies  # the good chunks went through the kernel copy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
-    problems = col.verify_chunks(pdir, manifest)
+    problems = pm.verify_chunks(pdir, manifest)
     assert len(problems) == 4 and "unknown checksum algorithm" in problems[-1]

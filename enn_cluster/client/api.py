@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from enn_cluster.client.launching import launch_detached, slurm_spec, wait_for_job
-from enn_cluster.client.prepare import LaunchShape, prepare_run, run_local
+from enn_cluster.client.prepare import LaunchShape, prepare_run_and_config, run_local
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, submit
 from enn_cluster.config.run_config import (
@@ -171,15 +171,17 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
         final = Path(cfg.runs_root).expanduser().resolve() / cfg.run_name
         cfg.model.name = "enn_cluster.client.api:unpickled_model"
         cfg.model.kwargs = {"path": str(final / MODEL_PICKLE)}
-    run = prepare_run(cfg, shape, arrays=_arrays(X, y, eval_data), populate_extra=populate)
-    return _start(run, "train", shape, restarts, slurm, wait)
+    run, frozen = prepare_run_and_config(cfg, shape, arrays=_arrays(X, y, eval_data),
+                                         populate_extra=populate)
+    return _start(run, "train", shape, restarts, slurm, wait, cfg=frozen)
 
 
 def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int,
            slurm: Optional[SlurmRequest], wait: bool,
-           name: Optional[str] = None, step: Optional[int] = None) -> Run:
+           name: Optional[str] = None, step: Optional[int] = None, *, cfg: RunConfig) -> Run:
     if slurm is not None:
-        job = submit(run, slurm_spec(slurm, run, task, shape, restarts, name=name), step=step)
+        job = submit(run, slurm_spec(slurm, run, task, shape, restarts, name=name, cfg=cfg),
+                     step=step, cfg=cfg)
         if wait and wait_for_job(job) != 0:
             raise RuntimeError(f"Slurm job {job} for {run.path} did not complete; "
                                f"see 'enn-submit logs {run.path}'")
@@ -187,7 +189,7 @@ def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int,
     if not wait:
         launch_detached(run, task, shape, restarts)
         return Run.open(run.path)
-    code = run_local(run, task, shape, restarts, name=name, step=step)
+    code = run_local(run, task, shape, restarts, name=name, step=step, cfg=cfg)
     if code != 0:
         raise RuntimeError(f"workers for {run.path} exited with code {code}; "
                            f"see 'enn-submit logs {run.path}'")
@@ -224,10 +226,10 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     shape = _shape(cfg, cluster, slurm)
     request = prepare_prediction(run, X, name=name, step=step,
                                  chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS,
-                                 batch_size=batch_size or DEFAULT_BATCH_SIZE)
+                                 batch_size=batch_size or DEFAULT_BATCH_SIZE, cfg=cfg)
     if not request.complete:
         _start(run, "predict", shape, cfg.parallel.max_restarts, slurm, True,
-               name=request.name, step=request.step)
+               name=request.name, step=request.step, cfg=cfg)
     target = out or str(request.path / ("assembled-raw.npy" if raw else "assembled.npy"))
     result = collect(run, request.name, target, raw=raw, overwrite=out is None)
     for line in result.warnings:

@@ -14,7 +14,6 @@ from enn_cluster.client.cli_ops import (
     cmd_cancel,
     cmd_logs,
     cmd_render,
-    launch_from_flags,
     launch_shape,
     site_config,
     slurm_request,
@@ -22,6 +21,7 @@ from enn_cluster.client.cli_ops import (
 from enn_cluster.client.launching import (
     check_control_files,
     check_slurm_spec,
+    launch,
     load_flagged_config,
     max_restarts,
 )
@@ -166,8 +166,15 @@ def _site_shape_defaults(args) -> None:
         args.gpus_per_node = site_config(args).gpus_per_node
 
 
+def _launch_train(args, run, shape, restarts: int, cfg, spec=None) -> int:
+    """`launch_from_flags` for train and resume, handing down the config this command
+    froze (train) or re-froze (resume): nothing below reads config.yaml back."""
+    slurm = slurm_request(args) if args.cluster == "slurm" else None
+    return launch(run, "train", shape, restarts, slurm, spec=spec, cfg=cfg)
+
+
 def cmd_train(args) -> int:
-    from enn_cluster.client.prepare import prepare_run
+    from enn_cluster.client.prepare import prepare_run_and_config
 
     cfg = _load_train_config(args)
     shape = launch_shape(args, cfg)
@@ -175,12 +182,12 @@ def cmd_train(args) -> int:
     spec = None
     if args.cluster == "slurm":  # refuse a job Slurm cannot take before the run exists
         spec = check_slurm_spec(slurm_request(args), cfg, "train", shape, restarts)
-    run = prepare_run(cfg, shape)
+    run, cfg = prepare_run_and_config(cfg, shape)
     if args.cluster != "slurm":
         print(f"run directory: {run.path}", file=sys.stderr)
-        return launch_from_flags(args, run, "train", shape, restarts)
+        return _launch_train(args, run, shape, restarts, cfg)
     try:
-        code = launch_from_flags(args, run, "train", shape, restarts, spec=spec)
+        code = _launch_train(args, run, shape, restarts, cfg, spec=spec)
     except UserError:
         if not run.jobs():  # sbatch refused: the run this command made has never run
             import shutil
@@ -223,7 +230,7 @@ def cmd_resume(args) -> int:
         raise UserError(refusal)
     shape = launch_shape(args, cfg)
     cfg = prepare_resume(run, cfg, shape, args.overrides)
-    return launch_from_flags(args, run, "train", shape, max_restarts(args.max_restarts, cfg))
+    return _launch_train(args, run, shape, max_restarts(args.max_restarts, cfg), cfg)
 
 
 def cmd_build(args) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from enn_cluster.errors import UserError
 from enn_cluster.storage import prediction_manifest as pm
-from enn_cluster.storage.checksum import RunningChecksum, algorithm_of, file_checksum
+from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
 from enn_cluster.storage.file_copy import kernel_copy
 from enn_cluster.storage.npy_header import read_npy_header
 from enn_cluster.storage.output_target import check_local_target
@@ -107,23 +107,6 @@ def manifest_problem(manifest) -> Optional[str]:
     if missing:
         return "; ".join(missing[:3])
     return None
-
-
-def verify_chunks(pdir: Path, manifest: dict) -> list[str]:
-    """Coverage, sizes and checksums of a committed prediction, without assembling it."""
-    problems = pm.coverage_problems(manifest["chunks"], manifest["n_rows"])
-    for rec in manifest["chunks"]:
-        try:
-            size, checksum = file_checksum(pdir / rec["file"], like=rec["checksum"])
-        except FileNotFoundError:
-            problems.append(f"{rec['file']}: missing")
-            continue
-        except ValueError as exc:  # a checksum algorithm this version does not know
-            problems.append(f"{rec['file']}: {exc}")
-            continue
-        if size != rec["nbytes"] or checksum != rec["checksum"]:
-            problems.append(f"{rec['file']}: does not match its record (corrupt or truncated)")
-    return problems
 
 
 def _checksum_file(fh, size: int, running: RunningChecksum) -> None:

@@ -76,17 +76,21 @@ def check_local_capacity(shape: LaunchShape, procs_given: bool, cpus: Optional[i
 
 def launch(run: RunDir, task: str, shape: LaunchShape, restarts: int,
            slurm: Optional[SlurmRequest] = None, name: Optional[str] = None,
-           step: Optional[int] = None, spec=None) -> int:
+           step: Optional[int] = None, spec=None, cfg=None) -> int:
     """Start the workers: through Slurm when `slurm` is given, else here (local launcher).
-    `spec`: the JobSpec already built from `slurm` for this run (built once per submit)."""
+    `spec`: the JobSpec already built from `slurm` for this run (built once per submit).
+    `cfg`: the run's config as the command holds it; read from the run only when not given
+    (the detached launcher, a command that has not loaded it)."""
     from enn_cluster.client.prepare import run_local
 
+    cfg = run.load_config() if cfg is None else cfg
     if slurm is not None:
         return submit_to_slurm(slurm, run, task, shape, restarts, name=name, step=step,
-                               spec=spec)
-    code = run_local(run, task, shape, restarts, name=name, step=step)
+                               spec=spec, cfg=cfg)
+    code = run_local(run, task, shape, restarts, name=name, step=step, cfg=cfg)
     if code == 0 and task == "train":
-        print(f"done: checkpoints in {run.checkpoints}, metrics in {run.metrics}", file=sys.stderr)
+        print(f"done: checkpoints in {run.checkpoints}, metrics in "
+              f"{run.path / cfg.logging.metrics_path}", file=sys.stderr)
     elif code == 75:
         print(f"stopped with a committed checkpoint; continue with: enn-submit resume {run.path}",
               file=sys.stderr)
@@ -105,15 +109,17 @@ def launch_detached(run: RunDir, task: str, shape: LaunchShape, restarts: int) -
 
 
 def slurm_spec(request: SlurmRequest, run: RunDir, task: str, shape: LaunchShape,
-               restarts: int, name: Optional[str] = None):
-    return build_spec(request, run, task, shape, restarts, name=name)
+               restarts: int, name: Optional[str] = None, cfg=None):
+    """The JobSpec for `run`; `cfg` as in `launch` (`render` passes none)."""
+    return build_spec(request, run, task, shape, restarts, name=name,
+                      cfg=run.load_config() if cfg is None else cfg)
 
 
 def submit_to_slurm(request: SlurmRequest, run: RunDir, task: str, shape: LaunchShape,
                     restarts: int, name: Optional[str] = None, step: Optional[int] = None,
-                    spec=None) -> int:
-    spec = spec or slurm_spec(request, run, task, shape, restarts, name)
-    job_id = submit(run, spec, step=step)
+                    spec=None, *, cfg) -> int:
+    spec = spec or slurm_spec(request, run, task, shape, restarts, name, cfg=cfg)
+    job_id = submit(run, spec, step=step, cfg=cfg)
     print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
     print(job_id)
     return wait_for_job(job_id) if request.wait else 0
@@ -163,9 +169,8 @@ def check_slurm_spec(request: SlurmRequest, cfg, task: str, shape: LaunchShape, 
     a run directory path Pyxis cannot carry, are refused before anything is written."""
     from enn_cluster.client.prepare import with_shape
 
-    run = run_dir_for(cfg)
-    return slurm_spec(request, ConfigOnlyRun(run.path, with_shape(cfg, shape)), task, shape,
-                      restarts, name)
+    return slurm_spec(request, run_dir_for(cfg), task, shape, restarts, name,
+                      cfg=with_shape(cfg, shape))
 
 
 def cancel_run(run: RunDir) -> int:

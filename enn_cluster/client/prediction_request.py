@@ -104,9 +104,10 @@ def _check_input(entry: dict, run: RunDir) -> None:
 
 def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] = None,
                        step: Optional[int] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                       batch_size: int = DEFAULT_BATCH_SIZE) -> PredictionRequest:
-    """Create (or re-open) `predictions/<name>/` with the staged input and request.json."""
-    cfg = run.load_config()
+                       batch_size: int = DEFAULT_BATCH_SIZE, cfg=None) -> PredictionRequest:
+    """Create (or re-open) `predictions/<name>/` with the staged input and request.json.
+    `cfg`: the run's config when the caller has loaded it (else read here)."""
+    cfg = run.load_config() if cfg is None else cfg
     if chunk_rows < 1 or batch_size < 1:
         raise UserError("--chunk-rows / --batch-size: must be >= 1")
     if name is not None:
@@ -189,13 +190,11 @@ def _existing(run: RunDir, name: Optional[str]) -> Optional[dict]:
 def _request(run: RunDir, request: dict) -> PredictionRequest:
     """Re-open a prediction; a committed one whose chunks no longer verify is reopened
     for the workers (they redo exactly the chunks that fail their records)."""
-    from enn_cluster.client.collect import verify_chunks
-
     path = run.predictions / request["name"]
     manifest_path = path / pm.MANIFEST
     if not manifest_path.exists():
         return PredictionRequest(request["name"], path, request["step"], False)
-    problems = verify_chunks(path, json.loads(manifest_path.read_text()))
+    problems = pm.verify_chunks(path, json.loads(manifest_path.read_text()))
     if problems:
         manifest_path.rename(path / f"{pm.MANIFEST}.failed-{time.time_ns()}")
         print(f"prediction {request['name']}: recomputing: " + "; ".join(problems),

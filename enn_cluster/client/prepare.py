@@ -129,6 +129,13 @@ def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:
 def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = None,
                 populate_extra=None) -> RunDir:
     """Validate, then create the run directory with staged data (all or nothing)."""
+    return prepare_run_and_config(cfg, shape, arrays, populate_extra)[0]
+
+
+def prepare_run_and_config(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = None,
+                           populate_extra=None) -> tuple[RunDir, RunConfig]:
+    """`prepare_run`, and the config frozen into its config.yaml: the launch that follows
+    is handed this one rather than reading the file back."""
     cfg = with_shape(replace(cfg, runs_root=str(Path(cfg.runs_root).expanduser().resolve())),
                      shape)
     meshes = mesh_plans(cfg, shape)  # the mesh before the batch
@@ -144,7 +151,7 @@ def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = Non
         if populate_extra is not None:
             populate_extra(run)
 
-    return create_run_dir(cfg, populate)
+    return create_run_dir(cfg, populate), cfg
 
 
 def prepare_resume(run: RunDir, cfg: RunConfig, shape: LaunchShape,
@@ -164,14 +171,15 @@ def prepare_resume(run: RunDir, cfg: RunConfig, shape: LaunchShape,
 
 
 def run_local(run: RunDir, task: str, shape: LaunchShape, max_restarts: int,
-              name: Optional[str] = None, step: Optional[int] = None) -> int:
-    """Hold the run lock while local workers run; record the launch in jobs.jsonl."""
+              name: Optional[str] = None, step: Optional[int] = None, *, cfg: RunConfig) -> int:
+    """Hold the run lock while local workers run; record the launch in jobs.jsonl. `cfg`:
+    the run's config as the command holds it (for the MLflow run the workers log into)."""
     from enn_cluster.client.launch_local import launch_local
     from enn_cluster.storage.tracking import ensure_run
 
     owner = acquire_lock(run, lock_owner())
     try:
-        ensure_run(run, run.load_config())
+        ensure_run(run, cfg)
         run.record_job(kind="local", task=task, pid=os.getpid(), nodes=shape.nodes,
                        procs_per_node=shape.procs_per_node, name=name)
         with run_umask():  # the workers inherit it: checkpoints, logs, metrics

@@ -33,6 +33,7 @@ from enn_cluster.cluster.slurm_values import (
 )
 from enn_cluster.config import nccl
 from enn_cluster.config.checks import node_range
+from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
 
 TASKS = ("train", "predict")
 WORKER_MODULE = "enn_cluster.worker"
@@ -205,9 +206,20 @@ def _template(name: str) -> str:
     return resources.files("enn_cluster.cluster").joinpath("templates", name).read_text("utf-8")
 
 
+# host_setup.sh's @NAME@ placeholders: the rendezvous port rule of config/launch_env.py,
+# which worker/environment.port_for_job applies too (a site's own srun line runs no snippet).
+HOST_SETUP_VALUES = {"MASTER_PORT_BASE": MASTER_PORT_BASE,
+                     "MASTER_PORT_BASE_LESS_1": MASTER_PORT_BASE - 1,
+                     "MASTER_PORT_LAST": MASTER_PORT_BASE + MASTER_PORT_SPAN - 1,
+                     "MASTER_PORT_SPAN": MASTER_PORT_SPAN}
+
+
 def host_setup_lines() -> list[str]:
-    """The host-side snippet (MASTER_PORT, requeue EXIT trap) both paths share."""
-    return _template("host_setup.sh").splitlines()
+    """The host-side snippet (MASTER_PORT, requeue EXIT trap) both paths share, with its
+    placeholders filled from HOST_SETUP_VALUES."""
+    text = re.sub(r"@([A-Z][A-Z0-9_]*)@", lambda m: str(HOST_SETUP_VALUES[m.group(1)]),
+                  _template("host_setup.sh"))
+    return text.splitlines()
 
 
 def env_lines(spec: JobSpec) -> list[str]:
@@ -255,9 +267,10 @@ def srun_shell_lines() -> list[str]:
 
 
 def admin_template(text: str) -> str:
-    """A checked-in admin template with its `srun` block generated (tests hold
+    """A checked-in admin template with its `srun` and `host` blocks generated (tests hold
     enn_cluster/cluster/templates/ and slurm/ to this; ENN_UPDATE_GOLDEN=1 rewrites them)."""
-    return replace_block(text, "srun", srun_shell_lines())
+    text = replace_block(text, "srun", srun_shell_lines())
+    return replace_block(text, "host", host_setup_lines()[1:-1])  # the snippet's own markers
 
 
 def worker_command(spec: JobSpec) -> list[str]:

@@ -91,8 +91,9 @@ class SlurmRequest:
 
 
 def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: int,
-               name: Optional[str] = None):
-    """Flags win over the site config, which wins over defaults (site.merge)."""
+               name: Optional[str] = None, *, cfg):
+    """Flags win over the site config, which wins over defaults (site.merge). `cfg`: the
+    run's config as the command holds it (the default job name is its run_name's)."""
     from enn_cluster.cluster.job_spec import JobSpec
     from enn_cluster.cluster.site import DEFAULTS, merge
 
@@ -105,7 +106,6 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
     if opts["image"] is None:
         opts["image"] = str(default_image(opts["image_cache"]))
     bare = opts["image"] == "none"
-    cfg = run.load_config()
     return JobSpec(
         job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
         run_dir=str(run.path),
@@ -158,8 +158,9 @@ def batch_script(executor) -> str:
     return inner._make_submission_file_text(inner._submitit_command_str, "")
 
 
-def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
-    """Submit and record; refuse while another live job holds the run.
+def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
+    """Submit and record; refuse while another live job holds the run (`cfg`: the run's
+    config as the command holds it, for the MLflow run the job logs into).
 
     The run lock is claimed (O_EXCL, this process) before sbatch and handed to the job
     after it: of two clients racing `resume` on one run, one submits and the other is
@@ -178,7 +179,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None) -> str:
     token = secrets.token_hex(8)
     claim = acquire_lock(run, {**lock_owner(), "submission": token})
     try:
-        ensure_run(run, run.load_config())  # exported to the job with the environment
+        ensure_run(run, cfg)  # exported to the job with the environment
         executor = slurm_executor(spec, submitit_folder(run.path))
         with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
             job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,

@@ -1,8 +1,16 @@
-"""Names of the environment variables our launchers set for their workers: the one contract
-between the client side (local launcher, submitit path) and the worker, kept where both
-import it so that neither imports the other."""
+"""Names of the environment variables our launchers set for their workers, and the rule for
+the rendezvous port: the one contract between the launching side (local launcher, submitit
+path, batch scripts) and the worker, kept where both import it so that neither imports the
+other."""
 SIM_NODES_VAR = "ENN_SIM_NODES"  # local launcher: how many nodes the processes pretend to be
 LOCK_HELD_VAR = "ENN_LOCK_HELD"  # the launcher holds the run lock for its workers
 LAUNCHER_PID_VAR = "ENN_LAUNCHER_PID"  # workers die with the local launcher
 LAUNCH_ID_VAR = "ENN_LAUNCH_ID"  # one id per local launch: names its log directory
 SUBMISSION_VAR = "ENN_SUBMISSION"  # enn-submit on Slurm: the token its claim on run.lock names
+
+# MASTER_PORT when nobody exported one: BASE + job id % SPAN (20000-29999, below Linux's
+# ephemeral ports 32768-60999), stable across requeues of one job. The batch scripts' host
+# snippet exports it (cluster/job_spec.host_setup_lines puts these numbers in);
+# worker/environment.port_for_job derives the same for a site's own srun line.
+MASTER_PORT_BASE = 20000
+MASTER_PORT_SPAN = 10000

@@ -1,4 +1,5 @@
-"""Prediction chunks and their manifest: the plan, the records, the checks. Pure data.
+"""Prediction chunks and their manifest: the plan, the records, the checks. Pure data, but
+`verify_chunks`, which checksums the chunk files against their records.
 
 The input's rows are cut into fixed-size chunks planned once for the whole input, so a
 prediction stopped at one world size continues at another: a rank owns a contiguous
@@ -12,8 +13,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Optional
 
+from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.storage.prediction_collapse import collapsed_outputs
 
 REQUEST = "request.json"  # name, checkpoint step, input entry, chunk plan (client-written)
@@ -83,6 +86,23 @@ def coverage_problems(records: list[dict], n_rows: int) -> list[str]:
         problems.append(f"rows {pos}-{n_rows}: missing (no committed chunk)")
     elif pos > n_rows:
         problems.append(f"rows {n_rows}-{pos}: beyond the input's {n_rows} rows")
+    return problems
+
+
+def verify_chunks(pdir: Path, manifest: dict) -> list[str]:
+    """Coverage, sizes and checksums of a committed prediction, without assembling it."""
+    problems = coverage_problems(manifest["chunks"], manifest["n_rows"])
+    for rec in manifest["chunks"]:
+        try:
+            size, checksum = file_checksum(pdir / rec["file"], like=rec["checksum"])
+        except FileNotFoundError:
+            problems.append(f"{rec['file']}: missing")
+            continue
+        except ValueError as exc:  # a checksum algorithm this version does not know
+            problems.append(f"{rec['file']}: {exc}")
+            continue
+        if size != rec["nbytes"] or checksum != rec["checksum"]:
+            problems.append(f"{rec['file']}: does not match its record (corrupt or truncated)")
     return problems
 
 

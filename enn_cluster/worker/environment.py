@@ -10,7 +10,11 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from enn_cluster.config.launch_env import SIM_NODES_VAR
+from enn_cluster.config.launch_env import (
+    MASTER_PORT_BASE,
+    MASTER_PORT_SPAN,
+    SIM_NODES_VAR,
+)
 from enn_cluster.errors import UserError
 from enn_cluster.worker.placement import task_cpus
 
@@ -60,9 +64,11 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def port_for_job(job_id: str) -> int:
-    """A rendezvous port derived from the job id: stable across requeues of one job."""
+    """A rendezvous port derived from the job id: stable across requeues of one job. Our
+    batch scripts' host snippet exports the same port (one rule: config/launch_env.py); this
+    fallback serves a site's own srun line, which runs no snippet of ours."""
     digits = re.sub(r"\D", "", job_id) or "0"
-    return 20000 + int(digits) % 10000  # 20000-29999: below Linux's ephemeral ports (32768-60999)
+    return MASTER_PORT_BASE + int(digits) % MASTER_PORT_SPAN
 
 
 def _int(environ: Mapping[str, str], name: str, default: Optional[int] = None) -> int:

@@ -3,16 +3,16 @@
 # (bash evaluates `a[$(cmd)]` inside $((...)), so a file holding that would run cmd).
 enn_digits() { case "$1" in ''|*[!0-9]*) return 1 ;; esac; [ "${#1}" -le 12 ]; }
 # Rendezvous port from the job id, as the worker derives it: stable across requeues, in
-# 20000-29999, below the kernel's ephemeral ports (32768-60999) that outgoing connections take.
+# @MASTER_PORT_BASE@-@MASTER_PORT_LAST@, below the kernel's ephemeral ports (32768-60999) that outgoing connections take.
 # This shell runs on the job's first node, where rank 0 listens: a port something already
-# listens on (another job whose id matches modulo 10000, a service) is passed over.
+# listens on (another job whose id matches modulo @MASTER_PORT_SPAN@, a service) is passed over.
 enn_port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 if [ -z "${MASTER_PORT:-}" ] && enn_digits "${SLURM_JOB_ID:-}"; then
-  enn_port="$((20000 + 10#$SLURM_JOB_ID % 10000))"
+  enn_port="$((@MASTER_PORT_BASE@ + 10#$SLURM_JOB_ID % @MASTER_PORT_SPAN@))"
   for _ in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16; do
     enn_port_taken "$enn_port" || break
     echo "enn: port $enn_port is taken on $(hostname); trying the next one" >&2
-    enn_port="$((20000 + (enn_port - 19999) % 10000))"
+    enn_port="$((@MASTER_PORT_BASE@ + (enn_port - @MASTER_PORT_BASE_LESS_1@) % @MASTER_PORT_SPAN@))"
   done
   export MASTER_PORT="$enn_port"
 fi
