@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from enn_cluster.errors import UserError
 from enn_cluster.worker import control_net
+from enn_cluster.worker.environment import WorkerEnv
 
 HEAD = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
 # a GPU node: default and 10.0.2.0/24 on eth0 (front end), 10.16.0.0/16 on ib0 (IPoIB),
@@ -63,7 +65,7 @@ def test_agrees_with_ip_route_get_on_this_machine():
     ({"GLOO_SOCKET_IFNAME": "eth3"}, "ib0", {"NCCL_SOCKET_IFNAME": "=eth3"}),  # agree with it
     ({"NCCL_SOCKET_IFNAME": "=enp1"}, None, {"GLOO_SOCKET_IFNAME": "enp1"}),
     ({"NCCL_SOCKET_IFNAME": "^docker"}, "eth0", {"GLOO_SOCKET_IFNAME": "eth0"}),  # user's kept
-    ({}, None, {}),  # nothing known: NCCL's profile exclusion list stays the fallback
+    ({}, None, {}),  # nothing known: NCCL chooses (it skips lo and docker*, prefers ib*)
 ])
 def test_control_env(environ, routed, expected):
     assert control_net.control_env(environ, routed) == expected
@@ -76,3 +78,44 @@ def test_apply_reads_the_route_file(tmp_path):
     line = control_net.apply(environ, str(route))
     assert environ["GLOO_SOCKET_IFNAME"] == "ib0" and environ["NCCL_SOCKET_IFNAME"] == "=ib0"
     assert line.startswith("control plane: MASTER_ADDR 10.16.0.9 (10.16.0.9) routed via ib0;")
+
+
+def _world(launcher: str, nodes: int) -> WorkerEnv:
+    return WorkerEnv(launcher, 0, 0, 2 * nodes, 2, 0, nodes, "n1", 29500)
+
+
+@pytest.mark.parametrize("interface,hosts,wrong", [
+    ("lo", 2, True),  # the hostname's 127.0.1.1 line in /etc/hosts: peers cannot connect
+    ("eth0,lo", 4, True),
+    ("lo", 1, False),  # one machine: loopback is right
+    ("ib0", 2, False), (None, 2, False),  # no choice: NCCL's own skips lo
+    ("lo0", 2, False),
+])
+def test_loopback_on_a_multi_node_job_is_named(interface, hosts, wrong):
+    error = control_net.loopback_error(interface, hosts, "n1", "127.0.1.1")
+    assert (error is not None) is wrong
+    if wrong:
+        assert "\n" not in error and f"{hosts}-node job" in error
+        assert "socket_ifname (ENN_SOCKET_IFNAME)" in error and "/etc/hosts" in error
+        assert "MASTER_ADDR n1 resolves to 127.0.1.1" in error
+
+
+def test_local_launcher_nodes_share_one_machine():
+    assert control_net.machines(_world("local", 2)) == 1
+    assert control_net.machines(_world("slurm", 2)) == 2
+    assert control_net.machines(_world("torchrun", 3)) == 3
+
+
+def test_apply_stops_a_multi_node_job_on_loopback(tmp_path):
+    route = tmp_path / "route"
+    route.write_text(TABLE)
+    environ = {"MASTER_ADDR": "127.0.1.1"}
+    with pytest.raises(UserError, match=r"^control plane: this 2-node job .* lo "):
+        control_net.apply(environ, str(route), env=_world("slurm", 2))
+    for env in (_world("slurm", 1), _world("local", 2), None):  # one machine: fine on lo
+        environ = {"MASTER_ADDR": "127.0.1.1"}
+        control_net.apply(environ, str(route), env=env)
+        assert environ["GLOO_SOCKET_IFNAME"] == "lo"
+    environ = {"MASTER_ADDR": "127.0.1.1", "ENN_SOCKET_IFNAME": "ib0"}  # the site's fix
+    control_net.apply(environ, str(route), env=_world("slurm", 2))
+    assert environ["NCCL_SOCKET_IFNAME"] == "=ib0"

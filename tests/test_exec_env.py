@@ -24,6 +24,8 @@ from helpers import small_config, write_config
 
 # Where images really keep aws-ofi-nccl (exec_env.EFA_PLUGIN_DIRS cites the sources):
 LAYOUTS = [
+    (f"/opt/amazon/ofi-nccl/lib/{__import__('platform').machine()}-linux-gnu",
+     "libnccl-net.so"),  # recent EFA installers, multiarch
     ("/opt/amazon/ofi-nccl/lib", "libnccl-net-ofi.so"),  # EFA installer >= 1.30
     ("/opt/amazon/aws-ofi-nccl/lib", "libnccl-net.so"),  # NGC-derived images, AWS DLCs
     ("/opt/aws-ofi-nccl/lib", "libnccl-net.so"),  # aws-samples source build prefix
@@ -46,21 +48,26 @@ def test_plugin_search_dirs_from_the_environment():
 
 
 PLUGIN = Plugin("/opt/amazon/ofi-nccl/lib", "libnccl-net-ofi.so")
+LINK = Plugin("/opt/amazon/aws-ofi-nccl/lib", "libnccl-net.so")
 
 
 @pytest.mark.parametrize("environ,fabric,pinned,plugin,libfabric,expected", [
     ({}, "ib", False, PLUGIN, (), {}),
     ({}, "socket", True, None, (), {}),
     ({}, "efa", False, None, (), {}),  # auto-detected EFA, no plugin: nothing to set
+    # NCCL_NET_PLUGIN names the suffix (older NCCL opens only libnccl-net-<value>.so); the
+    # site pins EFA, so NCCL_NET makes a plugin that fails to load an error, not TCP
     ({}, "efa", True, PLUGIN, ("/opt/amazon/efa/lib",),
      {"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib",
-      "NCCL_NET_PLUGIN": "libnccl-net-ofi.so"}),
+      "NCCL_NET_PLUGIN": "ofi", "NCCL_NET": "AWS Libfabric"}),
     ({"LD_LIBRARY_PATH": "/usr/local/cuda/lib64:/opt/amazon/efa/lib"}, "efa", False, PLUGIN,
-     ("/opt/amazon/efa/lib",),
+     ("/opt/amazon/efa/lib",),  # auto: the plugin's path and name, NCCL_NET left alone
      {"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib:/usr/local/cuda/lib64:/opt/amazon/efa/lib",
-      "NCCL_NET_PLUGIN": "libnccl-net-ofi.so"}),
-    ({"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib", "NCCL_NET_PLUGIN": "ofi"}, "efa", True,
-     PLUGIN, (), {}),  # already right, and the user's plugin choice wins: no re-exec
+      "NCCL_NET_PLUGIN": "ofi"}),
+    ({}, "efa", True, LINK, (),  # libnccl-net.so is what NCCL opens when nothing is named
+     {"LD_LIBRARY_PATH": "/opt/amazon/aws-ofi-nccl/lib", "NCCL_NET": "AWS Libfabric"}),
+    ({"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib", "NCCL_NET_PLUGIN": "aws",
+      "NCCL_NET": "OFI"}, "efa", True, PLUGIN, (), {}),  # the user's choices win: no re-exec
 ])
 def test_exec_env_table(environ, fabric, pinned, plugin, libfabric, expected):
     assert exec_env.exec_env(environ, fabric, pinned, plugin, libfabric) == expected
@@ -70,6 +77,22 @@ def test_pinned_efa_without_plugin_is_an_error_naming_the_fix():
     with pytest.raises(UserError, match=r"ENN_NCCL_PROFILE=efa: no NCCL net plugin.*"
                                         r"install aws-ofi-nccl.*ENN_NCCL_PLUGIN_DIRS"):
         exec_env.exec_env({}, "efa", True, None)
+
+
+def test_auto_efa_without_plugin_says_where_it_looked(caplog, tmp_path):
+    """`auto` on a node showing EFA with no plugin runs over TCP: one warning line names
+    the directories searched and the variable that adds one."""
+    empty = str(tmp_path / "lib")
+    with caplog.at_level("WARNING", logger="enn_cluster.worker.exec_env"):
+        assert exec_env.exec_env({exec_env.PLUGIN_DIRS_VAR: empty}, "efa", False, None) == {}
+        assert exec_env.exec_env({}, "efa", False, None) == {}
+        assert exec_env.exec_env({}, "ib", False, None) == {}  # not EFA: nothing to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    assert lines[0].startswith("EFA detected (ENN_NCCL_PROFILE=auto) but no NCCL net plugin")
+    assert f"in {empty}:" in lines[0] and "TCP sockets" in lines[0]
+    assert ", ".join(exec_env.EFA_PLUGIN_DIRS) in lines[1]
+    assert all(exec_env.PLUGIN_DIRS_VAR in line for line in lines)
 
 
 def test_profile_decides_what_is_pinned(tmp_path):
@@ -141,7 +164,7 @@ def test_worker_holds_the_plugin_path_at_exec(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # the session this test started
         proc.communicate()
     assert environ["LD_LIBRARY_PATH"] == f"{plugin_dir}:/usr/lib/x"
-    assert environ["NCCL_NET_PLUGIN"] == "libnccl-net-ofi.so"
+    assert environ["NCCL_NET_PLUGIN"] == "ofi" and environ["NCCL_NET"] == "AWS Libfabric"
     assert environ[exec_env.READY_VAR] == "1" and environ["FI_PROVIDER"] == "efa"
 
 

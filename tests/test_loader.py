@@ -1,13 +1,16 @@
 """The prefetching loader returns exactly the batches a synchronous gather gives, in the
 trainer's row order (sampler.micro_batch_rows over epoch permutations), whatever was
-prefetched ahead, right or wrong. Real memmaps on disk, a real background thread."""
+prefetched ahead, right or wrong. Real memmaps on disk, a real background thread.
+On CUDA the rows are gathered into reused pinned buffers (HostBuffers): no GPU here, so
+the reuse rule and the gather into handed-out buffers are checked with plain tensors."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from enn_cluster.worker.loader import BatchLoader, gather_rows
+from enn_cluster.worker.loader import (BatchLoader, HostBuffers, fills_buffers, gather_rows,
+                                       take_rows)
 from enn_cluster.worker.sampler import (DataPosition, advance, epoch_permutation, micro_batch_rows)
 
 
@@ -81,3 +84,69 @@ def test_wrong_and_partial_prefetches_are_dropped(arrays):
         assert torch.equal(got[1], torch.from_numpy(np.asarray(x[c], np.float32)))
     finally:
         loader.close()
+
+
+class Allocations:
+    """torch.empty, remembering what it handed out (plain memory stands in for pinned)."""
+
+    def __init__(self) -> None:
+        self.made: list[torch.Tensor] = []
+
+    def __call__(self, shape, dtype) -> torch.Tensor:
+        self.made.append(torch.empty(shape, dtype=dtype))
+        return self.made[-1]
+
+
+def test_a_buffer_is_handed_out_again_only_after_its_copy_is_done():
+    made = Allocations()
+    buffers = HostBuffers(made)
+    first = buffers.take((4, 3), torch.float32)
+    copy_done = False
+    buffers.give_back(first, lambda: copy_done)
+    second = buffers.take((4, 3), torch.float32)  # the copy reading `first` still runs
+    assert second is not first and len(made.made) == 2
+    buffers.give_back(second, lambda: copy_done)
+    copy_done = True
+    assert buffers.take((4, 3), torch.float32) is first
+    assert buffers.take((4, 3), torch.float32) is second
+    assert buffers.take((4, 3), torch.float32) is made.made[2]  # none left: a new one
+    buffers.give_back(first, lambda: True)
+    assert buffers.take((4, 3), torch.float64) is not first  # other dtype, other shape
+    assert buffers.take((3, 4), torch.float32) is not first
+    assert buffers.take([4, 3], torch.float32) is first
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gather_into_reused_buffers_equals_todays_gather(arrays, scaled):
+    x, y = arrays
+    scaler = ({"mean": np.float32([0.5, -1.0]), "std": np.float32([2.0, 0.5])}
+              if scaled else None)
+    made = Allocations()
+    buffers = HostBuffers(made)
+    steps = _steps(900, 50, rank=0, dp=2, micro=16, accum=2, seed=3, steps=6)
+    for _, rows_list in steps:
+        for rows in rows_list:
+            xb, yb = gather_rows(x, y, rows, scaler, alloc=buffers.take)
+            rx, ry = _reference_batch(x, y, rows, scaler)
+            assert xb.dtype == rx.dtype and yb.dtype == ry.dtype
+            assert torch.equal(xb, rx) and torch.equal(yb, ry)
+            assert any(xb is t for t in made.made) and any(yb is t for t in made.made)
+            buffers.give_back(xb, lambda: True)
+            buffers.give_back(yb, lambda: True)
+    assert len(made.made) == 2  # one buffer for inputs, one for targets, reused throughout
+
+
+def test_take_rows_refuses_rows_outside_the_array():
+    src = np.arange(12, dtype=np.float64).reshape(6, 2)
+    out = np.empty((2, 2), np.float32)
+    take_rows(src, np.array([5, 0]), out)
+    assert np.array_equal(out, np.float32([[10, 11], [0, 1]]))
+    for rows in ([6, 0], [-1, 0]):  # numpy's 'clip' alone would quietly take rows 5 and 0
+        with pytest.raises(IndexError):
+            take_rows(src, np.array(rows), out)
+
+
+def test_only_a_gather_that_takes_alloc_gets_buffers(arrays):
+    x, y = arrays
+    assert fills_buffers(lambda rows, alloc=None: gather_rows(x, y, rows, None, alloc))
+    assert not fills_buffers(lambda rows: gather_rows(x, y, rows, None))

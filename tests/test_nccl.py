@@ -61,7 +61,6 @@ def test_infiniband_lists_mlx5_devices_in_natural_order(tmp_path, libfabric):
     env = nccl.nccl_env("auto", {}, found)
     assert env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1,mlx5_10"
     assert env["NCCL_IB_TIMEOUT"] == "22" and env["NCCL_IB_RETRY_CNT"] == "7"
-    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
     assert "FI_PROVIDER" not in env and "NCCL_IB_DISABLE" not in env
 
 
@@ -70,7 +69,24 @@ def test_socket_when_no_rdma(tmp_path, libfabric):
     assert nccl.detect_fabric(root, {}, libfabric) == "socket"
     env = nccl.nccl_env("auto", {}, nccl.scan_interfaces(root, libfabric))
     assert env["NCCL_IB_DISABLE"] == "1"
-    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth,virbr,br-"
+
+
+@pytest.mark.parametrize("profile", ["auto", "efa", "ib", "socket"])
+def test_no_profile_sets_the_socket_interface(tmp_path, libfabric, profile):
+    """control_net names one interface (site or route) before the profile; with neither,
+    NCCL's own choice (skips lo and docker*, prefers ib*) beats an exclusion list that
+    could land bootstrap on a storage or BMC NIC."""
+    root = make_sysfs(tmp_path / "sys", rdma=("mlx5_0",),
+                      net=("lo", "eth0", "eno2", "ib0", "docker0", "virbr0"))
+    found = nccl.scan_interfaces(root, libfabric)
+    assert "NCCL_SOCKET_IFNAME" not in nccl.nccl_env(profile, {}, found)
+    assert "NCCL_SOCKET_IFNAME" not in nccl.script_env(profile)
+    environ = {"ENN_NCCL_PROFILE": profile}
+    nccl.configure(environ, sysfs_root=root, libfabric_paths=libfabric)
+    assert "NCCL_SOCKET_IFNAME" not in environ
+    environ = {"NCCL_SOCKET_IFNAME": "=ib0"}  # control_net's choice is kept
+    nccl.configure(environ, profile, sysfs_root=root, libfabric_paths=libfabric)
+    assert environ["NCCL_SOCKET_IFNAME"] == "=ib0"
 
 
 def test_missing_sysfs_is_socket(tmp_path, no_libfabric):
@@ -90,7 +106,6 @@ def test_efa_profile_values():
     assert env["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert env["FI_EFA_SET_CUDA_SYNC_MEMOPS"] == "0"
     assert env["FI_EFA_USE_HUGE_PAGE"] == "0"
-    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
     assert "LD_LIBRARY_PATH" not in env  # set at exec by exec_env, inside the container
     for name, value in nccl.COMMON_ENV.items():
         assert env[name] == value

@@ -7,6 +7,8 @@ checked against tables. Sources for the Slurm behaviour they mirror:
 - Linux cpulist format: Documentation/admin-guide/cputopology.rst"""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from enn_cluster.worker import placement
@@ -98,3 +100,30 @@ def test_device_clashes(claims, expected):
 ])
 def test_visible_devices(environ, count, expected):
     assert placement.visible_devices(environ, count) == expected
+
+
+NUMA_SPLIT = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+
+
+@pytest.mark.parametrize("gpu_node,cpus,cpu_nodes", [
+    (1, [4, 5], None),  # bound near the GPU
+    (1, [0, 1], "0"),  # --cpu-bind put the rank on the other socket
+    (0, [2, 3, 4], "0,1"),  # straddles both: some copies cross the link
+    (-1, [0, 1], None), (None, [0, 1], None),  # GPU's node unknown, or no GPU
+    (0, [9], None),  # CPUs the layout does not list: nothing to compare
+])
+def test_numa_mismatch(gpu_node, cpus, cpu_nodes):
+    warning = placement.numa_mismatch(5, "cuda:1", gpu_node, cpus, NUMA_SPLIT)
+    if cpu_nodes is None:
+        assert warning is None
+    else:
+        assert f"rank 5 drives cuda:1 on NUMA node {gpu_node}" in warning
+        assert f"CPUs {placement.format_cpulist(cpus)} on NUMA node(s) {cpu_nodes};" in warning
+    assert placement.numa_mismatch(5, "cuda:1", 0, [0], {}) is None  # no layout at all
+
+
+def test_online_cpus_from_a_fake_sysfs(tmp_path):
+    (tmp_path / "devices/system/cpu").mkdir(parents=True)
+    (tmp_path / "devices/system/cpu/online").write_text("0-5,8\n")
+    assert placement.online_cpus(str(tmp_path)) == 7
+    assert placement.online_cpus(str(tmp_path / "none")) == (os.cpu_count() or 1)

@@ -22,11 +22,11 @@ PROFILE_VAR = "ENN_NCCL_PROFILE"  # the profile a job asks for (worker reads it)
 FABRIC_VAR = "ENN_FABRIC"  # overrides detection on a node (efa|ib|socket)
 
 DEFAULT_LIBFABRIC_PATHS = ("/opt/amazon/efa",)
-SOCKET_IFNAME_EXCLUDE = ("lo", "docker", "veth")
-# Virtual interfaces that must never carry NCCL's bootstrap; excluded when present.
-VIRTUAL_IF_PREFIXES = ("virbr", "br-", "cni", "flannel", "cali", "vxlan", "tailscale")
-# The exclusion list is the last resort: control_net names one interface (the site's or
-# the route to MASTER_ADDR) before the profile is applied, and set names are kept.
+# No profile sets NCCL_SOCKET_IFNAME: control_net names one interface (the site's, or the
+# route to MASTER_ADDR) before the profile is applied; with neither, NCCL chooses itself,
+# skipping lo and docker* and preferring ib*
+# (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname),
+# where an exclusion list bypasses that preference and can land on a storage or BMC NIC.
 
 COMMON_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down on a collective error, no hang
@@ -44,14 +44,17 @@ EFA_ENV = {
 IB_ENV = {"NCCL_IB_TIMEOUT": "22", "NCCL_IB_RETRY_CNT": "7"}
 SOCKET_ENV = {"NCCL_IB_DISABLE": "1"}
 
-# Documented range of every value a profile sets: (low, high) for integers, or the set of
-# accepted words. tests/test_nccl_ranges.py holds the table with its references.
+# Documented range of every closed-domain value we set: (low, high) for integers, or the
+# set of accepted words; `report` judges the job's effective values against it. Names,
+# paths and lists (interfaces, plugin, dump files) are not judged here.
+# tests/test_nccl_ranges.py holds the whole table with its references.
 RANGES: dict[str, object] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": (0, 3), "TORCH_NCCL_DUMP_ON_TIMEOUT": (0, 1),
-    "TORCH_FR_BUFFER_SIZE": (0, 2**31 - 1), "FI_PROVIDER": {"efa"},
-    "FI_EFA_USE_DEVICE_RDMA": (0, 1), "FI_EFA_SET_CUDA_SYNC_MEMOPS": (0, 1),
-    "FI_EFA_USE_HUGE_PAGE": (0, 1), "NCCL_IB_TIMEOUT": (1, 31), "NCCL_IB_RETRY_CNT": (0, 7),
-    "NCCL_IB_DISABLE": (0, 1),
+    "TORCH_FR_BUFFER_SIZE": (0, 2**31 - 1), "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": (1, 2**31 - 1),
+    "FI_PROVIDER": {"efa"}, "FI_EFA_USE_DEVICE_RDMA": (0, 1),
+    "FI_EFA_SET_CUDA_SYNC_MEMOPS": (0, 1), "FI_EFA_USE_HUGE_PAGE": (0, 1),
+    "NCCL_IB_TIMEOUT": (1, 31), "NCCL_IB_RETRY_CNT": (0, 7), "NCCL_IB_DISABLE": (0, 1),
+    "NCCL_DEBUG": {"VERSION", "WARN", "INFO", "TRACE"},
 }
 
 
@@ -64,7 +67,8 @@ def heartbeat_env(timeout_s: float) -> dict[str, str]:
 
 
 def out_of_range(values: Mapping[str, str]) -> list[str]:
-    """'NAME=value (range)' for each value outside its documented range."""
+    """'NAME=value (range)' for each value outside its documented range. Words compare
+    case-insensitively, as NCCL reads them (src/debug.cc: strcasecmp on NCCL_DEBUG)."""
     bad = []
     for name, value in values.items():
         allowed = RANGES.get(name)
@@ -72,7 +76,7 @@ def out_of_range(values: Mapping[str, str]) -> list[str]:
             ok = value.strip().isdigit() and allowed[0] <= int(value) <= allowed[1]
             if not ok:
                 bad.append(f"{name}={value} (expected {allowed[0]}..{allowed[1]})")
-        elif isinstance(allowed, set) and value not in allowed:
+        elif isinstance(allowed, set) and value.casefold() not in {w.casefold() for w in allowed}:
             bad.append(f"{name}={value} (expected {' or '.join(sorted(allowed))})")
     return bad
 
@@ -172,18 +176,8 @@ def check_profile(profile: str, field: str = "nccl_profile") -> str:
     return profile
 
 
-def _socket_ifname(interfaces: Optional[Interfaces]) -> str:
-    excluded = list(SOCKET_IFNAME_EXCLUDE)
-    for prefix in VIRTUAL_IF_PREFIXES:
-        if interfaces and any(n.startswith(prefix) for n in interfaces.net):
-            excluded.append(prefix)
-    # An exclusion list (not a name) holds on every node, though detection ran on one.
-    return "^" + ",".join(excluded)
-
-
 def _profile_values(fabric: str, interfaces: Optional[Interfaces]) -> dict[str, str]:
     values = dict(COMMON_ENV)
-    values["NCCL_SOCKET_IFNAME"] = _socket_ifname(interfaces)
     if fabric == "efa":
         values.update(EFA_ENV)
     elif fabric == "ib":
@@ -220,14 +214,11 @@ def script_env(profile: str) -> dict[str, str]:
         return {}
     if profile == "auto":
         return dict(COMMON_ENV)
-    # NCCL_SOCKET_IFNAME is the node's choice (control_net: the route to MASTER_ADDR)
-    return {k: v for k, v in nccl_env(profile, {}, Interfaces()).items()
-            if k != "NCCL_SOCKET_IFNAME"}
+    return nccl_env(profile, {}, Interfaces())
 
 
 FR_FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # new, old name
 REPORTED_PREFIXES = ("NCCL_", "FI_", "TORCH_NCCL_", "TORCH_FR_", "GLOO_SOCKET_IFNAME")
-NODE_SPECIFIC = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")  # decided per node, not by the profile
 
 
 def flight_recorder_env(log_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
@@ -245,8 +236,8 @@ def report(environ: Mapping[str, str], fabric: str) -> list[tuple[str, str]]:
     lines = [("info", f"NCCL environment ({fabric}): " +
               (" ".join(f"{k}={v}" for k, v in effective.items()) or "(none set)"))]
     profile = _profile_values(fabric, None) if fabric in FABRICS else {}
-    for name, wanted in profile.items():
-        if name not in NODE_SPECIFIC and environ.get(name, wanted) != wanted:
+    for name, wanted in profile.items():  # without interfaces: nothing node-specific
+        if environ.get(name, wanted) != wanted:
             lines.append(("warning", f"{name}={environ[name]} differs from the {fabric} "
                           f"profile's {wanted}: a value already set (the image's ENV, or the "
                           "job's) wins; unset it in the image or pass it with --container-env"))

@@ -4,7 +4,9 @@ Why: without GLOO_SOCKET_IFNAME gloo takes the address the hostname resolves to 
 where /etc/hosts maps it there, and Enroot mounts the host's file); an exclusion list in
 NCCL_SOCKET_IFNAME lets bootstrap land on a storage or BMC NIC that does not route between
 nodes. One choice, used for both: the site's (ENN_SOCKET_IFNAME), else the interface the
-kernel routes MASTER_ADDR through (/proc/net/route, longest prefix). Pure but `apply`.
+kernel routes MASTER_ADDR through (/proc/net/route, longest prefix). With neither, nothing
+is set and NCCL picks (it skips lo and docker*, prefers ib*). A job spanning machines whose
+choice is `lo` stops at once: its peers could never connect. Pure but `apply`.
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import ipaddress
 import os
 import socket
 from typing import Mapping, MutableMapping, Optional
+
+from enn_cluster.errors import UserError
+from enn_cluster.worker.environment import WorkerEnv
 
 SITE_VAR = "ENN_SOCKET_IFNAME"
 RTF_UP = 0x1  # route flags, include/uapi/linux/route.h
@@ -53,7 +58,8 @@ def control_env(environ: Mapping[str, str], routed: Optional[str]) -> dict[str, 
     """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME naming one interface, for the names the
     environment does not set yet. The choice, in order: ENN_SOCKET_IFNAME (site), the
     user's exact GLOO_SOCKET_IFNAME or '=name' NCCL_SOCKET_IFNAME (so both agree), the
-    interface routed to MASTER_ADDR (`routed`). Nothing when none of them names one."""
+    interface routed to MASTER_ADDR (`routed`). Nothing when none of them names one: NCCL's
+    own choice then beats an exclusion list (env.html#nccl-socket-ifname)."""
     nccl_user = environ.get("NCCL_SOCKET_IFNAME", "")
     choice = (environ.get(SITE_VAR) or environ.get("GLOO_SOCKET_IFNAME")
               or (nccl_user[1:] if nccl_user.startswith("=") else None) or routed)
@@ -63,9 +69,28 @@ def control_env(environ: Mapping[str, str], routed: Optional[str]) -> dict[str, 
     return {k: v for k, v in values.items() if k not in environ}
 
 
-def apply(environ: MutableMapping[str, str], route_path: str = "/proc/net/route") -> str:
+def machines(env: WorkerEnv) -> int:
+    """How many machines the world spans: the local launcher's nodes share this one."""
+    return 1 if env.launcher == "local" else env.num_nodes
+
+
+def loopback_error(interface: Optional[str], hosts: int, master: str,
+                   address: str) -> Optional[str]:
+    """The one-line error for a job spanning `hosts` machines whose control interface is
+    the loopback: peers on other machines cannot reach it. None when the choice is fine."""
+    if hosts <= 1 or not interface or "lo" not in interface.split(","):
+        return None
+    return (f"control plane: this {hosts}-node job would talk over the loopback interface lo "
+            f"(MASTER_ADDR {master} resolves to {address}, e.g. the hostname's 127.0.1.1 line "
+            f"in /etc/hosts); set the site's socket_ifname ({SITE_VAR}) to the interface that "
+            "reaches the other nodes, or map the hostname to that address in /etc/hosts")
+
+
+def apply(environ: MutableMapping[str, str], route_path: str = "/proc/net/route", *,
+          env: Optional[WorkerEnv] = None) -> str:
     """Set the control interface in `environ` (the worker, before any process group);
-    returns a log line saying what was chosen and why."""
+    returns a log line saying what was chosen and why. Given the worker's `env`, a
+    multi-machine job whose choice is `lo` is a UserError (exit 2)."""
     master = environ.get("MASTER_ADDR", "127.0.0.1")
     try:
         address = socket.gethostbyname(master)
@@ -74,6 +99,10 @@ def apply(environ: MutableMapping[str, str], route_path: str = "/proc/net/route"
     except (OSError, UnicodeDecodeError):
         address, routed = master, None
     environ.update(control_env(environ, routed))
+    error = loopback_error(environ.get("GLOO_SOCKET_IFNAME"), machines(env) if env else 1,
+                           master, address)
+    if error:
+        raise UserError(error)
     return (f"control plane: MASTER_ADDR {master} ({address}) routed via {routed or '?'}; "
             f"GLOO_SOCKET_IFNAME={environ.get('GLOO_SOCKET_IFNAME', '(unset)')} "
             f"NCCL_SOCKET_IFNAME={environ.get('NCCL_SOCKET_IFNAME', '(unset)')} "

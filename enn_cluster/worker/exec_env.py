@@ -5,11 +5,14 @@ net plugin never sees a change made inside the running process. Where an image k
 EFA plugin (aws-ofi-nccl) is only known inside the container, so the worker looks there
 and re-executes itself once, with the path set, before torch starts (ENN_EXEC_READY marks
 the second start). Where the site says EFA (profile `efa`), a missing plugin is an error,
-never a silent run over TCP sockets.
+and NCCL_NET makes one that fails to load an error in NCCL: never a silent run over TCP
+sockets. With `auto`, a node showing EFA but no plugin says so in one warning line.
 """
 from __future__ import annotations
 
+import logging
 import os
+import platform
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -21,19 +24,42 @@ READY_VAR = "ENN_EXEC_READY"
 PLUGIN_DIRS_VAR = "ENN_NCCL_PLUGIN_DIRS"  # colon-separated: where this image keeps the plugin
 # The EFA installer puts the plugin in /opt/amazon/ofi-nccl/lib; NGC-derived images (and
 # AWS's DLCs) in /opt/amazon/aws-ofi-nccl/lib; a source build's default prefix in the
-# AWS samples is /opt/aws-ofi-nccl/lib.
-EFA_PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/aws-ofi-nccl/lib",
+# AWS samples is /opt/aws-ofi-nccl/lib. Recent EFA installers use the Debian multiarch
+# subdirectory, /opt/amazon/ofi-nccl/lib/x86_64-linux-gnu (awslabs/awsome-distributed-ai#935;
+# aarch64-linux-gnu on Graviton/GB200), searched first.
+EFA_PLUGIN_DIRS = (f"/opt/amazon/ofi-nccl/lib/{platform.machine()}-linux-gnu",
+                   "/opt/amazon/ofi-nccl/lib", "/opt/amazon/aws-ofi-nccl/lib",
                    "/opt/aws-ofi-nccl/lib")
 LIBFABRIC_DIRS = ("/opt/amazon/efa/lib", "/opt/amazon/efa/lib64")
 # aws-ofi-nccl >= 1.7 installs libnccl-net-ofi.so (NCCL_NET_PLUGIN=ofi) and, in most
 # releases, a libnccl-net.so link (what NCCL loads when NCCL_NET_PLUGIN is unset).
 PLUGIN_LIBRARIES = ("libnccl-net-ofi.so", "libnccl-net-aws-ofi.so", "libnccl-net.so")
+DEFAULT_LIBRARY = "libnccl-net.so"
+# NCCL_NET_PLUGIN takes the suffix: older NCCL only opens libnccl-net-<value>.so (its docs:
+# "Suffix string of the plugin file name"; src/net.cc snprintf "libnccl-net-%s.so"), so a
+# file name becomes libnccl-net-libnccl-net-ofi.so.so: not found, internal net, TCP. Newer
+# NCCL tries the value as a file name first, then the same pattern
+# (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-net-plugin).
+# Either way a plugin that fails to load falls back to the internal IB/Socket net, silently.
+# NCCL_NET makes that an error ("Error: network ... not found", ncclInvalidUsage; env.html
+# #nccl-net, since 2.10). "AWS Libfabric" is the one name every aws-ofi-nccl answers to:
+# <= 1.11 registers it, later releases register "Libfabric" but take this name back when
+# NCCL_NET asks for it (aws/aws-ofi-nccl#530, src/nccl_ofi_interface_nvidia.c).
+EFA_NET = "AWS Libfabric"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Plugin:
     directory: str
-    library: str  # file name, what NCCL_NET_PLUGIN names
+    library: str  # file name: libnccl-net.so or libnccl-net-<suffix>.so
+
+    @property
+    def suffix(self) -> Optional[str]:
+        """What NCCL_NET_PLUGIN names; None for libnccl-net.so, NCCL's default name."""
+        if self.library == DEFAULT_LIBRARY:
+            return None
+        return self.library[len("libnccl-net-"):-len(".so")]
 
 
 def plugin_search_dirs(environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -61,23 +87,29 @@ def wanted_fabric(environ: Mapping[str, str], sysfs_root: str = "/sys") -> tuple
 
 def exec_env(environ: Mapping[str, str], fabric: str, pinned: bool, plugin: Optional[Plugin],
              libfabric_dirs: Sequence[str] = ()) -> dict[str, str]:
-    """The variables to change before exec (pure). EFA: the plugin's directory and the
-    libfabric directories go first in LD_LIBRARY_PATH (the user's entries kept, in order),
-    and NCCL_NET_PLUGIN names the library found unless the user set it."""
+    """The variables to change before exec (pure but for one warning). EFA: the plugin's
+    directory and the libfabric directories go first in LD_LIBRARY_PATH (the user's entries
+    kept, in order) and NCCL_NET_PLUGIN names the plugin found; where the site pins EFA,
+    NCCL_NET makes a plugin that fails to load an error. The user's values are kept."""
     if fabric != "efa":
         return {}
     if plugin is None:
+        missing = (f"no NCCL net plugin ({', '.join(PLUGIN_LIBRARIES)}) in "
+                   f"{', '.join(plugin_search_dirs(environ))}")
+        fix = (f"install aws-ofi-nccl in the image or name its lib directory in "
+               f"{PLUGIN_DIRS_VAR}")
         if pinned:
-            raise UserError(
-                f"{nccl.PROFILE_VAR}=efa: no NCCL net plugin ({', '.join(PLUGIN_LIBRARIES)}) "
-                f"in {', '.join(plugin_search_dirs(environ))}; install aws-ofi-nccl in the "
-                f"image or name its lib directory in {PLUGIN_DIRS_VAR}")
+            raise UserError(f"{nccl.PROFILE_VAR}=efa: {missing}; {fix}")
+        log.warning("EFA detected (%s=auto) but %s: NCCL will run over TCP sockets; %s",
+                    nccl.PROFILE_VAR, missing, fix)
         return {}
     parts = [p for p in environ.get("LD_LIBRARY_PATH", "").split(":") if p]
     front = [d for d in (plugin.directory, *libfabric_dirs) if d not in parts]
     out = {"LD_LIBRARY_PATH": ":".join(front + parts)} if front else {}
-    if "NCCL_NET_PLUGIN" not in environ:
-        out["NCCL_NET_PLUGIN"] = plugin.library
+    if "NCCL_NET_PLUGIN" not in environ and plugin.suffix:
+        out["NCCL_NET_PLUGIN"] = plugin.suffix
+    if pinned and "NCCL_NET" not in environ:
+        out["NCCL_NET"] = EFA_NET
     return out
 
 

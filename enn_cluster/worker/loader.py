@@ -11,6 +11,8 @@ them, so the batches are exactly those of a synchronous gather.
 from __future__ import annotations
 
 import collections
+import inspect
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -22,15 +24,82 @@ from enn_cluster.worker.placement import use_device
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def gather_rows(x, y, rows: np.ndarray, scaler: Optional[dict]) -> Batch:
-    """The host tensors of one batch: float32 inputs, targets normalised when a scaler is
-    given (training runs on normalised targets; prediction undoes it)."""
-    rows = np.asarray(rows)
-    xb = torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32))
+Alloc = Callable[[tuple, torch.dtype], torch.Tensor]  # (shape, dtype) -> host tensor
+
+
+def take_rows(src, rows: np.ndarray, out: np.ndarray) -> None:
+    """`src[rows]` written into `out` (cast to its dtype). The rows are checked here so that
+    numpy's 'clip' mode, which unlike 'raise' needs no temporary copy, never clips."""
+    if rows.size and (rows.min() < 0 or rows.max() >= len(src)):
+        raise IndexError(f"rows {rows.min()}..{rows.max()} outside 0..{len(src) - 1}")
+    np.take(src, rows, axis=0, out=out, mode="clip")
+
+
+def _targets(y, rows: np.ndarray, scaler: Optional[dict]) -> np.ndarray:
     yb = np.asarray(y[rows])
     if scaler is not None:
         yb = (yb.astype(np.float32) - scaler["mean"]) / scaler["std"]
-    return xb, torch.from_numpy(np.ascontiguousarray(yb))
+    return np.ascontiguousarray(yb)
+
+
+def gather_rows(x, y, rows: np.ndarray, scaler: Optional[dict],
+                alloc: Optional[Alloc] = None) -> Batch:
+    """The host tensors of one batch: float32 inputs, targets normalised when a scaler is
+    given (training runs on normalised targets; prediction undoes it). With `alloc` (the
+    loader's pinned buffers on CUDA) the inputs are gathered straight into the tensors it
+    hands out, and the targets (a few columns) copied there, so nothing is pinned again."""
+    rows = np.asarray(rows)
+    yb = _targets(y, rows, scaler)
+    if alloc is None:
+        return torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32)), \
+            torch.from_numpy(yb)
+    xt = alloc((len(rows), *x.shape[1:]), torch.float32)
+    take_rows(x, rows, xt.numpy())
+    yt = alloc(yb.shape, torch.from_numpy(yb).dtype)
+    yt.numpy()[...] = yb
+    return xt, yt
+
+
+class HostBuffers:
+    """Reusable host buffers, keyed by shape and dtype.
+
+    Why: pinning a fresh batch costs a page-locked allocation and a second copy. A buffer
+    comes back with a `done` predicate (on CUDA: the query of the event recorded after the
+    copy that reads it) and is handed out again only once that says the copy finished, so
+    a batch still on its way to the device is never overwritten. Used from the loader
+    thread and, for a batch not prefetched, from the training thread.
+    """
+
+    def __init__(self, alloc: Alloc) -> None:
+        self._alloc = alloc
+        self._lock = threading.Lock()
+        self._returned: dict[tuple, list[tuple[torch.Tensor, Callable[[], bool]]]] = {}
+
+    def take(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            queue = self._returned.get((tuple(shape), dtype), [])
+            for i, (_, done) in enumerate(queue):
+                if done():
+                    return queue.pop(i)[0]
+        return self._alloc(tuple(shape), dtype)
+
+    def give_back(self, buffer: torch.Tensor, done: Callable[[], bool]) -> None:
+        with self._lock:
+            key = (tuple(buffer.shape), buffer.dtype)
+            self._returned.setdefault(key, []).append((buffer, done))
+
+
+def _pinned(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def fills_buffers(gather: Callable) -> bool:
+    """Whether `gather` takes an `alloc` keyword (gather_rows' contract), so the loader can
+    hand it pinned buffers; a plain `gather(rows)` keeps the copy-then-pin path."""
+    try:
+        return "alloc" in inspect.signature(gather).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class _Staged:
@@ -57,23 +126,34 @@ class BatchLoader:
     was guessed ahead. `prefetch=False` gathers synchronously (the bench's baseline).
     """
 
-    def __init__(self, gather: Callable[[np.ndarray], Batch], device: torch.device,
+    def __init__(self, gather: Callable[..., Batch], device: torch.device,
                  prefetch: bool = True) -> None:
         self.gather, self.device = gather, device
         self.cuda = device.type == "cuda"
         self._pool = (ThreadPoolExecutor(1, "enn-loader", initializer=use_device,
                                          initargs=(device,)) if prefetch else None)
         self._stream = torch.cuda.Stream(device) if (self.cuda and prefetch) else None
+        self._buffers = (HostBuffers(_pinned) if self._stream is not None
+                         and fills_buffers(gather) else None)
         self._pending: collections.deque[tuple[np.ndarray, Future]] = collections.deque()
 
     def _stage(self, rows: np.ndarray) -> _Staged:
+        if self._buffers is not None:  # gathered into pinned buffers, reused after the copy
+            xb, yb = self.gather(rows, alloc=self._buffers.take)
+            staged = self._copy(xb, yb)
+            self._buffers.give_back(xb, staged.event.query)
+            self._buffers.give_back(yb, staged.event.query)
+            return staged
         xb, yb = self.gather(rows)
         if not self.cuda:
             return _Staged(xb, yb)
         if self._stream is None:  # synchronous: the current stream copies
             return _Staged(xb.to(self.device, non_blocking=True),
                            yb.to(self.device, non_blocking=True))
-        xb, yb = xb.pin_memory(), yb.pin_memory()
+        return self._copy(xb.pin_memory(), yb.pin_memory())
+
+    def _copy(self, xb: torch.Tensor, yb: torch.Tensor) -> _Staged:
+        """Start the pinned host tensors' copies on the side stream; the event marks their end."""
         with torch.cuda.stream(self._stream):
             xd = xb.to(self.device, non_blocking=True)
             yd = yb.to(self.device, non_blocking=True)

@@ -8,9 +8,12 @@ applies them once and logs one line per rank saying what it got.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
+
+log = logging.getLogger(__name__)
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -61,6 +64,14 @@ def numa_cpus(sysfs_root: str = "/sys") -> dict[int, list[int]]:
     return out
 
 
+def online_cpus(sysfs_root: str = "/sys") -> int:
+    """CPUs the node has online (/sys/devices/system/cpu/online), else os.cpu_count()."""
+    try:
+        return len(parse_cpulist((Path(sysfs_root) / "devices/system/cpu/online").read_text()))
+    except (OSError, ValueError):
+        return os.cpu_count() or 1
+
+
 def pci_numa_node(bus_id: str, sysfs_root: str = "/sys") -> int:
     """NUMA node of a PCI device ('0000:1b:00.0'); -1 when unknown (as the kernel says)."""
     try:
@@ -81,6 +92,21 @@ def cpu_plan(local_rank: int, rank_numa: Sequence[int], numa: Mapping[int, Seque
     share = max(len(pool) // len(peers), 1)
     k = peers.index(local_rank) % len(pool)
     return list(pool[k * share:(k + 1) * share])
+
+
+def numa_mismatch(rank: int, device: str, gpu_node: Optional[int], cpus: Sequence[int],
+                  numa: Mapping[int, Sequence[int]]) -> Optional[str]:
+    """The warning to log when a launcher bound a rank to CPUs outside its GPU's NUMA node
+    (every host-to-device copy then crosses the socket link); None when they agree or
+    either side is unknown."""
+    mine = set(cpus)
+    nodes = sorted(n for n, node_cpus in numa.items() if mine & set(node_cpus))
+    if gpu_node is None or gpu_node < 0 or not nodes or nodes == [gpu_node]:
+        return None
+    return (f"placement: rank {rank} drives {device} on NUMA node {gpu_node}, but the launcher "
+            f"bound it to CPUs {format_cpulist(cpus)} on NUMA node(s) "
+            f"{','.join(map(str, nodes))}; bind CPUs near the GPU (srun --gpu-bind=closest "
+            "with --cpu-bind) or leave the task unbound and the worker places it")
 
 
 def visible_devices(environ: Mapping[str, str], device_count: int) -> list[str]:
@@ -150,21 +176,29 @@ def cuda_bus_ids() -> list[str]:
     return out
 
 
-def place_task(env, device) -> str:
+def place_task(env, device, sysfs_root: str = "/sys",
+               bus_ids: Optional[Sequence[str]] = None) -> str:
     """Bind this task's CPUs near its GPU when no launcher bound it, size torch's threads
-    to what it got, and return the log line saying so (one per rank)."""
+    to what it got, and return the log line saying so (one per rank); warn when a
+    launcher's binding sits on another NUMA node than the GPU. `bus_ids` (the visible
+    GPUs' PCI addresses) default to what CUDA reports."""
     import torch
 
-    cpus, online = affinity(), os.cpu_count() or 1
+    cpus, online = affinity(), online_cpus(sysfs_root)
     source = "launcher" if len(cpus) < online else "none"
-    bus = cuda_bus_ids() if device.type == "cuda" else []
-    node = pci_numa_node(bus[device.index]) if bus else None
-    lw = env.local_world_size
+    bus = list(bus_ids) if bus_ids is not None else \
+        (cuda_bus_ids() if device.type == "cuda" else [])
+    node = pci_numa_node(bus[device.index], sysfs_root) if bus else None
+    lw, numa = env.local_world_size, numa_cpus(sysfs_root)
     if source == "none" and bus and len(bus) >= lw:
-        rank_numa = [pci_numa_node(bus[choose_device(r, lw, len(bus))]) for r in range(lw)]
-        cpus = cpu_plan(env.local_rank, rank_numa, numa_cpus(), cpus)
+        rank_numa = [pci_numa_node(bus[choose_device(r, lw, len(bus))], sysfs_root)
+                     for r in range(lw)]
+        cpus = cpu_plan(env.local_rank, rank_numa, numa, cpus)
         os.sched_setaffinity(0, cpus)
         source = "plan"
+    elif source == "launcher" and (warning := numa_mismatch(env.rank, str(device), node,
+                                                             cpus, numa)):
+        log.warning(warning)
     threads = task_cpus(os.environ, len(cpus), online, lw)
     if source != "plan" and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         threads = max(int(os.environ["OMP_NUM_THREADS"]), 1)  # the user's, or the launcher's

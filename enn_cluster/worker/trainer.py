@@ -103,8 +103,9 @@ class Trainer:
         self.staging_wait_s = 0.0  # time optimizer steps waited for an async save's copy
         self.nonfinite = NonFiniteWatch(self.sm.model, dev, self.sm.plan.replicate,
                                         cfg.logging.every_steps)
-        self.loader = BatchLoader(lambda rows: gather_rows(self.x, self.y, rows, self.scaler),
-                                  lanes.device)
+        self.loader = BatchLoader(
+            lambda rows, alloc=None: gather_rows(self.x, self.y, rows, self.scaler, alloc),
+            lanes.device)
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
                                   sink=worker_sink(cfg, run, lanes.rank))
         self.profiler = StepProfiler(cfg.profiling.window, run.path, lanes.rank, lanes.device)

@@ -1,0 +1,95 @@
+"""placement.place_task run for real, in a fresh process per case: it binds the process's
+CPUs (os.sched_getaffinity read back in that process) near the rank's GPU when nothing
+bound the task, leaves a launcher's binding alone (with a warning when it sits on another
+NUMA node than the GPU) and returns the one line the worker logs. The node's layout comes
+from a fake sysfs (two NUMA nodes, one CPU of this machine each, one GPU on each); the GPUs'
+PCI addresses are passed in, since there is no GPU here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+CHILD = r"""
+import json, logging, os, sys
+import torch
+from enn_cluster.worker.environment import WorkerEnv
+from enn_cluster.worker.placement import place_task
+
+sysfs, bind, local_rank, bus = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+if bind:  # as srun --cpu-bind does, before the program starts
+    os.sched_setaffinity(0, [int(c) for c in bind.split(",")])
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append([r.levelname, r.getMessage()])
+logging.getLogger().addHandler(handler)
+logging.getLogger().setLevel(logging.DEBUG)
+env = WorkerEnv(launcher="slurm", rank=2 + local_rank, local_rank=local_rank, world_size=4,
+                local_world_size=2, node_rank=1, num_nodes=2, master_addr="n1",
+                master_port=29500)
+line = place_task(env, torch.device("cuda", local_rank), sysfs_root=sysfs, bus_ids=bus)
+print(json.dumps({"line": line, "logged": records, "threads": torch.get_num_threads(),
+                  "affinity": sorted(os.sched_getaffinity(0))}))
+"""
+BUS = ["0000:1b:00.0", "0000:9c:00.0"]  # GPU 0 on NUMA node 0, GPU 1 on node 1
+
+
+def _fake_sysfs(root, cpus):
+    """Node 0 holds cpus[0], node 1 cpus[1]; the GPUs of BUS sit on nodes 0 and 1."""
+    for node, cpu in enumerate(cpus[:2]):
+        (root / f"devices/system/node/node{node}").mkdir(parents=True)
+        (root / f"devices/system/node/node{node}/cpulist").write_text(f"{cpu}\n")
+    (root / "devices/system/cpu").mkdir(parents=True)
+    (root / "devices/system/cpu/online").write_text(",".join(map(str, cpus)) + "\n")
+    for node, bus in enumerate(BUS):
+        (root / "bus/pci/devices" / bus).mkdir(parents=True)
+        (root / "bus/pci/devices" / bus / "numa_node").write_text(f"{node}\n")
+    return root
+
+
+def _place(sysfs, bind, local_rank) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
+    res = subprocess.run([sys.executable, "-c", CHILD, str(sysfs),
+                          ",".join(map(str, bind)), str(local_rank), *BUS],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=dict(env, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+@pytest.fixture
+def cpus():
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two CPUs to tell a placement from none")
+    return mine
+
+
+def test_unbound_task_is_bound_near_its_gpu(tmp_path, cpus):
+    got = _place(_fake_sysfs(tmp_path, cpus), [], local_rank=1)
+    assert got["affinity"] == [cpus[1]]  # GPU 1 is on node 1
+    assert got["threads"] == 1
+    assert got["logged"] == []  # the line below is the rank's only line, logged by the worker
+    assert got["line"] == (f"placement: rank 3 local 1 gpu cuda:1 of [0,1] ({BUS[1]}) numa 1 "
+                           f"cpus {cpus[1]} (1) threads 1 bound-by plan")
+
+
+def test_launcher_binding_near_the_gpu_is_kept_quietly(tmp_path, cpus):
+    got = _place(_fake_sysfs(tmp_path, cpus), [cpus[0]], local_rank=0)
+    assert got["affinity"] == [cpus[0]] and got["logged"] == []
+    assert got["line"].endswith(f"numa 0 cpus {cpus[0]} (1) threads 1 bound-by launcher")
+
+
+def test_launcher_binding_on_another_numa_node_is_kept_with_a_warning(tmp_path, cpus):
+    got = _place(_fake_sysfs(tmp_path, cpus), [cpus[0]], local_rank=1)
+    assert got["affinity"] == [cpus[0]]
+    assert got["line"].endswith(f"numa 1 cpus {cpus[0]} (1) threads 1 bound-by launcher")
+    (level, message), = got["logged"]
+    assert level == "WARNING"
+    assert "cuda:1 on NUMA node 1" in message and "on NUMA node(s) 0" in message
