@@ -115,3 +115,33 @@ def test_api_works_from_a_plain_script_without_a_main_guard(tmp_path, how):
                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("RESULT") == 1 and "RESULT 4 (40, 1)" in res.stdout, res.stdout
+
+
+def test_api_works_from_a_notebook_kernel(tmp_path):
+    """The same script as a notebook cell, in a real Jupyter kernel (ipykernel over ZeroMQ,
+    as Jupyter and VS Code run it): `__main__` is the kernel's, with no file to re-run."""
+    import os
+    import sys
+
+    from jupyter_client.manager import KernelManager
+
+    from helpers import ROOT
+
+    cell = f"RUN_DIR = {str(tmp_path / 'runs' / 'notebook')!r}\n" + PLAIN_SCRIPT
+    km = KernelManager(kernel_name="python3")
+    km.kernel_cmd = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    km.start_kernel(cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    client = km.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        out: list[str] = []
+        reply = client.execute_interactive(
+            cell, timeout=300, output_hook=lambda msg: out.append(
+                msg["content"].get("text", "") + "".join(msg["content"].get("traceback", []))))
+        text = "".join(out)
+        assert reply["content"]["status"] == "ok", text[-3000:]
+        assert text.count("RESULT") == 1 and "RESULT 4 (40, 1)" in text, text[-3000:]
+    finally:
+        client.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -137,10 +137,23 @@ def _sbatch_template(cluster, template: str, env: dict, *flags: str) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
+def _assert_worker_recorded(run, job: str, task: str) -> None:
+    """Rank 0 of `job` (its pid, as its own log names it) took the run lock, recorded the
+    job once in jobs.jsonl, and released the lock when it ended."""
+    (record,) = [j for j in run.jobs() if str(j.get("job_id")) == job]
+    assert (record["kind"], record["task"], record["world_size"], record["nodes"]) == \
+        ("slurm", task, 4, 2), record
+    rank0 = (run.logs / f"slurm-{job}-r0" / "rank-0.log").read_text()
+    assert "worker rank 0/4 " in rank0 and f" pid {record['pid']} " in rank0, rank0[:500]
+    assert not run.lock_path.exists()
+
+
 def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, test_image,
                                                                 tmp_path):
     """slurm/*.sbatch with ENN_* variables, as an admin submits them, on a run (and a staged
-    prediction) made the way `enn-submit train` / `predict` make them before submitting."""
+    prediction) made the way `enn-submit train` / `predict` make them before submitting.
+    No launcher of ours holds the run lock there: rank 0 takes it, records the job in
+    jobs.jsonl (so status and cancel know it) and releases it at the end."""
     from enn_cluster.config.run_config import load_config
     from enn_cluster.client.prepare import prepare_run, shape_from_flags
     from enn_cluster.client.prediction_request import prepare_prediction
@@ -152,10 +165,12 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
     shape = ("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--time=10", "--mem=1G",
              "--exclusive=user", f"--output={tmp_path}/%x-%j.out")
     env = {"ENN_RUN_DIR": str(run.path), "ENN_IMAGE": str(test_image), "ENN_MAX_RESTARTS": "0"}
+    assert run.jobs() == [] and not run.lock_path.exists()
     job = _sbatch_template(cluster, "train.sbatch", env, *shape)
     cluster.wait_job(job, ("COMPLETED",), timeout=240)
     assert _started_in_container(cluster, job)
     assert metrics(run.path, "train")[-1]["step"] == 14
+    _assert_worker_recorded(run, job, "train")
     status = cli("status", run.path)  # issue 15 item 8: the job came from a template
     assert f"slurm job:       {job} COMPLETED" in status.stdout, status.stdout
     np.save(tmp_path / "x.npy", np.ones((30, 8), np.float32))
@@ -164,6 +179,7 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
     if cluster.wait_job(job, ("COMPLETED", "FAILED"), timeout=240) == "FAILED":
         _xfail_if_py3112_metadata(run.path, "predict from a checkpoint written in the container")
     assert cluster.job_state(job)[0] == "COMPLETED"
+    _assert_worker_recorded(run, job, "predict")
     got = cli("collect", run.path, "--name", "hand", "--out", tmp_path / "hand.npy")
     assert got.returncode == 0, got.stderr
     assert np.load(tmp_path / "hand.npy").shape[0] == 30

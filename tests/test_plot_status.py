@@ -63,7 +63,8 @@ def test_wait_describes_state_and_reason_and_knows_jobs_that_never_start():
 
 
 def test_status_knows_slurm_jobs_that_only_left_worker_logs():
-    """Issue 15 item 8: a job from slurm/*.sbatch records nothing in jobs.jsonl."""
+    """Issue 15 item 8: a hand-submitted job that ended before its rank 0 took the run lock
+    (and so recorded itself in jobs.jsonl) is known only by its log folders."""
     from enn_cluster.client.status import with_unrecorded_slurm_jobs
 
     recorded = [{"kind": "slurm", "job_id": "5", "time": 10.0}]

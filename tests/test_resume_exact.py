@@ -144,4 +144,7 @@ def test_out_of_memory_at_micro_batch_1_stops_with_the_figures(tmp_path):
     assert res.returncode == 2, res.stderr[-3000:]
     assert "out of memory at step 2 on rank 0 with micro-batch 1 (memory: device cpu, " \
         "peak_rss_mb" in res.stderr and "nothing left to halve" in res.stderr, res.stderr
-    assert len(metrics(tmp_path / "runs" / "floor", "start")) == 1  # exit 2: never retried
+    run = tmp_path / "runs" / "floor"
+    assert len(metrics(run, "start")) == 1  # exit 2: never retried
+    attempts = sorted(p.name for p in (run / "logs").iterdir() if p.is_dir())
+    assert len(attempts) == 1 and attempts[0].endswith("-r0"), attempts  # not even started

@@ -104,3 +104,37 @@ def test_target_scaler_keeps_a_small_spread_around_a_large_mean(tmp_path):
     scaler = stage_run_data(data, ModelConfig(), tmp_path / "staged")["target_scaler"]
     assert scaler["mean"][0] == pytest.approx(y.mean(), rel=1e-12)
     assert scaler["std"][0] == pytest.approx(y.std(), rel=1e-6)
+
+
+def test_each_step_reads_the_same_rows_in_the_same_order_at_every_world_size():
+    """Resume at another world size is exact only if step k reads the same rows: the
+    trainer's micro-batches, taken in (accumulation, rank) order, are perm[k*G:(k+1)*G]
+    of the staged train rows, whatever micro-batch x accumulation plan_batch picks."""
+    from types import SimpleNamespace
+
+    from enn_cluster.config.run_config import TrainingConfig
+    from enn_cluster.config.schedule import plan_batch
+    from enn_cluster.worker.trainer import Trainer
+
+    n, gb, first_row, seed = 100, 24, 10, 3  # 4 steps an epoch, a ragged tail of 4 dropped
+    t = TrainingConfig(per_device_train_batch_size=4, global_batch_size=gb)
+    plans = {dp: plan_batch(t, dp) for dp in (1, 2, 4)}
+    assert {(p.micro_batch, p.accumulation) for p in plans.values()} == {(4, 6), (4, 3), (3, 2)}
+    per_world = {}
+    for dp, plan in plans.items():
+        steps, pos = [], DataPosition()
+        for _ in range(10):  # across two epoch boundaries
+            perm = epoch_permutation(n, seed, pos.epoch)
+            ranks = [Trainer._step_rows(SimpleNamespace(batch=plan, lanes=SimpleNamespace(rank=r),
+                                                        rows=[first_row, first_row + n]), perm, pos)
+                     for r in range(dp)]
+            assert all(len(m) == plan.micro_batch for rows in ranks for m in rows)
+            step = np.concatenate([ranks[r][k] for k in range(plan.accumulation) for r in range(dp)])
+            assert np.array_equal(step, perm[pos.consumed:pos.consumed + gb] + first_row), dp
+            steps.append((pos.epoch, step))
+            pos = advance(pos, n, gb)
+        per_world[dp] = steps
+    assert [e for e, _ in per_world[1]] == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+    for dp in (2, 4):
+        for (e1, rows1), (e2, rows2) in zip(per_world[1], per_world[dp]):
+            assert e1 == e2 and np.array_equal(rows1, rows2), dp

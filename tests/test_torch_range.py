@@ -5,7 +5,10 @@ under the floor torch itself."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -164,7 +167,7 @@ def test_the_image_base_ships_a_torch_inside_the_range_and_the_build_checks_it()
     install = next(i for i in runs if "pip install" in i)
     assert install.index("torch_floor_check") < install.index("pip install")
     assert "cmp -s - /tmp/torch-before" in install  # pip must not have replaced torch
-    assert runs[-1].endswith('python3 -c "import enn_cluster.worker"')  # nothing can mask it
+    assert runs[-1].endswith("python3 -m enn_cluster.worker.import_check")  # nothing can mask it
     assert runs.index(install) < len(runs) - 1
 
 
@@ -184,3 +187,27 @@ def test_the_image_floor_check_refuses_an_older_torch(tmp_path, version, ok):
     assert (done.returncode == 0) == ok, done.stderr
     if not ok:
         assert f"below the floor {_floor()}" in done.stderr
+
+
+def test_the_import_check_imports_every_worker_module_and_names_a_broken_one(tmp_path):
+    """The image build's last step: passes here; a worker module whose dependency is missing
+    (a copy of the package with one such module) fails it, naming the module."""
+    import shutil
+
+    ok = subprocess.run([sys.executable, "-m", "enn_cluster.worker.import_check"],
+                        capture_output=True, text=True, cwd=tmp_path,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert ok.returncode == 0, ok.stderr
+    from enn_cluster.worker.import_check import worker_modules
+
+    count = len(worker_modules())
+    assert count >= 20 and f"{count} worker modules import" in ok.stdout
+    copy = tmp_path / "src"
+    shutil.copytree(ROOT / "enn_cluster", copy / "enn_cluster",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "enn_cluster" / "worker" / "zz_needs.py").write_text("import enn_missing_dependency\n")
+    bad = subprocess.run([sys.executable, "-m", "enn_cluster.worker.import_check"],
+                         capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(copy)})
+    assert bad.returncode == 1
+    assert "enn_cluster.worker.zz_needs cannot be imported" in bad.stderr, bad.stderr

@@ -41,10 +41,22 @@ def test_rank_death_restart_resumes_to_identical_parameters(baseline, tmp_path):
     assert (run / "faults" / "fired-step-13").exists()
     resumes = metrics(run, "resume")
     assert [r["step"] for r in resumes] == [8]
+    attempts = sorted(p.name for p in (run / "logs").iterdir() if p.is_dir())
+    assert [a.rsplit("-", 1)[1] for a in attempts] == ["r0", "r1"], attempts  # one log each
     ours, theirs = full_params(run / "checkpoints" / "step-42"), full_params(baseline / "checkpoints" / "step-42")
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert (ours[key] == theirs[key]).all(), key
+
+
+def test_which_exits_the_local_launcher_restarts():
+    """Failures are restarted; success, a stop with a checkpoint, bad input (2, whichever rank
+    refused while the agent stopped the others) and a signal to the launcher are not."""
+    from enn_cluster.client.launch_local import failure_code, retried
+
+    assert [c for c in (0, 1, 2, 75, 134, 137, 143) if retried(c)] == [1]
+    assert failure_code([-15, 2, -15]) == 2 and failure_code([-9, -15]) == 1
+    assert failure_code([1, 2]) == 2 and failure_code([7]) == 7 and failure_code([]) == 1
 
 
 def test_rank_death_without_restarts_fails_fast(tmp_path):

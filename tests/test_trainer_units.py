@@ -79,21 +79,29 @@ def counting(name):
     def wrapper(self, *a, **k):
         caller = inspect.currentframe().f_back.f_code.co_filename
         if not caller.endswith("lanes.py"):  # the control lane's host tensors are no sync
-            conversions.append(name)
+            conversions.append(f"{name} {os.path.basename(caller)}")
         return original(self, *a, **k)
     setattr(torch.Tensor, name, wrapper)
-for name in ("item", "__float__", "__int__", "__bool__", "tolist"):
+for name in ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"):
     counting(name)
 
-per_step = []
+# A step's window runs from its train_step to the next one's: the loop's own body counts.
+starts, log_steps = [], []
 original_step = tr.Trainer.train_step
 def train_step(self, perm, flags=(), log_step=True):
-    before = len(conversions)
-    out = original_step(self, perm, flags, log_step)
-    per_step.append((log_step, len(conversions) - before))
-    return out
+    starts.append(len(conversions))
+    log_steps.append(log_step)
+    return original_step(self, perm, flags, log_step)
 tr.Trainer.train_step = train_step
+original_save = tr.Trainer.save
+def save(self, async_save):  # a checkpoint's copies to the host are the save's, not the step's
+    before = len(conversions)
+    original_save(self, async_save)
+    del conversions[before:]
+tr.Trainer.save = save
 code = run_task(sys.argv[1])
+ends = starts[1:] + [len(conversions)]
+per_step = [(log, conversions[a:b]) for log, a, b in zip(log_steps, starts, ends)]
 print(json.dumps({"code": code, "per_step": per_step}), flush=True)
 os._exit(0)  # as the worker leaves (worker.exit_now): no finalisation race with gloo threads
 """
@@ -101,7 +109,8 @@ os._exit(0)  # as the worker leaves (worker.exit_now): no finalisation race with
 
 def test_no_device_to_host_read_in_steps_that_do_not_log(tmp_path):
     """Loss, gradient norm and the non-finite decision stay on the device between log
-    steps: a step that does not log converts no tensor to a Python value."""
+    steps: a step that does not log converts no tensor to a Python value or a host copy,
+    neither in train_step nor in the loop around it (checkpoint saves aside)."""
     import json
     import os
     import subprocess
@@ -119,8 +128,8 @@ def test_no_device_to_host_read_in_steps_that_do_not_log(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["code"] == 0 and len(out["per_step"]) == 10
-    quiet = [n for log_step, n in out["per_step"] if not log_step]
-    loud = [n for log_step, n in out["per_step"] if log_step]
+    quiet = [len(c) for log_step, c in out["per_step"] if not log_step]
+    loud = [len(c) for log_step, c in out["per_step"] if log_step]
     assert quiet == [0] * 8, out["per_step"]
     assert len(loud) == 2 and all(0 < n <= 4 for n in loud), out["per_step"]
 

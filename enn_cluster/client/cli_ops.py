@@ -17,6 +17,7 @@ from enn_cluster.client.launching import (
 )
 from enn_cluster.cluster.submit_slurm import SlurmRequest
 from enn_cluster.errors import UserError
+from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.rundir import RunDir, read_lock
 
 
@@ -92,10 +93,11 @@ def cmd_render(args) -> int:
 
 
 def _latest_log_dir(run: RunDir) -> Path:
-    dirs = [d for d in run.logs.iterdir() if d.is_dir()] if run.logs.exists() else []
+    """The newest attempt (storage.attempts: by launch, then restart count)."""
+    dirs = attempt_dirs(run)
     if not dirs:
         raise UserError(f"{run.path}: no logs yet")
-    return max(dirs, key=lambda d: d.stat().st_mtime)
+    return dirs[-1]
 
 
 def cmd_logs(args) -> int:

@@ -20,6 +20,7 @@ from typing import Optional
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
+from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
 from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.rundir import RunDir
@@ -152,8 +153,7 @@ def _attempt_findings(log_dir: Path, newest: bool, live: bool) -> tuple[str, lis
 
 
 def check_logs(run: RunDir, live: bool, q: str) -> Finding:
-    dirs = sorted((d for d in run.logs.iterdir() if d.is_dir()),
-                  key=lambda d: d.stat().st_mtime) if run.logs.is_dir() else []
+    dirs = attempt_dirs(run)
     if not dirs:
         return Finding("logs", "warning", "no worker logs: the run never started",
                        f"enn-submit status {q}")
@@ -218,7 +218,7 @@ def diagnose(path: Path) -> list[Finding]:
     if not run.config_path.is_file():
         raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     cfg, q = run.load_config(), shlex.quote(str(run.path))
-    attempt, reports = backend_report.newest_reports(run.logs)
+    attempt, reports = backend_report.newest_reports(attempt_dirs(run))
     data, manifest = check_data(run, q)
     model_finding, model, shape = check_model(run, cfg, manifest)
     return [data, model_finding, check_kernels(reports, attempt, q),

@@ -1,8 +1,10 @@
 """The embedded default: N local worker processes under torch's elastic launcher.
 
 torchrun's machinery (not hand-written multiprocessing) gives us what a cluster gives:
-the whole group is torn down when one worker dies, and restarted up to `max_restarts`
-times, each restart resuming from the newest complete checkpoint. Each worker is a fresh
+the whole group is torn down when one worker dies. The restarts (up to `max_restarts`, each
+resuming from the newest complete checkpoint) are ours, one elastic launch per attempt, so
+that exit 2 (bad input) ends the launch as it does under Slurm's host-side trap: elastic's
+own restarts would rerun any non-zero exit. Each worker is a fresh
 `python -m enn_cluster.worker` process, as under torchrun and Slurm: nothing of the
 caller's `__main__` (a plain script, a notebook, `python -c`) is re-run in the workers.
 """
@@ -18,7 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.errors import UserError
 from enn_cluster.config.launch_env import (
+    ATTEMPT_VAR,
     LAUNCH_ID_VAR,
     LAUNCHER_PID_VAR,
     LOCK_HELD_VAR,
@@ -26,6 +30,7 @@ from enn_cluster.config.launch_env import (
 )
 
 EXIT_STOPPED = 75  # as the worker's: stopped with a committed checkpoint
+EXIT_BAD_INPUT = UserError.exit_code  # a worker refused its input: never retried
 log = logging.getLogger("enn_cluster.client.launch_local")
 
 
@@ -96,31 +101,61 @@ def _environ(updates: dict):
 def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per_node: int = 2,
                  max_restarts: int = 0, name: Optional[str] = None,
                  step: Optional[int] = None, launch_id: str = "local") -> int:
-    """Run the worker on nodes x procs_per_node local processes; return the job's exit code."""
+    """Run the worker on nodes x procs_per_node local processes; return the job's exit code.
+    A failed attempt is restarted up to `max_restarts` times, unless a worker refused its
+    input (exit 2) or a signal stopped the launcher."""
+    code = 0
+    for attempt in range(max_restarts + 1):
+        code = _attempt(run_dir, task, nodes * procs_per_node, {
+            SIM_NODES_VAR: str(nodes),
+            "PYTHONPATH": caller_pythonpath(sys.path, tuple({sys.prefix, sys.base_prefix,
+                                                              sys.exec_prefix}),
+                                            os.environ.get("PYTHONPATH", "")),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            LOCK_HELD_VAR: "1",  # run_local holds the run lock for them
+            LAUNCHER_PID_VAR: str(os.getpid()),  # they die with us (worker.die_with_launcher)
+            LAUNCH_ID_VAR: launch_id,
+            ATTEMPT_VAR: str(attempt)}, worker_args(run_dir, task, name, step))
+        if not retried(code):
+            return code
+        if attempt < max_restarts:
+            log.warning("attempt %d failed (exit %d): restarting from the newest checkpoint "
+                        "(%d of %d)", attempt, code, attempt + 1, max_restarts)
+    return code
+
+
+def retried(code: int) -> bool:
+    """Which exits of an attempt a restart may mend: failures, not success, a stop with a
+    checkpoint, bad input, or a signal to the launcher (128 + N)."""
+    return code not in (0, EXIT_STOPPED, EXIT_BAD_INPUT) and code <= 128
+
+
+def failure_code(exit_codes: list[int]) -> int:
+    """The attempt's exit code from its failed workers': 2 if any refused its input (the
+    others were then stopped by the agent), else the first failure's (a signal is 1)."""
+    if EXIT_BAD_INPUT in exit_codes:
+        return EXIT_BAD_INPUT
+    first = exit_codes[0] if exit_codes else 1
+    return first if first > 0 else 1
+
+
+def _attempt(run_dir: str, task: str, nprocs: int, worker_env: dict, args: list[str]) -> int:
+    """One elastic launch of the whole group, with no restart of its own."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    worker_env = {
-        SIM_NODES_VAR: str(nodes),
-        "PYTHONPATH": caller_pythonpath(sys.path, tuple({sys.prefix, sys.base_prefix,
-                                                          sys.exec_prefix}),
-                                        os.environ.get("PYTHONPATH", "")),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        LOCK_HELD_VAR: "1",  # run_local holds the run lock for them
-        LAUNCHER_PID_VAR: str(os.getpid()),  # they die with us (worker.die_with_launcher)
-        LAUNCH_ID_VAR: launch_id}
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nodes * procs_per_node,
+        min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
         run_id=f"enn-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
+        rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=0.5, start_method="spawn")
     marker = Path(run_dir) / "requeue" / "local"
     marker.unlink(missing_ok=True)
     previous = signal.signal(signal.SIGUSR2, _forward_to_workers)
     try:
         with _environ(worker_env):  # the workers inherit it; the caller's is left as it was
-            results = elastic_launch(config, sys.executable)(*worker_args(run_dir, task, name, step))
+            results = elastic_launch(config, sys.executable)(*args)
     except SignalException as exc:
         # TERM/INT/HUP reached the launcher; the agent passed it on to the workers, which
         # checkpoint at the next step boundary and leave the marker ("requeue me")
@@ -130,9 +165,7 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
             return EXIT_STOPPED
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        first = next(iter(exc.failures.values()), None)
-        code = getattr(first, "exitcode", 1) or 1
-        return code if code > 0 else 1
+        return failure_code([getattr(f, "exitcode", 1) for f in exc.failures.values()])
     finally:
         signal.signal(signal.SIGUSR2, previous)
     marker.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import oom_record
+from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.rundir import RunDir, read_lock
 
@@ -48,7 +49,7 @@ def run_status(path: Path, verified: Optional[dict] = None) -> dict:
     # "last complete" is a step whose bytes match their checksums, as resume will find it
     status["last_checkpoint"], status["corrupt_checkpoints"] = store.newest_verified(
         run.checkpoints, verified)
-    attempt, reports = backend_report.newest_reports(run.logs)
+    attempt, reports = backend_report.newest_reports(attempt_dirs(run))
     status["backends"] = {"attempt": attempt, "ranks": reports,
                           "lines": backend_report.summarize(reports)}
     status["nonfinite"] = nonfinite_dumps(run.path / "nonfinite")
@@ -72,8 +73,10 @@ def _slurm_log_dirs(run: RunDir) -> list[tuple[str, float]]:
 
 
 def with_unrecorded_slurm_jobs(jobs: list[dict], log_dirs: list[tuple[str, float]]) -> list[dict]:
-    """`jobs` plus the Slurm jobs only the workers' logs know (slurm/*.sbatch submitted by
-    hand records nothing in jobs.jsonl), in time order."""
+    """`jobs` plus the Slurm jobs only the workers' logs know, in time order. A job from
+    slurm/*.sbatch or a site's own srun line is recorded by its rank 0 once it takes the
+    run lock (worker_lock); one that ended before that (or whose lock was refused) left
+    only its slurm-<job>-r<n> log folder."""
     known = {str(j.get("job_id")) for j in jobs}
     found: dict[str, float] = {}
     for name, mtime in log_dirs:

@@ -191,7 +191,8 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
                         "sbatch?); check 'squeue --me' before submitting again") from None
     except subprocess_errors() as exc:
         release_lock(run, claim)
-        raise UserError(f"sbatch refused the job: {str(exc).strip().splitlines()[-1]}")
+        raise UserError("sbatch refused the job: "
+                        + ((str(exc).strip().splitlines() or ["no message"])[-1]))
     except BaseException:
         release_lock(run, claim)
         raise

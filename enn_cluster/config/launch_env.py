@@ -6,6 +6,7 @@ SIM_NODES_VAR = "ENN_SIM_NODES"  # local launcher: how many nodes the processes 
 LOCK_HELD_VAR = "ENN_LOCK_HELD"  # the launcher holds the run lock for its workers
 LAUNCHER_PID_VAR = "ENN_LAUNCHER_PID"  # workers die with the local launcher
 LAUNCH_ID_VAR = "ENN_LAUNCH_ID"  # one id per local launch: names its log directory
+ATTEMPT_VAR = "ENN_LOCAL_ATTEMPT"  # local launcher: its restart count (it restarts, not elastic)
 SUBMISSION_VAR = "ENN_SUBMISSION"  # enn-submit on Slurm: the token its claim on run.lock names
 
 # MASTER_PORT when nobody exported one: BASE + job id % SPAN (20000-29999, below Linux's

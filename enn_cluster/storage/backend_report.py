@@ -112,12 +112,10 @@ def read_reports(log_dir: Path) -> list[dict]:
     return sorted(reports, key=lambda r: r.get("rank", 0))
 
 
-def newest_reports(logs: Path) -> tuple[Optional[str], list[dict]]:
-    """The reports of the newest attempt that wrote any: (attempt, reports)."""
-    if not logs.is_dir():
-        return None, []
-    dirs = sorted((d for d in logs.iterdir() if d.is_dir() and any(d.glob(REPORT_GLOB))),
-                  key=lambda d: d.stat().st_mtime)
+def newest_reports(attempts: list[Path]) -> tuple[Optional[str], list[dict]]:
+    """The reports of the newest attempt (`attempts` oldest first, storage.attempts) that
+    wrote any: (attempt, reports)."""
+    dirs = [d for d in attempts if any(d.glob(REPORT_GLOB))]
     return (dirs[-1].name, read_reports(dirs[-1])) if dirs else (None, [])
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from enn_cluster.config.launch_env import (
+    ATTEMPT_VAR,
     MASTER_PORT_BASE,
     MASTER_PORT_SPAN,
     SIM_NODES_VAR,
@@ -115,7 +116,9 @@ def discover(environ: Mapping[str, str]) -> WorkerEnv:
         node_rank = _int(environ, "GROUP_RANK", rank // local_world)
     return WorkerEnv(launcher, rank, local_rank, world, local_world, node_rank, nodes,
                      environ.get("MASTER_ADDR", "127.0.0.1"), _int(environ, "MASTER_PORT", 29500),
-                     environ.get("SLURM_JOB_ID"), _int(environ, "TORCHELASTIC_RESTART_COUNT", 0))
+                     environ.get("SLURM_JOB_ID"),
+                     # the local launcher restarts by launching again (ATTEMPT_VAR)
+                     _int(environ, "TORCHELASTIC_RESTART_COUNT", 0) + _int(environ, ATTEMPT_VAR, 0))
 
 
 def _from_slurm(environ: Mapping[str, str]) -> WorkerEnv:
