@@ -39,7 +39,7 @@ LARGE, SMALL, QUICK = 4096, 2048, 1024
 
 
 def _run_config(ctx: BenchContext, width: int):
-    from enn_cluster.config.run_config import config_from_dict
+    from enn_cluster.config.loading import config_from_dict
 
     depth = 5 if ctx.quick else 9
     return config_from_dict({

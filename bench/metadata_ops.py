@@ -102,7 +102,7 @@ def group(run_dir: str, root: str, world: int) -> None:
 
 def _traced(ctx: BenchContext, world: int) -> dict:
     from enn_cluster.client.prepare import LaunchShape, prepare_run
-    from enn_cluster.config.run_config import config_from_dict
+    from enn_cluster.config.loading import config_from_dict
 
     cfg = config_from_dict({
         "run_name": f"meta-{world}", "runs_root": str(ctx.workdir / "runs"),

@@ -16,7 +16,7 @@ BAD = [{"every_steps": -1}, {"keep_last": 0}, {"keep_last": "3"}, {"async_save":
 
 
 def ours(section: dict) -> str:
-    from enn_cluster.config.run_config import config_from_dict
+    from enn_cluster.config.loading import config_from_dict
     from enn_cluster.errors import UserError
 
     try:
@@ -53,5 +53,5 @@ def import_ms(module: str) -> float:
 if __name__ == "__main__":
     for section in BAD:
         print(f"{section}\n  ours:     {ours(section)}\n  pydantic: {theirs(section)}")
-    print(f"import enn_cluster.config.run_config: {import_ms('enn_cluster.config.run_config'):.0f} ms")
+    print(f"import enn_cluster.config.loading:    {import_ms('enn_cluster.config.loading'):.0f} ms")
     print(f"import pydantic (BaseModel):          {import_ms('pydantic.main'):.0f} ms")

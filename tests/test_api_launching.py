@@ -15,7 +15,7 @@ from enn_cluster.client.api import _shape, _slurm_request
 from enn_cluster.client.cli import build_parser
 from enn_cluster.client.cli_ops import slurm_request
 from enn_cluster.client.launching import check_slurm_spec
-from enn_cluster.config.run_config import config_from_dict
+from enn_cluster.config.loading import config_from_dict
 from helpers import ROOT, metrics, small_config
 
 

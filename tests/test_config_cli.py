@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from enn_cluster.config.run_config import (ParallelConfig, apply_overrides, config_from_dict, load_config,
-                                plan_mesh)
+from enn_cluster.config.loading import apply_overrides, config_from_dict, load_config
+from enn_cluster.config.run_config import ParallelConfig, plan_mesh
 from enn_cluster.errors import UserError
 from helpers import ROOT, cli, small_config, write_config
 

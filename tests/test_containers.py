@@ -154,7 +154,7 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
     prediction) made the way `enn-submit train` / `predict` make them before submitting.
     No launcher of ours holds the run lock there: rank 0 takes it, records the job in
     jobs.jsonl (so status and cancel know it) and releases it at the end."""
-    from enn_cluster.config.run_config import load_config
+    from enn_cluster.config.loading import load_config
     from enn_cluster.client.prepare import prepare_run, shape_from_flags
     from enn_cluster.client.prediction_request import prepare_prediction
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from enn_cluster.config.run_config import load_config
+from enn_cluster.config.loading import load_config
 from enn_cluster.errors import UserError
 
 

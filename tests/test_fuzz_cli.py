@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from enn_cluster.config import checks as config_checks
 from enn_cluster.cluster import job_spec
-from enn_cluster.config.run_config import config_from_dict
+from enn_cluster.config.loading import config_from_dict
 from enn_cluster.errors import UserError
 from enn_cluster.cluster.job_spec import JobSpec
 from fuzz_support import ANY, ARGV_SAFE, FLOATS, HOSTILE, PIECES, PROCS, shellcheck

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from enn_cluster.cluster import job_spec
 from enn_cluster.cluster import site
-from enn_cluster.config.run_config import (RunConfig, apply_overrides, config_from_dict, dump_config,
-                                load_config)
+from enn_cluster.config.loading import apply_overrides, config_from_dict, dump_config, load_config
+from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
 from enn_cluster.cluster.job_spec import JobSpec

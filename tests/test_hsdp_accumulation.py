@@ -88,7 +88,7 @@ def _old_path(sm, sync):
 
 def _policies(rank: int, reduce_dtype: str) -> list[str]:
     """Mixed-precision policies on the modules model_setup builds from a config (bf16 on)."""
-    from enn_cluster.config.run_config import config_from_dict
+    from enn_cluster.config.loading import config_from_dict
     from enn_cluster.worker.environment import WorkerEnv
     from enn_cluster.worker.lanes import Lanes
     from enn_cluster.worker.model_setup import build_sharded_model

@@ -11,8 +11,9 @@ import pytest
 
 from enn_cluster.cluster import enroot_layout
 from enn_cluster.errors import ToolMissing, UserError
-from enn_cluster.cluster.image import (builder_env, build_image, context_entries, find_cached_image,
-                               image_for, image_key, image_path, is_ignored, parse_dockerignore)
+from enn_cluster.cluster.image import builder_env, build_image
+from enn_cluster.cluster.image_key import (context_entries, find_cached_image, image_for, image_key,
+                                           image_path, is_ignored, parse_dockerignore)
 from pyxis_fixture import build_args
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from enn_cluster.config.run_config import config_from_dict
+from enn_cluster.config.loading import config_from_dict
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.errors import UserError
 from enn_cluster.worker.lanes import close_lanes, open_lanes

@@ -84,7 +84,7 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     from enn_cluster.client.cli import build_parser
     from enn_cluster.client.cli_ops import slurm_request
     from enn_cluster.client.launching import check_slurm_spec
-    from enn_cluster.config.run_config import config_from_dict
+    from enn_cluster.config.loading import config_from_dict
     from enn_cluster.client.prepare import LaunchShape
     from render_support import make_submitit_script
 
@@ -112,7 +112,7 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
 @pytest.mark.parametrize("override", ["model.kwargs.hf_token={value}",
                                       "data.eval_path=s3://AKIAEXAMPLE:{value}@bucket/x.npz"])
 def test_a_secret_in_a_config_field_is_not_frozen(tmp_path, override):
-    from enn_cluster.config.run_config import load_config
+    from enn_cluster.config.loading import load_config
     from enn_cluster.storage.rundir import create_run_dir
 
     value = secrets()["HF_TOKEN"]

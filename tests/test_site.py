@@ -138,7 +138,7 @@ def test_site_runs_root_gpus_and_image_cache_reach_the_job(tmp_path):
     key names them; with no image anywhere, the error says how to build one."""
     import shutil
 
-    from enn_cluster.cluster.image import image_key, image_path
+    from enn_cluster.cluster.image_key import image_key, image_path
     from helpers import ROOT, cli, small_config, write_config
 
     work = tmp_path / "repo"

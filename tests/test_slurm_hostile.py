@@ -88,7 +88,7 @@ def test_rendered_script_with_hostile_values_runs_on_slurm(slurm_cluster, tmp_pa
     """`render_batch_script` with a hostile env value (newlines included), interpreter
     path and srun argument, submitted with plain sbatch: 1 node x 2 tasks train 2 steps."""
     from enn_cluster.cluster import job_spec
-    from enn_cluster.config.run_config import config_from_dict
+    from enn_cluster.config.loading import config_from_dict
     from enn_cluster.client.prepare import LaunchShape, prepare_run
 
     shape = LaunchShape(1, 2)

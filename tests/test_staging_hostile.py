@@ -42,7 +42,7 @@ def test_sigterm_while_staging_removes_the_temporary_run_dir(tmp_path):
     cfg = small_config(tmp_path, "term")
     script = textwrap.dedent(f"""
         import os, signal, time
-        from enn_cluster.config.run_config import config_from_dict
+        from enn_cluster.config.loading import config_from_dict
         from enn_cluster.storage.rundir import create_run_dir
         def populate(tmp):
             (tmp.data_dir / "train_x.npy").write_bytes(b"half")

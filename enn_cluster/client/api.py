@@ -22,12 +22,8 @@ from enn_cluster.client.launching import launch_detached, slurm_spec, wait_for_j
 from enn_cluster.client.prepare import LaunchShape, prepare_run_and_config, run_local
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, submit
-from enn_cluster.config.run_config import (
-    RunConfig,
-    apply_overrides,
-    config_from_dict,
-    config_to_dict,
-)
+from enn_cluster.config.loading import apply_overrides, config_from_dict, config_to_dict
+from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir

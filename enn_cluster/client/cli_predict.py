@@ -52,7 +52,7 @@ def cmd_predict(args) -> int:
     restarts = max_restarts(args.max_restarts, cfg)
     check_model_importable(cfg.model.name)
     if args.input is not None:
-        from enn_cluster.storage.staging import check_source
+        from enn_cluster.storage.data_sources import check_source
 
         check_source("--input", args.input)
     request = prepare_prediction(

@@ -30,7 +30,7 @@ def load_flagged_config(config: Optional[str], overrides: list, site: Optional[s
     'exp #3' stays 'exp #3', 0010 stays 0010); the site's runs_root where none is named.
     `read_site()`: the site config as this command reads it once (default: from `site`);
     called only when the runs root is not given."""
-    from enn_cluster.config.run_config import load_config
+    from enn_cluster.config.loading import load_config
     from enn_cluster.config.yaml_file import read_yaml
 
     verbatim = {k: v for k, v in (("run_name", run_name), ("runs_root", runs_root))

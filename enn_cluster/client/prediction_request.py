@@ -22,6 +22,7 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import algorithm_of, bytes_checksum
+from enn_cluster.storage.data_sources import check_source, inspect_array
 from enn_cluster.storage.npy_header import check_layout
 from enn_cluster.storage.rundir import (
     DIR_MODE,
@@ -31,12 +32,7 @@ from enn_cluster.storage.rundir import (
     run_umask,
     sigterm_unwinds,
 )
-from enn_cluster.storage.staging import (
-    check_source,
-    inspect_array,
-    read_manifest,
-    stage_array,
-)
+from enn_cluster.storage.staging import read_manifest, stage_array
 
 DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_BATCH_SIZE = 1024

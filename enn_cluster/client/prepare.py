@@ -15,6 +15,7 @@ from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
 from enn_cluster.errors import UserError
+from enn_cluster.storage.data_sources import check_data_sources
 from enn_cluster.storage.rundir import (
     RunDir,
     acquire_lock,
@@ -24,7 +25,7 @@ from enn_cluster.storage.rundir import (
     run_umask,
     update_config,
 )
-from enn_cluster.storage.staging import check_data_sources, read_manifest, stage_run_data
+from enn_cluster.storage.staging import read_manifest, stage_run_data
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def prepare_resume(run: RunDir, cfg: RunConfig, shape: LaunchShape,
                    overrides: list[str]) -> RunConfig:
     """Re-freeze the run's config (`cfg`, as loaded by the caller) with a new shape and any
     overrides; data stays as staged."""
-    from enn_cluster.config.run_config import apply_overrides, config_from_dict, config_to_dict
+    from enn_cluster.config.loading import apply_overrides, config_from_dict, config_to_dict
 
     data = apply_overrides(config_to_dict(cfg), overrides) if overrides else config_to_dict(cfg)
     new = with_shape(config_from_dict(data), shape)

@@ -35,7 +35,7 @@ def default_job_name(run_name: str) -> str:
 
 def image_cache_dir(site_cache: Optional[str]) -> Path:
     """--cache-dir aside: $ENN_IMAGE_CACHE, then the site's image_cache, then ~/.cache."""
-    from enn_cluster.cluster.image import default_cache_dir
+    from enn_cluster.cluster.image_key import default_cache_dir
 
     if site_cache and not os.environ.get("ENN_IMAGE_CACHE"):
         return Path(site_cache).expanduser()
@@ -44,7 +44,7 @@ def image_cache_dir(site_cache: Optional[str]) -> Path:
 
 def default_image(site_cache: Optional[str]) -> Path:
     """No --container and no site image: the image built from ./containers/Dockerfile."""
-    from enn_cluster.cluster.image import image_for
+    from enn_cluster.cluster.image_key import image_for
 
     dockerfile = Path("containers/Dockerfile")
     if not dockerfile.is_file():

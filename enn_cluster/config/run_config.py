@@ -1,18 +1,15 @@
-"""Run config: typed dataclasses, YAML loading, `--set` overrides and validation.
+"""Run config schema: the typed section dataclasses, their checks, and the mesh plan.
 
-Everything a worker needs is in the resolved config frozen into the run directory, so
-every task of a job (and every restart) reads the same thing. Validation errors are
-`UserError`s that name the key and the fix; nothing here imports torch.
+The dataclasses are the list of settings (docs.py renders config.md from them); loading.py
+builds them from YAML and `--set` overrides. Everything a worker needs is in the resolved
+config frozen into the run directory, so every task of a job (and every restart) reads the
+same thing. Validation errors are `UserError`s that name the key and the fix; nothing here
+imports torch.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
-
-import yaml
+from typing import Optional
 
 from enn_cluster.config.checks import (
     MAX_BATCH_ROWS,
@@ -21,7 +18,6 @@ from enn_cluster.config.checks import (
     MAX_NODES,
     MAX_PROCS_PER_NODE,
     _bounded,
-    _check_tree,
     _choice,
     _no_secret_keys,
     _non_negative,
@@ -31,7 +27,6 @@ from enn_cluster.config.checks import (
     check_metrics_path,
     no_credentials_in_url,
 )
-from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
 
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
@@ -318,138 +313,3 @@ def plan_mesh(par: ParallelConfig, world: int, local_world: int) -> MeshPlan:
                         f"equal the world size {world}; set them so their product is {world} "
                         "(or 0 for automatic)")
     return MeshPlan("hsdp", replicate, shard)
-
-
-# ---------------------------------------------------------------------------------------
-# Loading, overrides, (de)serialisation
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check one leaf against its annotated type; ints are accepted where floats are."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
-            return None
-        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        origin = typing.get_origin(tp)
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            value = float(value)
-        except OverflowError:
-            value = math.inf
-        if not math.isfinite(value):
-            raise UserError(f"{key}: {value!r} is not a finite number; give a plain value")
-        return value
-    if tp is str and key.endswith(".bf16") and isinstance(value, bool):
-        return str(value).lower()
-    if tp is str and key == "profiling.steps" and type(value) is int:  # one step: `=20`
-        return str(value)
-    expected = origin or tp
-    if expected is int and isinstance(value, bool) or not isinstance(value, expected):
-        name = getattr(expected, "__name__", str(expected))
-        raise UserError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise UserError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(map(str, data)) - names)
-    if unknown:
-        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise UserError(f"{where}: unknown key; valid keys here are {', '.join(sorted(names))}")
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, key)
-        else:  # YAML 1.1 reads 1e-4 as text: a number, except where text is meant
-            text = tp in (str, Optional[str])
-            kwargs[name] = _coerce(key, value if text else _fix_yaml_floats(value), tp)
-    return cls(**kwargs)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`training.lr=1e-4` -> (["training", "lr"], 0.0001); the value is parsed as YAML."""
-    if "=" not in text:
-        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
-    key, raw = text.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except (yaml.YAMLError, ValueError):  # ValueError: a bad date or a 5000-digit number
-        value = raw
-    _check_tree(value, f"--set {key}")
-    if isinstance(value, float) or isinstance(value, str):
-        # YAML 1.1 reads "1e-4" as a string; accept it as the float it means.
-        try:
-            value = float(value) if isinstance(value, str) and _looks_float(value) else value
-        except ValueError:
-            pass
-    return key.split("."), value
-
-
-def _looks_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return any(c in text.lower() for c in ".e") and text.strip().lower() not in ("inf", "nan")
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    data = _deepcopy(data)
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise UserError(f"--set {text!r}: {part} is not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def _deepcopy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _deepcopy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deepcopy(v) for v in data]
-    return data
-
-
-def _fix_yaml_floats(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _fix_yaml_floats(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_fix_yaml_floats(v) for v in data]
-    if isinstance(data, str) and _looks_float(data):
-        return float(data)
-    return data
-
-
-def config_from_dict(data: Any) -> RunConfig:
-    _check_tree(data, "config")
-    return _build(RunConfig, data, "").validate()
-
-
-def load_config(path: Optional[str], overrides: list[str] = (),
-                verbatim: Optional[dict] = None) -> RunConfig:
-    """`verbatim` (top-level keys from flags that name things) are taken as given, never YAML."""
-    data = apply_overrides(read_yaml(path) if path else {}, list(overrides))
-    return config_from_dict({**data, **(verbatim or {})})
-
-
-def config_to_dict(cfg: RunConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

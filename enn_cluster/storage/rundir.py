@@ -28,7 +28,8 @@ from typing import Optional
 
 import yaml
 
-from enn_cluster.config.run_config import RunConfig, config_from_dict, dump_config
+from enn_cluster.config.loading import config_from_dict, dump_config
+from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
 DIR_MODE = 0o2750  # group-readable, never world-writable

@@ -27,9 +27,9 @@ from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import clean_environment, detect_launcher, discover
 from enn_cluster.worker.exec_env import reexec_if_needed
 from enn_cluster.worker.placement import place_task
+from enn_cluster.worker.stop_signals import STOP_SIGNALS
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 log = logging.getLogger("enn_cluster.worker")
 _early_signals: list[int] = []  # stop signals that came before the trainer's handlers
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import signal
 import time
 from dataclasses import asdict, replace
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, replanned_total, total_steps
+from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, total_steps
 from enn_cluster.models import compute_loss
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import oom_record
@@ -32,18 +31,21 @@ from enn_cluster.storage.tracking import worker_sink
 from enn_cluster.worker import checkpoint as ckpt
 from enn_cluster.worker.checkpoint_async import new_stager, save_async
 from enn_cluster.worker.environment import WorkerEnv
+from enn_cluster.worker.evaluation import eval_arrays, mean_eval_loss
+from enn_cluster.worker.fault_injection import maybe_inject_fault, maybe_inject_oom
 from enn_cluster.worker.lanes import Lanes
 from enn_cluster.worker.loader import BatchLoader, gather_rows
 from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradient_sync
 from enn_cluster.worker import oom_governor
-from enn_cluster.worker.nonfinite import DUMP_DIR, NonFiniteWatch
+from enn_cluster.worker.nonfinite import NonFiniteWatch
+from enn_cluster.worker.nonfinite_policy import abort_reason, report_skipped
 from enn_cluster.worker.profiling import StepProfiler
+from enn_cluster.worker.resume_plan import replan_after_resume
 from enn_cluster.worker.sampler import (
     DataPosition,
     advance,
     epoch_permutation,
     micro_batch_rows,
-    shard_rows,
 )
 from enn_cluster.worker.step_math import (
     GC_EVERY_STEPS,
@@ -53,6 +55,7 @@ from enn_cluster.worker.step_math import (
     scheduled_gc,
 )
 from enn_cluster.worker.stop_request import StopPoller
+from enn_cluster.worker.stop_signals import arm_hard_exit, install_stop_handlers
 from enn_cluster.worker.watchdog import Progress, Watchdog, rank_log_stream
 
 log = logging.getLogger("enn_cluster.worker.trainer")
@@ -62,17 +65,6 @@ class TrainingAborted(RuntimeError):
     """Training cannot go on (non-finite losses); the message says what to check."""
 
 
-def _saved_global_batch(state: dict, t) -> "int | None":
-    """The global batch a checkpoint was trained with (older ones: from their mesh)."""
-    if state.get("global_batch"):
-        return int(state["global_batch"])
-    mesh = state.get("mesh") or {}
-    if mesh.get("replicate") and mesh.get("shard"):
-        return (t.per_device_train_batch_size * t.gradient_accumulation_steps
-                * int(mesh["replicate"]) * int(mesh["shard"]))
-    return None
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig, run: RunDir, env: WorkerEnv, lanes: Lanes):
         self.cfg, self.run, self.env, self.lanes = cfg, run, env, lanes
@@ -80,7 +72,8 @@ class Trainer:
         self.x = open_array(run.data_dir, "train_x")
         self.y = open_array(run.data_dir, "train_y")
         self.rows = self.manifest["train_rows"]
-        self.eval_x, self.eval_y, self.eval_rows = self._eval_arrays()
+        self.eval_x, self.eval_y, self.eval_rows = eval_arrays(self.manifest, run.data_dir,
+                                                           self.x, self.y)
         scaler = self.manifest.get("target_scaler")
         self.scaler = ({k: np.asarray(v, np.float32) for k, v in scaler.items()}
                        if scaler else None)
@@ -131,18 +124,8 @@ class Trainer:
         self.nonfinite_in_row.fill_(int(state.get("nonfinite_in_row", 0)))
         self.skipped.fill_(int(state.get("skipped", 0)))
         self.skipped_seen = int(state.get("skipped", 0))
-        saved = _saved_global_batch(state, t)
-        changed = {}
-        if saved is not None and saved != self.batch.global_batch:
-            if t.global_batch_size:  # changed on purpose: --set training.global_batch_size
-                changed = {"global_batch_changed": [saved, self.batch.global_batch]}
-            else:  # a run from before the batch was frozen keeps the one it had
-                self.batch = self._plan(replace(t, global_batch_size=saved))
-        gb = self.batch.global_batch
-        if self.pos.consumed and (self.n_rows - self.pos.consumed) // gb == 0:
-            self.pos = DataPosition(self.pos.epoch + 1, 0)  # the batch grew: tail too short
-        self.total_steps = replanned_total(t, self.n_rows, gb, self.step, self.pos.epoch,
-                                           self.pos.consumed)
+        self.batch, self.pos, self.total_steps, changed = replan_after_resume(
+            state, t, self.batch, self._plan, self.n_rows, self.step, self.pos)
         return changed
 
     def _plan(self, t) -> "BatchPlan":
@@ -153,19 +136,6 @@ class Trainer:
         return plan_batch(t, self.sm.dp_size, self.env.local_world_size)
 
     # -- data ----------------------------------------------------------------------------
-    def _eval_arrays(self):
-        if "eval_x" in self.manifest["entries"]:
-            ex, ey = open_array(self.run.data_dir, "eval_x"), open_array(self.run.data_dir, "eval_y")
-            return ex, ey, [0, len(ex)]
-        if self.manifest.get("eval_rows"):
-            return self.x, self.y, self.manifest["eval_rows"]
-        return None, None, None
-
-    def _batch(self, x, y, rows: np.ndarray):
-        xb, yb = gather_rows(x, y, rows, self.scaler)
-        dev = self.lanes.device
-        return xb.to(dev, non_blocking=True), yb.to(dev)
-
     def _step_rows(self, perm: np.ndarray, pos: DataPosition) -> list[np.ndarray]:
         """This rank's rows for each micro-batch of the optimizer step starting at `pos`."""
         b = self.batch
@@ -181,43 +151,15 @@ class Trainer:
         self.stop_requested = 1
         self.stop_signal = signum
         log.warning("signal %d received: checkpoint at the next step boundary", signum)
-        if signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signal.SIGALRM, lambda *_: os._exit(128 + signum))
-            signal.alarm(max(int(self.cfg.parallel.stop_grace_s), 1))
+        arm_hard_exit(signum, self.cfg.parallel.stop_grace_s)
 
     def install_signal_handlers(self) -> None:
         """USR2 (Slurm's warning before the time limit), TERM (preemption, scancel, a
         launcher stopping) and INT (Ctrl-C reaching the workers through a launcher) all
         mean the same: checkpoint at the next step boundary and exit 75."""
-        for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+        install_stop_handlers(lambda signum: self.request_stop(signum))
 
     # -- loop ----------------------------------------------------------------------------
-    def _fault_fires(self, at_step: int, step: int, name: str) -> bool:
-        """Fault injection: rank training.fail_rank at `at_step`, once per run (a marker
-        file), so that the retry runs clean."""
-        if not at_step or step != at_step or self.lanes.rank != self.cfg.training.fail_rank:
-            return False
-        marker = self.run.path / "faults" / f"{name}-step-{step}"
-        if marker.exists():
-            return False
-        marker.parent.mkdir(exist_ok=True)
-        marker.write_text(str(os.getpid()))
-        return True
-
-    def _maybe_inject_fault(self) -> None:
-        if not self._fault_fires(self.cfg.training.fail_at_step, self.step, "fired"):
-            return
-        log.error("fault injection: rank %d kills itself (SIGKILL) at step %d",
-                  self.lanes.rank, self.step)
-        # The kernel's kill -9, as an OOM killer or a scancel'd node would: no handler, no
-        # flush, no goodbye to the peers. The pid is our own, never one read from a file.
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def _maybe_inject_oom(self, step: int) -> None:
-        if self._fault_fires(self.cfg.training.oom_at_step, step, "oom"):
-            raise torch.OutOfMemoryError(f"fault injection: out of memory at step {step}")
-
     def train_step(self, perm: np.ndarray, flags: tuple = (), log_step: bool = True) -> dict:
         """One optimizer step. `flags` (0/1 per rank, host values) ride on the step's one
         control-lane all-reduce; stats["agreed"] says which any rank raised. Loss,
@@ -235,7 +177,7 @@ class Trainer:
         self.progress.at("accelerator", f"step {step}: forward/backward (FSDP all-gather, "
                                         "reduce-scatter)")
         try:
-            self._maybe_inject_oom(step)
+            maybe_inject_oom(t, self.run.path, self.lanes.rank, step)
             for k, (xb, yb) in enumerate(self.loader.batches(rows)):
                 with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
                     loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
@@ -288,54 +230,20 @@ class Trainer:
         in_row, skipped = int(self.nonfinite_in_row), int(self.skipped)
         if skipped <= self.skipped_seen:
             return skipped
-        dump = self.nonfinite.dump(self.run.path, self.lanes, {
-            "bf16": self.sm.use_bf16, "policy": t.nonfinite_policy,
-            "skipped_total": skipped, "in_a_row": in_row})
-        log.warning("non-finite loss/grad: %d step(s) skipped up to step %d (%d in a row)%s",
-                    skipped - self.skipped_seen, self.step, in_row,
-                    f"; dump {dump}" if dump else "")
-        self.metrics.write("nonfinite", step=self.step, skipped=skipped, in_a_row=in_row,
-                           dump=str(dump.relative_to(self.run.path)) if dump else None)
+        report_skipped(self.nonfinite, self.run.path, self.lanes, self.metrics, t,
+                       self.sm.use_bf16, self.step, skipped, self.skipped_seen, in_row)
         self.skipped_seen = skipped
-        where = f"{DUMP_DIR}/ in the run directory"
-        if t.nonfinite_policy == "abort":
-            raise TrainingAborted(
-                f"non-finite loss/grad at step {self.step} (training.nonfinite_policy=abort; "
-                f"rows and per-parameter counts in {where}): check the data for NaN/Inf, "
-                "lower training.lr, or enable grad clipping")
-        if t.nonfinite_policy == "skip_then_abort" and in_row >= t.max_nonfinite_steps:
-            raise TrainingAborted(
-                f"{in_row} non-finite losses in a row at step {self.step} (rows and "
-                f"per-parameter counts in {where}): check the data for NaN/Inf, lower "
-                "training.lr, or enable grad clipping")
+        reason = abort_reason(t, in_row, self.step)
+        if reason is not None:
+            raise TrainingAborted(reason)
         return skipped
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean eval loss; every rank runs the same number of forwards (FSDP collectives)."""
-        if self.eval_x is None:
-            return float("nan")
-        sm, micro = self.sm, self.cfg.training.per_device_train_batch_size
-        n = self.eval_rows[1] - self.eval_rows[0]
-        start, stop = shard_rows(n, self.lanes.rank, self.lanes.world_size)
-        longest = max(shard_rows(n, r, self.lanes.world_size)[1] -
-                      shard_rows(n, r, self.lanes.world_size)[0] for r in range(self.lanes.world_size))
-        totals = torch.zeros(2, dtype=torch.float64, device=self.lanes.device)
-        sm.model.eval()
-        for off in range(0, longest, micro):
-            rows = np.arange(start + off, min(start + off + micro, stop)) + self.eval_rows[0]
-            count = len(rows)
-            if count == 0:
-                rows = np.array([self.eval_rows[0]])  # keep step with the others, weight 0
-            self.progress.at("accelerator", f"evaluation after step {self.step}")
-            xb, yb = self._batch(self.eval_x, self.eval_y, rows)
-            with autocast(sm, self.lanes.device):
-                loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
-            totals += torch.tensor([float(loss) * count, count], dtype=torch.float64,
-                                   device=self.lanes.device)
-        sm.model.train()
-        dist.all_reduce(totals)
-        return float(totals[0] / totals[1]) if totals[1] else float("nan")
+        return mean_eval_loss(self.sm, self.cfg.model.task,
+                              self.cfg.training.per_device_train_batch_size, self.eval_x,
+                              self.eval_y, self.eval_rows, self.scaler, self.lanes,
+                              self.progress, self.step)
 
     def save(self, async_save: bool) -> None:
         with self.progress.untimed(f"checkpoint step-{self.step} save"):
@@ -418,7 +326,7 @@ class Trainer:
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
         stop_file = StopPoller(self.run.path, self.env.job_id, self.env.rank)  # batch shell's USR2
         while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
-            self._maybe_inject_fault()
+            maybe_inject_fault(cfg.training, self.run.path, self.lanes.rank, self.step)
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
