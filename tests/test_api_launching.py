@@ -128,3 +128,49 @@ def test_an_sbatch_reply_without_a_job_id_is_one_line_and_leaves_no_run(tmp_path
     errors = [line for line in res.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "queued, thanks" in errors[0] and "Traceback" not in res.stderr
     assert not (tmp_path / "runs" / "noid").exists()
+
+
+def test_the_api_refuses_as_the_cli_does_and_leaves_no_run(tmp_path, monkeypatch):
+    """The API goes through the CLI's steps (launching.create_train_run,
+    removed_if_never_run, prediction_request.check_prediction_inputs): a job Slurm cannot
+    take is refused before the run exists, a refused sbatch leaves no run, and a prediction
+    whose input file is unusable writes nothing."""
+    import numpy as np
+    import torch
+
+    import enn_cluster
+    from enn_cluster.errors import UserError
+
+    x = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    y = x[:, :1].copy()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    runs = tmp_path / "runs"
+    with pytest.raises(UserError, match="partition"):
+        enn_cluster.train(model, x, y, run_dir=str(runs / "bad"),
+                          cluster={"nodes": 1, "container": "none",
+                                   "partition": "gpu\n#SBATCH --uid=0"})
+    assert not runs.exists() or not any(runs.iterdir())
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: refused' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    site = tmp_path / "site.yaml"
+    site.write_text("python: python3\n")
+    with monkeypatch.context() as m:
+        m.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        m.setenv("ENN_SITE_CONFIG", str(site))
+        with pytest.raises(UserError, match="sbatch refused the job: sbatch: error: refused"):
+            enn_cluster.train(model, x, y, run_dir=str(runs / "refused"),
+                              cluster={"nodes": 1, "container": "none"})
+    assert not (runs / "refused").exists()
+
+    run = enn_cluster.train(model, x, y, run_dir=str(runs / "ok"),
+                            training={"max_steps": 1}, parallel={"nodes": 1, "procs_per_node": 1})
+    before = sorted(p.name for p in (run.path / "predictions").glob("*")) \
+        if (run.path / "predictions").exists() else []
+    with pytest.raises(UserError, match="--input"):
+        enn_cluster.predict(run, str(tmp_path / "missing.npy"))
+    after = sorted(p.name for p in (run.path / "predictions").glob("*")) \
+        if (run.path / "predictions").exists() else []
+    assert after == before

@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import importlib
 import pickle
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from enn_cluster.client.launching import launch_detached, slurm_spec, wait_for_job
-from enn_cluster.client.prepare import LaunchShape, prepare_run_and_config, run_local
+from enn_cluster.client.launching import (
+    checked_shape,
+    create_train_run,
+    launch_detached,
+    removed_if_never_run,
+    slurm_spec,
+    wait_for_job,
+)
+from enn_cluster.client.prepare import LaunchShape, run_local
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, submit
 from enn_cluster.config.loading import apply_overrides, config_from_dict, config_to_dict
@@ -128,13 +136,12 @@ def _slurm_request(cluster: Optional[dict]) -> Optional[SlurmRequest]:
 
 
 def _shape(cfg: RunConfig, cluster: Optional[dict], slurm: Optional[SlurmRequest]) -> LaunchShape:
-    from enn_cluster.client.prepare import shape_from_flags
-
     c = cluster or {}
     gpus = c.get("gpus_per_node")
     if slurm is not None and gpus is None:  # a Slurm job: the site config may know
         gpus = slurm.site_config.gpus_per_node
-    return shape_from_flags(cfg, c.get("nodes"), gpus, c.get("procs_per_node"))
+    return checked_shape(cfg, c.get("nodes"), gpus, c.get("procs_per_node"),
+                         local=slurm is None)
 
 
 def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[dict] = None,
@@ -167,17 +174,22 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
         final = Path(cfg.runs_root).expanduser().resolve() / cfg.run_name
         cfg.model.name = "enn_cluster.client.api:unpickled_model"
         cfg.model.kwargs = {"path": str(final / MODEL_PICKLE)}
-    run, frozen = prepare_run_and_config(cfg, shape, arrays=_arrays(X, y, eval_data),
-                                         populate_extra=populate)
-    return _start(run, "train", shape, restarts, slurm, wait, cfg=frozen)
+    run, frozen, spec = create_train_run(cfg, shape, restarts, slurm,
+                                         arrays=_arrays(X, y, eval_data), populate_extra=populate)
+    return _start(run, "train", shape, restarts, slurm, wait, cfg=frozen, spec=spec)
 
 
 def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int,
            slurm: Optional[SlurmRequest], wait: bool,
-           name: Optional[str] = None, step: Optional[int] = None, *, cfg: RunConfig) -> Run:
+           name: Optional[str] = None, step: Optional[int] = None, *, cfg: RunConfig,
+           spec=None) -> Run:
+    """The API's launch: the CLI's functions, with its own returns (a Run, an exception).
+    `spec`: the JobSpec of a run `train` just made (refused: the run is removed, as the
+    CLI's is)."""
     if slurm is not None:
-        job = submit(run, slurm_spec(slurm, run, task, shape, restarts, name=name, cfg=cfg),
-                     step=step, cfg=cfg)
+        with removed_if_never_run(run) if spec is not None else nullcontext():
+            job = submit(run, spec or slurm_spec(slurm, run, task, shape, restarts, name=name,
+                                                 cfg=cfg), step=step, cfg=cfg)
         if wait and wait_for_job(job) != 0:
             raise RuntimeError(f"Slurm job {job} for {run.path} did not complete; "
                                f"see 'enn-submit logs {run.path}'")
@@ -213,6 +225,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     from enn_cluster.client.prediction_request import (
         DEFAULT_BATCH_SIZE,
         DEFAULT_CHUNK_ROWS,
+        check_prediction_inputs,
         prepare_prediction,
     )
 
@@ -220,6 +233,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     cfg = run.load_config()
     slurm = _slurm_request(cluster)
     shape = _shape(cfg, cluster, slurm)
+    check_prediction_inputs(run, cfg, X)
     request = prepare_prediction(run, X, name=name, step=step,
                                  chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS,
                                  batch_size=batch_size or DEFAULT_BATCH_SIZE, cfg=cfg)

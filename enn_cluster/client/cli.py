@@ -14,16 +14,18 @@ from enn_cluster.client.cli_ops import (
     cmd_cancel,
     cmd_logs,
     cmd_render,
+    launch_from_flags,
     launch_shape,
     site_config,
     slurm_request,
 )
 from enn_cluster.client.launching import (
     check_control_files,
-    check_slurm_spec,
+    create_train_run,
     launch,
     load_flagged_config,
     max_restarts,
+    removed_if_never_run,
 )
 from enn_cluster.errors import UserError
 
@@ -166,34 +168,17 @@ def _site_shape_defaults(args) -> None:
         args.gpus_per_node = site_config(args).gpus_per_node
 
 
-def _launch_train(args, run, shape, restarts: int, cfg, spec=None) -> int:
-    """`launch_from_flags` for train and resume, handing down the config this command
-    froze (train) or re-froze (resume): nothing below reads config.yaml back."""
-    slurm = slurm_request(args) if args.cluster == "slurm" else None
-    return launch(run, "train", shape, restarts, slurm, spec=spec, cfg=cfg)
-
-
 def cmd_train(args) -> int:
-    from enn_cluster.client.prepare import prepare_run_and_config
-
     cfg = _load_train_config(args)
     shape = launch_shape(args, cfg)
     restarts = max_restarts(args.max_restarts, cfg)
-    spec = None
-    if args.cluster == "slurm":  # refuse a job Slurm cannot take before the run exists
-        spec = check_slurm_spec(slurm_request(args), cfg, "train", shape, restarts)
-    run, cfg = prepare_run_and_config(cfg, shape)
-    if args.cluster != "slurm":
+    slurm = slurm_request(args) if args.cluster == "slurm" else None
+    run, cfg, spec = create_train_run(cfg, shape, restarts, slurm)
+    if slurm is None:
         print(f"run directory: {run.path}", file=sys.stderr)
-        return _launch_train(args, run, shape, restarts, cfg)
-    try:
-        code = _launch_train(args, run, shape, restarts, cfg, spec=spec)
-    except UserError:
-        if not run.jobs():  # sbatch refused: the run this command made has never run
-            import shutil
-
-            shutil.rmtree(run.path, ignore_errors=True)
-        raise
+        return launch(run, "train", shape, restarts, cfg=cfg)
+    with removed_if_never_run(run):
+        code = launch(run, "train", shape, restarts, slurm, spec=spec, cfg=cfg)
     print(f"run directory: {run.path}", file=sys.stderr)
     return code
 
@@ -230,7 +215,8 @@ def cmd_resume(args) -> int:
         raise UserError(refusal)
     shape = launch_shape(args, cfg)
     cfg = prepare_resume(run, cfg, shape, args.overrides)
-    return _launch_train(args, run, shape, max_restarts(args.max_restarts, cfg), cfg)
+    return launch_from_flags(args, run, "train", shape, max_restarts(args.max_restarts, cfg),
+                             cfg=cfg)
 
 
 def cmd_build(args) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 from enn_cluster.client.launching import (
     ConfigOnlyRun,
     cancel_run,
-    check_local_capacity,
+    checked_shape,
     launch,
     load_flagged_config,
     slurm_spec,
@@ -53,19 +53,16 @@ def slurm_request(args) -> SlurmRequest:
 
 def launch_shape(args, cfg):
     """The shape the flags ask for; a local run's also checked against this machine."""
-    from enn_cluster.client.prepare import shape_from_flags
-
-    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
-    if getattr(args, "cluster", "local") != "slurm":
-        check_local_capacity(shape, args.procs_per_node is not None)
-    return shape
+    return checked_shape(cfg, args.nodes, args.gpus_per_node, args.procs_per_node,
+                         local=getattr(args, "cluster", "local") != "slurm")
 
 
 def launch_from_flags(args, run: RunDir, task: str, shape, restarts: int, name=None,
-                      step=None, spec=None) -> int:
-    """Start the workers where --cluster says; the CLI's one way to run a task."""
+                      step=None, cfg=None) -> int:
+    """Start the workers where --cluster says, for a run that exists (resume, predict);
+    `cfg`: the run's config as the command loaded it."""
     slurm = slurm_request(args) if args.cluster == "slurm" else None
-    return launch(run, task, shape, restarts, slurm, name=name, step=step, spec=spec)
+    return launch(run, task, shape, restarts, slurm, name=name, step=step, cfg=cfg)
 
 
 def cmd_render(args) -> int:

@@ -36,29 +36,25 @@ def register(sub, add_shape_flags, commands) -> None:
 
 def cmd_predict(args) -> int:
     from enn_cluster.client.cli_ops import launch_from_flags, launch_shape
-    from enn_cluster.client.launching import check_control_files, max_restarts
+    from enn_cluster.client.launching import max_restarts
     from enn_cluster.client.prediction_request import (
         DEFAULT_BATCH_SIZE,
         DEFAULT_CHUNK_ROWS,
+        check_prediction_inputs,
         prepare_prediction,
     )
-    from enn_cluster.client.prepare import check_model_importable
     from enn_cluster.storage.rundir import RunDir
 
     run = RunDir(Path(args.run_dir).resolve())
     cfg = run.load_config()
-    check_control_files(run)
+    check_prediction_inputs(run, cfg, args.input)
     shape = launch_shape(args, cfg)
     restarts = max_restarts(args.max_restarts, cfg)
-    check_model_importable(cfg.model.name)
-    if args.input is not None:
-        from enn_cluster.storage.data_sources import check_source
-
-        check_source("--input", args.input)
     request = prepare_prediction(
         run, args.input, name=args.name, step=args.step,
         chunk_rows=DEFAULT_CHUNK_ROWS if args.chunk_rows is None else args.chunk_rows,
-        batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
+        batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size,
+        cfg=cfg)
     hint = f"enn-submit collect {run.path} --name {request.name} --out FILE.npy"
     if request.complete:
         print(f"prediction {request.name} is already complete; assemble it with: {hint}",
@@ -66,7 +62,7 @@ def cmd_predict(args) -> int:
         print(request.name)
         return 0
     code = launch_from_flags(args, run, "predict", shape, restarts, name=request.name,
-                      step=request.step)
+                             step=request.step, cfg=cfg)
     if args.cluster == "local":  # on Slurm, stdout carries the job id
         if code == 0:
             print(f"prediction {request.name} committed; assemble it with: {hint}",

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -42,6 +44,42 @@ def load_flagged_config(config: Optional[str], overrides: list, site: Optional[s
         if site_root and "runs_root" not in (read_yaml(config) if config else {}):
             verbatim["runs_root"] = site_root
     return load_config(config, overrides, verbatim)
+
+
+def checked_shape(cfg, nodes, gpus_per_node: Optional[int], procs_per_node: Optional[int], *,
+                  local: bool) -> "LaunchShape":
+    """The shape asked for (the CLI's flags, the API's `cluster=` dict); a local run's also
+    checked against this machine."""
+    from enn_cluster.client.prepare import shape_from_flags
+
+    shape = shape_from_flags(cfg, nodes, gpus_per_node, procs_per_node)
+    if local:
+        check_local_capacity(shape, procs_per_node is not None)
+    return shape
+
+
+def create_train_run(cfg, shape: "LaunchShape", restarts: int, slurm: Optional[SlurmRequest],
+                     arrays: Optional[dict] = None, populate_extra=None):
+    """A new run for `train`: a job Slurm cannot take is refused before anything is written,
+    then the run directory with its staged data. Returns (run, the config frozen into it,
+    the JobSpec built for Slurm or None)."""
+    from enn_cluster.client.prepare import prepare_run_and_config
+
+    spec = check_slurm_spec(slurm, cfg, "train", shape, restarts) if slurm is not None else None
+    run, frozen = prepare_run_and_config(cfg, shape, arrays=arrays, populate_extra=populate_extra)
+    return run, frozen, spec
+
+
+@contextmanager
+def removed_if_never_run(run: RunDir):
+    """Around the first submit of a run the command itself made: when sbatch refuses it, the
+    run never ran, and the command leaves nothing behind (refused as a whole)."""
+    try:
+        yield
+    except UserError:
+        if not run.jobs():
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
 
 
 def max_restarts(requested: Optional[int], cfg) -> int:

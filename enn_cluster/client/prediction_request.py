@@ -98,6 +98,19 @@ def _check_input(entry: dict, run: RunDir) -> None:
         raise UserError("--input: has no rows")
 
 
+def check_prediction_inputs(run: RunDir, cfg, source: Any) -> None:
+    """What both front ends check before anything of a prediction is written: the run's
+    control files readable, its model importable here, a named input file usable (an array
+    from the API is judged when staged)."""
+    from enn_cluster.client.launching import check_control_files
+    from enn_cluster.client.prepare import check_model_importable
+
+    check_control_files(run)
+    check_model_importable(cfg.model.name)
+    if isinstance(source, str):
+        check_source("--input", source)
+
+
 def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] = None,
                        step: Optional[int] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                        batch_size: int = DEFAULT_BATCH_SIZE, cfg=None) -> PredictionRequest:
