@@ -41,12 +41,15 @@ class NonFiniteWatch:
 
     def count(self) -> torch.Tensor:
         """Non-finite elements per gradient shard (device tensor), taken before clipping:
-        a clip by a non-finite norm turns every gradient element NaN."""
+        a clip by a non-finite norm turns every gradient element NaN. Counted as the
+        non-zeros of `grad * 0` (0 where finite, NaN where not): two passes with one float
+        temporary, where `(~isfinite()).sum()` took three with two, the largest per-step
+        cost of our own on CPU (bench/README, overhead)."""
         zero = torch.zeros((), dtype=torch.int64, device=self.counts.device)
         if not self.params:
             return self.counts
-        return torch.stack([(~_local(p.grad).isfinite()).sum() if p.grad is not None else zero
-                            for p in self.params])
+        return torch.stack([torch.count_nonzero(_local(p.grad) * 0) if p.grad is not None
+                            else zero for p in self.params])
 
     def observe(self, step: int, rows: list[np.ndarray], counts: torch.Tensor,
                 finite: torch.Tensor, lr: float, grad_norm: torch.Tensor,
