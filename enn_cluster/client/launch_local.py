@@ -104,18 +104,20 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
     """Run the worker on nodes x procs_per_node local processes; return the job's exit code.
     A failed attempt is restarted up to `max_restarts` times, unless a worker refused its
     input (exit 2) or a signal stopped the launcher."""
+    worker_env = {
+        SIM_NODES_VAR: str(nodes),
+        "PYTHONPATH": caller_pythonpath(sys.path, tuple({sys.prefix, sys.base_prefix,
+                                                          sys.exec_prefix}),
+                                        os.environ.get("PYTHONPATH", "")),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        LOCK_HELD_VAR: "1",  # run_local holds the run lock for them
+        LAUNCHER_PID_VAR: str(os.getpid()),  # they die with us (worker.die_with_launcher)
+        LAUNCH_ID_VAR: launch_id}
+    args = worker_args(run_dir, task, name, step)
     code = 0
     for attempt in range(max_restarts + 1):
-        code = _attempt(run_dir, task, nodes * procs_per_node, {
-            SIM_NODES_VAR: str(nodes),
-            "PYTHONPATH": caller_pythonpath(sys.path, tuple({sys.prefix, sys.base_prefix,
-                                                              sys.exec_prefix}),
-                                            os.environ.get("PYTHONPATH", "")),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            LOCK_HELD_VAR: "1",  # run_local holds the run lock for them
-            LAUNCHER_PID_VAR: str(os.getpid()),  # they die with us (worker.die_with_launcher)
-            LAUNCH_ID_VAR: launch_id,
-            ATTEMPT_VAR: str(attempt)}, worker_args(run_dir, task, name, step))
+        code = _attempt(run_dir, nodes * procs_per_node,
+                        {**worker_env, ATTEMPT_VAR: str(attempt)}, args)
         if not retried(code):
             return code
         if attempt < max_restarts:
@@ -139,7 +141,7 @@ def failure_code(exit_codes: list[int]) -> int:
     return first if first > 0 else 1
 
 
-def _attempt(run_dir: str, task: str, nprocs: int, worker_env: dict, args: list[str]) -> int:
+def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str]) -> int:
     """One elastic launch of the whole group, with no restart of its own."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

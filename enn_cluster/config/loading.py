@@ -112,22 +112,21 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def _deepcopy(data: Any) -> Any:
+def _map_leaves(data: Any, leaf) -> Any:
+    """A copy of nested dicts and lists with `leaf` applied to every other value."""
     if isinstance(data, dict):
-        return {k: _deepcopy(v) for k, v in data.items()}
+        return {k: _map_leaves(v, leaf) for k, v in data.items()}
     if isinstance(data, list):
-        return [_deepcopy(v) for v in data]
-    return data
+        return [_map_leaves(v, leaf) for v in data]
+    return leaf(data)
+
+
+def _deepcopy(data: Any) -> Any:
+    return _map_leaves(data, lambda v: v)
 
 
 def _fix_yaml_floats(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _fix_yaml_floats(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_fix_yaml_floats(v) for v in data]
-    if isinstance(data, str) and _looks_float(data):
-        return float(data)
-    return data
+    return _map_leaves(data, lambda v: float(v) if isinstance(v, str) and _looks_float(v) else v)
 
 
 def config_from_dict(data: Any) -> RunConfig:
