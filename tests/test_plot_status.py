@@ -1,12 +1,13 @@
 """`enn-submit status --follow` on a live run, and `enn-submit plot` marking a restart."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 
-from enn_cluster.storage.metrics import read_metrics
+from enn_cluster.storage.metrics import read_metrics, scan_metrics
 from enn_cluster.client.plot import plot_series
 from helpers import ROOT, cli, small_config, write_config
 
@@ -73,3 +74,27 @@ def test_status_knows_slurm_jobs_that_only_left_worker_logs():
     jobs = with_unrecorded_slurm_jobs(recorded, dirs)
     assert [(j["job_id"], j["time"]) for j in jobs] == [("7", 5.0), ("5", 10.0), ("9", 30.0)]
     assert with_unrecorded_slurm_jobs(recorded, [("slurm-5-r1", 50.0)]) == recorded
+
+
+def test_a_metrics_file_read_while_it_grows_never_looks_damaged(tmp_path):
+    """status --follow reads while rank 0 appends: a line still being written is neither a
+    record nor damage; a complete line that holds no record is damage."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("")
+    line = '{"kind": "train", "step": 1, "loss": 0.5}\n'
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "with open(sys.argv[1], 'a') as fh:\n"
+        "    for n in range(40):\n"
+        "        for ch in sys.argv[2]:\n"
+        "            fh.write(ch); fh.flush(); time.sleep(0.0005)\n"), str(path), line])
+    scans = []
+    while writer.poll() is None:
+        scans.append(scan_metrics(path))
+    assert writer.wait() == 0
+    assert len(scans) > 10
+    assert all(unreadable == 0 for _, unreadable in scans)
+    assert [len(records) for records, _ in scans] == sorted(len(r) for r, _ in scans)
+    assert scan_metrics(path) == ([json.loads(line)] * 40, 0)
+    path.write_text(line + '{"kind": "train", "step": "x"}\n{"kind": "tr')
+    assert scan_metrics(path) == ([json.loads(line)], 1)

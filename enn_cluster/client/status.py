@@ -10,16 +10,16 @@ from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import oom_record
 from enn_cluster.storage.attempts import attempt_dirs
-from enn_cluster.storage.metrics import read_metrics
+from enn_cluster.storage.metrics import scan_metrics
 from enn_cluster.storage.rundir import RunDir, read_lock
 
 
 def run_status(path: Path, verified: Optional[dict] = None) -> dict:
     """`verified`: checksum results to reuse between calls (status --follow)."""
     run = RunDir(Path(path))
-    last_train, last_eval, resumes, start, records = None, None, 0, None, 0
-    for rec in read_metrics(run.metrics):
-        records += 1
+    last_train, last_eval, resumes, start = None, None, 0, None
+    found, unreadable = scan_metrics(run.metrics)
+    for rec in found:
         kind = rec.get("kind")
         if kind == "train":
             last_train = rec
@@ -29,7 +29,7 @@ def run_status(path: Path, verified: Optional[dict] = None) -> dict:
             resumes += 1
         elif kind == "start":
             start = rec
-    if not records and run.metrics.is_file() and run.metrics.stat().st_size:
+    if not found and unreadable:
         raise UserError(f"{run.metrics}: no readable record in it (a run writes JSON lines "
                         "there); it is damaged: move it aside to see the rest of the status")
     jobs = with_unrecorded_slurm_jobs(run.jobs(), _slurm_log_dirs(run))

@@ -55,19 +55,39 @@ class MetricsLog:
             self._fh = None
 
 
-def read_metrics(path: Path, kind: Optional[str] = None) -> Iterator[dict]:
+def scan_metrics(path: Path) -> tuple[list[dict], int]:
+    """Every record in `path`, and how many complete lines hold none. The file is read once,
+    so a run appending while it is read cannot make it look damaged (a stat after the read
+    could see a line the read did not); a last line with no newline yet is never counted."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by a crash (or bytes that are not UTF-8)
-                if not isinstance(record, dict) or type(record.get("step", 0)) is not int:
-                    continue  # not a record rank 0 wrote
-                if kind is None or record.get("kind") == kind:
-                    yield record
+        data = Path(path).read_bytes()
     except FileNotFoundError:
-        return
+        return [], 0
+    lines = data.split(b"\n")
+    records, unreadable = [], 0
+    for i, raw in enumerate(lines):
+        line = raw.decode("utf-8", errors="replace")
+        if not line.strip():
+            continue
+        record = _record(line)
+        if record is not None:
+            records.append(record)
+        elif i < len(lines) - 1:  # complete, yet not a record: damage, not a write in flight
+            unreadable += 1
+    return records, unreadable
+
+
+def _record(line: str) -> Optional[dict]:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None  # a line cut by a crash (or bytes that are not UTF-8)
+    if not isinstance(record, dict) or type(record.get("step", 0)) is not int:
+        return None  # not a record rank 0 wrote
+    return record
+
+
+def read_metrics(path: Path, kind: Optional[str] = None) -> Iterator[dict]:
+    for record in scan_metrics(path)[0]:
+        if kind is None or record.get("kind") == kind:
+            yield record
