@@ -17,16 +17,21 @@ STEPS = 60
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("whole")
     cfg = write_config(tmp / "run.yaml", **small_config(
         tmp, "whole", training={"max_steps": STEPS}, checkpoint={"every_steps": 1000}))
     assert cli("train", "--config", cfg).returncode == 0
-    return full_params(tmp / "runs" / "whole" / "checkpoints" / f"step-{STEPS}")
+    return tmp / "runs" / "whole"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
-def test_signal_checkpoints_and_resume_is_exact(uninterrupted, tmp_path, sig):
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return full_params(uninterrupted_run / "checkpoints" / f"step-{STEPS}")
+
+
+def _stopped_by(sig, tmp_path):
+    """Train at 4 ranks and send `sig` to the launcher after step 15: (run, stop step)."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "pre", training={"max_steps": STEPS}, checkpoint={"every_steps": 1000}))
     run = tmp_path / "runs" / "pre"
@@ -43,7 +48,12 @@ def test_signal_checkpoints_and_resume_is_exact(uninterrupted, tmp_path, sig):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]
     assert time.time() - sent_at < 30
-    stop = metrics(run, "checkpoint")[-1]["step"]
+    return run, metrics(run, "checkpoint")[-1]["step"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
+def test_signal_checkpoints_and_resume_is_exact(uninterrupted, tmp_path, sig):
+    run, stop = _stopped_by(sig, tmp_path)
     assert 15 <= stop < STEPS
     assert metrics(run, "train")[-1]["step"] == stop  # nothing past the step boundary is lost
     assert cli("verify", run).returncode == 0
@@ -56,6 +66,28 @@ def test_signal_checkpoints_and_resume_is_exact(uninterrupted, tmp_path, sig):
     ours = full_params(run / "checkpoints" / f"step-{STEPS}")
     for key, value in uninterrupted.items():
         assert (ours[key] == value).all(), key
+
+
+def test_a_stop_resumed_at_another_world_size_matches_the_uninterrupted_run(
+        uninterrupted_run, tmp_path):
+    """Issue 18: a run stopped (USR2) at 4 ranks and resumed at 2 takes the same steps
+    with exactly the same learning rates, losses within float tolerance and the same
+    final weights within tolerance as the run that went through at 4."""
+    run, stop = _stopped_by(signal.SIGUSR2, tmp_path)
+    res = cli("resume", run, "--nodes", "1", "--procs-per-node", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resume = metrics(run, "resume")[-1]
+    assert (resume["step"], resume["world_size"], resume["from_world"]) == (stop, 2, 4)
+    ours = {r["step"]: r for r in metrics(run, "train")}
+    theirs = {r["step"]: r for r in metrics(uninterrupted_run, "train")}
+    assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
+    for step in theirs:
+        assert ours[step]["lr"] == theirs[step]["lr"], step
+        assert ours[step]["loss"] == pytest.approx(theirs[step]["loss"], rel=1e-2, abs=1e-5), step
+    mine = full_params(run / "checkpoints" / f"step-{STEPS}")
+    base = full_params(uninterrupted_run / "checkpoints" / f"step-{STEPS}")
+    for key in base:
+        assert (mine[key] - base[key]).norm() <= 1e-2 * base[key].norm(), key
 
 
 def test_second_job_on_a_live_run_is_refused(tmp_path):

@@ -146,3 +146,26 @@ def test_two_clients_racing_resume_submit_one_job(slurm_cluster, tmp_path):
 def _jobs(run) -> list[dict]:
     lines = (run / "jobs.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_a_rank_refusing_its_input_alone_is_never_requeued(slurm_cluster, tmp_path):
+    """Issue 18, exit codes: rank 1 alone runs out of memory at micro-batch 1 (a fault hook
+    raises torch.OutOfMemoryError on CPU), which is bad input: exit 2, never retried. Its
+    peer waits in a collective, so srun's --kill-on-bad-exit terminates it and srun returns
+    143, not 2; the rank's refusal marker, not srun's code, keeps the host-side trap from
+    requeueing, though --max-restarts allows 3."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "refused", training={"oom_at_step": 2, "fail_rank": 1,
+                                       "per_device_train_batch_size": 1}))
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "1", "--gpus-per-node", "0",
+                  "--procs-per-node", "2", "--max-restarts", "3")
+    assert slurm_cluster.wait_job(job, ("FAILED",), timeout=180) == "FAILED"
+    _, text = slurm_cluster.job_state(job)
+    assert "Restarts=0" in text, text
+    run = tmp_path / "runs" / "refused"
+    (event,) = json.loads((run / "oom.json").read_text())["events"]
+    assert (event["rank"], event["micro_batch"]) == (1, 1)
+    batch_log = (run / "slurm" / job / f"{job}_0_log.err").read_text()
+    assert f"enn: job {job} refused its input (exit 2), not requeueing: out of memory at " \
+           "step 2 on rank 1 with micro-batch 1" in batch_log, batch_log[-3000:]
+    assert "srun: error" in batch_log and "requeueing job" not in batch_log, batch_log[-3000:]

@@ -8,6 +8,7 @@ Layout of `<runs_root>/<run_name>/`:
   logs/                  per-attempt, per-rank logs
   jobs.jsonl             every launch (local or Slurm job id)
   requeue/<job id>       marker: the host batch script should requeue this job
+  requeue/refused-<job>  a rank refused its input (exit 2): never requeue this job
   predictions/<name>/    prediction chunks + manifest
   run.lock               who is writing this run now
 """

@@ -253,15 +253,32 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
     die_with_launcher(os.environ)
     from enn_cluster.worker.lanes import PortTaken
 
-    under_slurm = detect_launcher(os.environ) == "slurm"
+    slurm_job = os.environ.get("SLURM_JOB_ID") if detect_launcher(os.environ) == "slurm" else None
     try:
-        return slurm_exit_code(run_task(run_dir, task, name, step), under_slurm)
+        return slurm_exit_code(run_task(run_dir, task, name, step), slurm_job is not None)
     except UserError as exc:
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
+        if slurm_job and slurm_job.isdigit():
+            record_refusal(run_dir, slurm_job, str(exc))
         return EXIT_USER
     except PortTaken as exc:  # retried (the host side probes again), unlike bad input
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+
+
+def record_refusal(run_dir: str, job_id: str, message: str) -> None:
+    """RUN/requeue/refused-JOBID: the host-side trap never requeues a job whose input a
+    rank refused. srun's own exit code cannot say so: when one rank exits 2 first,
+    --kill-on-bad-exit terminates its peers and srun returns 143, which reads as a failure
+    to retry. A run directory that cannot hold the file leaves srun's code to decide."""
+    from enn_cluster.storage.rundir import atomic_write_text
+
+    try:
+        folder = Path(run_dir) / "requeue"
+        if folder.is_dir():
+            atomic_write_text(folder / f"refused-{job_id}", " ".join(message.split())[:400] + "\n")
+    except OSError as exc:
+        print(f"enn_cluster worker: could not record the refusal: {exc}", file=sys.stderr)
 
 
 def slurm_exit_code(code: int, under_slurm: bool) -> int:

@@ -18,17 +18,23 @@ if [ -z "${MASTER_PORT:-}" ] && enn_digits "${SLURM_JOB_ID:-}"; then
 fi
 # Requeue from the host: inside a Pyxis container `scontrol` is missing. When srun returns,
 # this EXIT trap requeues the job (it resumes from the newest complete checkpoint):
+# - a worker refused its input (exit 2) and left RUN_DIR/requeue/refused-JOB_ID: never,
+#   whatever srun returns (a peer that --kill-on-bad-exit terminated makes it 143);
 # - a worker stopped by USR2/TERM checkpointed and left RUN_DIR/requeue/JOB_ID: always;
 # - the step failed (a rank died; not exit 2, bad input): at most ENN_MAX_RESTARTS times.
 enn_requeue_if_asked() {
-  local rc=$? marker failures_file failures=0 why
+  local rc=$? marker refused failures_file failures=0 why
   if ! enn_digits "${SLURM_JOB_ID:-}" || ! enn_digits "${ENN_MAX_RESTARTS:-}"; then
     echo "enn: SLURM_JOB_ID or ENN_MAX_RESTARTS is not a whole number; not requeueing" >&2
     return 0
   fi
   marker="$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
+  refused="$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID"
   failures_file="$ENN_RUN_DIR/requeue/failures-$SLURM_JOB_ID"
-  if [ -e "$marker" ]; then
+  if [ -e "$refused" ]; then
+    echo "enn: job $SLURM_JOB_ID refused its input (exit 2), not requeueing: $(head -n 1 -- "$refused" | head -c 400)" >&2
+    return 0
+  elif [ -e "$marker" ]; then
     rm -f -- "$marker"
     why="stopped with a checkpoint"
   elif [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ]; then
@@ -67,9 +73,9 @@ trap enn_requeue_if_asked EXIT
 # Slurm's warning (--signal=B:USR2@N) and `scancel --batch --signal=USR2 JOB` reach this
 # shell only; the trap records RUN_DIR/requeue/stop-JOB_ID, which rank 0 polls every step.
 # What an earlier attempt of this job id left (a Slurm-side requeue kills this shell before
-# its EXIT trap runs) must neither stop nor requeue this attempt.
+# its EXIT trap runs) must neither stop this attempt nor decide its requeue.
 enn_stop_file="$ENN_RUN_DIR/requeue/stop-$SLURM_JOB_ID"
-rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
+rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID"
 enn_request_stop() {
   mkdir -p -- "$ENN_RUN_DIR/requeue" && date +%s > "$enn_stop_file"
   echo "enn: USR2: asked the workers to checkpoint and stop" >&2
