@@ -8,6 +8,7 @@ import pytest
 from helpers import cli, small_config, write_config
 
 from enn_cluster.storage import backend_report as br
+from enn_cluster.worker.placement import parse_cpulist
 
 IB_LOG = [
     "node1:4242:4242 [0] NCCL INFO NCCL version 2.21.5+cuda12.4",
@@ -59,6 +60,19 @@ def test_expected_fabric_and_mismatch_warnings():
     assert lines[1] == "warning: rank 3: " + warning
 
 
+def test_placement_is_summarised_and_one_cpu_per_gpu_warned():
+    def rank(r, cpus, by="plan"):
+        return {"rank": r, "device": "cuda:0", "placement": {
+            "cpus": "0-11", "cpu_count": cpus, "threads": cpus, "bound_by": by}}
+    lines = br.summarize([rank(0, 12), rank(1, 12), rank(2, 1, "launcher")])
+    assert lines[1] == ("placement: 1 rank(s) with 1 CPUs, 1 threads, bound by launcher; "
+                        "2 rank(s) with 12 CPUs, 12 threads, bound by plan")
+    assert lines[2:] == ["warning: rank 2: the rank has 1 CPU for its GPU (loader, NCCL "
+                         "proxy, checkpoint thread share it): no CPUs per task reached srun; "
+                         "see docs/admin.md#first-run-on-a-new-cluster"]
+    assert br.mismatches(dict(rank(0, 1), device="cpu")) == []  # a CPU rank: one is fine
+
+
 def test_nccl_debug_of_the_job_is_left_alone(tmp_path):
     env = br.nccl_log_env(tmp_path, 2, {})
     assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_FILE"].endswith("nccl-rank-2.log")
@@ -80,8 +94,16 @@ def test_cpu_run_reports_gloo_lanes_and_status_shows_them(tmp_path):
         assert rep["bf16"] is False and rep["compile"] is False
         assert rep["nccl_version"] is None and rep["expected_fabric"] is None
         assert set(rep["sdpa"]) == {"flash", "mem_efficient", "cudnn", "math"}
+        placed = rep["placement"]  # as the rank's placement line says
+        assert placed["device"] is None and placed["numa"] is None
+        assert placed["cpu_count"] == len(parse_cpulist(placed["cpus"])) >= 1
+        assert placed["threads"] >= 1 and placed["bound_by"] in ("none", "launcher")
+        log = (path.parent / f"rank-{rank}.log").read_text()
+        assert (f"cpus {placed['cpus']} ({placed['cpu_count']}) threads {placed['threads']} "
+                f"bound-by {placed['bound_by']}") in log
     status = cli("status", run)
     assert status.returncode == 0, status.stderr
     assert ("backends:        cpu (2 rank(s)); lanes: accelerator gloo, checkpoint gloo, "
             "control gloo; bf16 off; compile off; SDPA ") in status.stdout
+    assert "                 placement: 2 rank(s) with " in status.stdout
     assert "warning" not in status.stdout

@@ -1,5 +1,6 @@
 """What actually runs on each rank: device, lane backends, NCCL version and transport,
-SDPA backends, bf16, compile, and the fabric the site expected.
+SDPA backends, bf16, compile, the fabric the site expected, and the rank's placement
+(its CPUs, threads and GPU, worker/placement.Placement.report).
 
 Why: a job that silently runs NCCL over TCP on an EFA cluster, or fp32 where bf16 was
 meant, is only slow; nothing fails. Each rank writes `backend-rank-R.json` into its
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
@@ -78,6 +80,10 @@ def mismatches(report: Mapping) -> list[str]:
                        "was set by the job, so its log went elsewhere)")
         if report.get("bf16") and not report.get("bf16_supported"):
             out.append("training.bf16 is on but this GPU has no bf16 support")
+        if (report.get("placement") or {}).get("cpu_count") == 1:
+            out.append("the rank has 1 CPU for its GPU (loader, NCCL proxy, checkpoint "
+                       "thread share it): no CPUs per task reached srun; see "
+                       "docs/admin.md#first-run-on-a-new-cluster")
     elif report.get("gpus_requested"):
         out.append(f"{report['gpus_requested']} GPUs per node were requested but the rank "
                    "runs on the CPU (a CPU-only torch build?)")
@@ -99,7 +105,18 @@ def summarize(reports: list[Mapping]) -> list[str]:
     line += (f"; bf16 {'on' if first.get('bf16') else 'off'}; compile "
              f"{'on' if first.get('compile') else 'off'}; SDPA {'+'.join(sdpa) or 'none'}")
     warnings = sorted({f"rank {r.get('rank')}: {w}" for r in reports for w in mismatches(r)})
-    return [line] + [f"warning: {w}" for w in warnings]
+    placed = placement_summary(reports)
+    return [line] + ([placed] if placed else []) + [f"warning: {w}" for w in warnings]
+
+
+def placement_summary(reports: list[Mapping]) -> Optional[str]:
+    """Where the ranks run, ranks that got alike grouped: 'placement: 8 rank(s) with 12
+    CPUs, 12 threads, bound by plan' (each rank's CPUs are in its report)."""
+    groups = Counter((p["cpu_count"], p["threads"], p["bound_by"])
+                     for r in reports if (p := r.get("placement")))
+    return "placement: " + "; ".join(
+        f"{n} rank(s) with {c} CPUs, {t} threads, bound by {by}"
+        for (c, t, by), n in sorted(groups.items())) if groups else None
 
 
 def read_reports(log_dir: Path) -> list[dict]:

@@ -3,7 +3,8 @@
     python -m enn_cluster.worker RUN_DIR --task train
     python -m enn_cluster.worker RUN_DIR --task predict --name NAME
 
-Flow: clean env -> discover rank/world/master -> NCCL profile (GPU) -> lanes -> task.
+Flow: clean env -> discover rank/world/master -> NCCL profile (GPU) -> device and CPU
+placement -> lanes -> task.
 Exit codes: 0 done, 2 bad input, 75 stopped with a checkpoint ("requeue me"; under Slurm 0,
 the requeue marker says it), 1 failure.
 """
@@ -145,7 +146,7 @@ def record_exit(run: RunDir, env, task: str, code: int) -> None:
 def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[int]) -> int:
     import torch
 
-    from enn_cluster.worker.lanes import close_lanes, open_lanes
+    from enn_cluster.worker.lanes import close_lanes, lane_device, open_lanes
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     log_dir = _setup_logging(run, env)
@@ -155,11 +156,13 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
         os.environ.update(backend_report.nccl_log_env(log_dir, env.rank, os.environ))
     from enn_cluster.worker.worker_lock import hold_run_lock
 
+    device = lane_device(env)
+    placed = place_task(env, device)  # before the lanes: their threads inherit the binding
+    log.info(placed.line())
     lanes = open_lanes(env, cfg.parallel.timeout_s, cfg.parallel.rendezvous_timeout_s,
-                       cfg.checkpoint.barrier_timeout_s)
+                       cfg.checkpoint.barrier_timeout_s, device=device)
     try:
-        log.info(place_task(env, lanes.device))
-        _report_backends(log_dir, cfg, env, lanes)
+        _report_backends(log_dir, cfg, env, lanes, placed)
         with hold_run_lock(run, env, lanes, task):
             if task == "train":
                 return _train(run, cfg, env, lanes)
@@ -171,7 +174,7 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
         close_lanes()
 
 
-def _report_backends(log_dir: Path, cfg, env, lanes) -> None:
+def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
     """backend-rank-R.json: what runs here, for status and doctor; mismatches are logged."""
     import torch.distributed as dist
 
@@ -183,6 +186,7 @@ def _report_backends(log_dir: Path, cfg, env, lanes) -> None:
     nccl_log = log_dir / backend_report.NCCL_LOG_NAME.format(rank=env.rank)
     report = backend_report.gather(env.rank, lanes.device, backends,
                                    use_bf16(cfg, lanes.device), os.environ, nccl_log)
+    report["placement"] = placed.report()
     backend_report.write_report(log_dir, report)
     for line in backend_report.mismatches(report):
         log.warning("backend: %s", line)

@@ -9,11 +9,12 @@ Every collective has the configured timeout: a dead peer ends the job, it never 
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from enn_cluster.errors import UserError
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.placement import choose_device, device_clashes
+
+FAULT_DEVICE_ID = "ENN_FAULT_DEVICE_ID"  # tests: every rank claims this device (device_claim)
 
 
 @dataclass
@@ -94,32 +97,41 @@ class PortTaken(RuntimeError):
     """Rank 0 could not listen on the rendezvous port: a failure the retry can mend."""
 
 
+def lane_device(env: WorkerEnv) -> torch.device:
+    """The device this rank drives, from what is visible and its local rank alone (no
+    process group yet), so the worker can place itself before any group starts a thread.
+    Never cuda:LOCAL_RANK blindly: Slurm may show a task 1 or 4 GPUs."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", choose_device(env.local_rank, env.local_world_size,
+                                              torch.cuda.device_count()))
+
+
 def open_lanes(env: WorkerEnv, timeout_s: float, rendezvous_s: float = 0.0,
-               barrier_s: float = 0.0) -> Lanes:
+               barrier_s: float = 0.0, device: Optional[torch.device] = None) -> Lanes:
     """`timeout_s`: the accelerator lane's collectives; `rendezvous_s`: ranks meeting at
-    start; `barrier_s`: the control and checkpoint lanes (checkpoint barriers). 0: timeout_s."""
-    use_cuda = torch.cuda.is_available()
+    start; `barrier_s`: the control and checkpoint lanes (checkpoint barriers). 0: timeout_s.
+    `device`: lane_device's choice unless given. Ranks sharing a GPU are refused before
+    the accelerator lane exists (check_devices)."""
+    device = device or lane_device(env)
     timeout = timedelta(seconds=timeout_s)
     store = rendezvous_store(env, timedelta(seconds=rendezvous_s or timeout_s))
+    claim = device_claim(device)
+    if claim is not None:
+        check_devices(store, env.rank, env.world_size, claim)
     common = dict(store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    if use_cuda:  # never cuda:LOCAL_RANK blindly: Slurm may show a task 1 or 4 GPUs
-        device = torch.device("cuda", choose_device(env.local_rank, env.local_world_size,
-                                                    torch.cuda.device_count()))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=device, **common)
     else:
-        device = torch.device("cpu")
         dist.init_process_group(backend="gloo", **common)
     barrier = timedelta(seconds=barrier_s or timeout_s)
     control = dist.new_group(backend="gloo", timeout=barrier)
     # An async save runs its collectives in a writer thread; sharing the control lane with
     # the training loop's per-step decisions would interleave two collectives on one group.
     checkpoint = dist.new_group(backend="gloo", timeout=barrier)
-    lanes = Lanes(control=control, checkpoint=checkpoint, device=device, rank=env.rank,
-                  world_size=env.world_size)
-    if use_cuda:
-        check_devices(lanes, device_id(device))
-    return lanes
+    return Lanes(control=control, checkpoint=checkpoint, device=device, rank=env.rank,
+                 world_size=env.world_size)
 
 
 def device_id(device: torch.device) -> str:
@@ -127,15 +139,41 @@ def device_id(device: torch.device) -> str:
     return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
-def check_devices(lanes: Lanes, device: str) -> None:
-    """Refuse to train when two ranks of a node drive one GPU (all ranks raise alike)."""
-    claims = lanes.gather_objects((socket.gethostname(), device))
-    clashes = device_clashes(claims)
-    if clashes:
-        where, ranks = next(iter(clashes.items()))
-        raise UserError(f"devices: ranks {', '.join(map(str, ranks))} share {where}; give "
-                        "each task its own GPU (one task per GPU with --gpus-per-task=1 or "
-                        "--gpu-bind=single:1, or fix CUDA_VISIBLE_DEVICES)")
+def device_claim(device: torch.device) -> Optional[str]:
+    """The physical device this rank claims (None on CPU: nothing to share). Tests name one
+    in FAULT_DEVICE_ID, as two ranks on one GPU would claim it, to refuse a CPU run."""
+    if os.environ.get(FAULT_DEVICE_ID):
+        return os.environ[FAULT_DEVICE_ID]
+    return device_id(device) if device.type == "cuda" else None
+
+
+def check_devices(store, rank: int, world_size: int, device: str) -> None:
+    """Refuse to train when two ranks of a node drive one GPU, over the rendezvous store
+    before any process group: NCCL's eager init would otherwise fail first with its own
+    'Duplicate GPU detected', a failure that is retried, not this line (exit 2). Every
+    rank posts its claim, rank 0 judges, and every rank raises alike."""
+    store.set(f"devices/{rank}", json.dumps([socket.gethostname(), device]))
+    if rank == 0:
+        keys = [f"devices/{r}" for r in range(world_size)]
+        store.wait(keys)
+        clashes = device_clashes([tuple(json.loads(v)) for v in store.multi_get(keys)])
+        store.set("devices/refusal", _refusal(clashes))
+    refusal = store.get("devices/refusal").decode()
+    if refusal:  # rank 0 may host the store: it leaves once every rank has read this
+        if store.add("devices/refused", 1) == world_size:
+            store.set("devices/all-refused", "1")
+        if rank == 0:
+            store.wait(["devices/all-refused"])
+        raise UserError(refusal)
+
+
+def _refusal(clashes: dict[str, list[int]]) -> str:
+    if not clashes:
+        return ""
+    where, ranks = next(iter(clashes.items()))
+    return (f"devices: ranks {', '.join(map(str, ranks))} share {where}; give each task its "
+            "own GPU (one task per GPU with --gpus-per-task=1 or --gpu-bind=single:1, or "
+            "fix CUDA_VISIBLE_DEVICES)")
 
 
 def close_lanes() -> None:

@@ -4,12 +4,14 @@ Why: under srun every task starts with whatever CPUs and GPUs Slurm's binding ga
 (`--cpus-per-task`, `--cpu-bind`, `--gpus-per-task`, `--gpu-bind=closest|single:1`), or
 with the whole node when nothing is bound. The decisions here are pure functions of what
 the process sees (its affinity, the visible devices, the node's NUMA layout); the worker
-applies them once and logs one line per rank saying what it got.
+applies them once, before any process group starts a thread, logs one line per rank saying
+what it got and keeps the same in the rank's backend report.
 """
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
@@ -155,12 +157,48 @@ def affinity() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def bind_threads(cpus: Sequence[int], task_dir: str = "/proc/self/task") -> None:
+    """Bind every thread of this process to `cpus`, not only the caller: sched_setaffinity(0)
+    binds the calling thread, and threads already running (CUDA's, a library's) would keep
+    the old mask. Rescans until no new thread shows up, since one started meanwhile by an
+    unbound thread inherits the old mask."""
+    bound: set[int] = set()
+    while new := {int(t) for t in os.listdir(task_dir)} - bound:
+        for tid in new:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+        bound |= new
+
+
 def describe(rank: int, local_rank: int, cpus: Sequence[int], threads: int, source: str,
              device: Optional[str] = None, numa: Optional[int] = None) -> str:
     """The one line each rank logs about its placement (docs/admin.md shows examples)."""
     gpu = f"gpu {device} numa {numa}" if device is not None else "gpu none"
     return (f"placement: rank {rank} local {local_rank} {gpu} cpus {format_cpulist(cpus)} "
             f"({len(cpus)}) threads {threads} bound-by {source}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one rank got: one log line, and the same in its backend report."""
+    rank: int
+    local_rank: int
+    cpus: tuple[int, ...]
+    threads: int
+    bound_by: str  # launcher (Slurm bound the task), plan (the worker did), none
+    device: Optional[str] = None  # 'cuda:1 of [0,1] (0000:9c:00.0)'; None on CPU
+    numa: Optional[int] = None  # the GPU's NUMA node (-1: the kernel does not know)
+
+    def line(self) -> str:
+        return describe(self.rank, self.local_rank, self.cpus, self.threads, self.bound_by,
+                        self.device, self.numa)
+
+    def report(self) -> dict:
+        return {"cpus": format_cpulist(self.cpus), "cpu_count": len(self.cpus),
+                "threads": self.threads, "bound_by": self.bound_by, "device": self.device,
+                "numa": self.numa}
 
 
 def cuda_bus_ids() -> list[str]:
@@ -177,11 +215,11 @@ def cuda_bus_ids() -> list[str]:
 
 
 def place_task(env, device, sysfs_root: str = "/sys",
-               bus_ids: Optional[Sequence[str]] = None) -> str:
-    """Bind this task's CPUs near its GPU when no launcher bound it, size torch's threads
-    to what it got, and return the log line saying so (one per rank); warn when a
-    launcher's binding sits on another NUMA node than the GPU. `bus_ids` (the visible
-    GPUs' PCI addresses) default to what CUDA reports."""
+               bus_ids: Optional[Sequence[str]] = None) -> Placement:
+    """Bind this task's CPUs near its GPU when no launcher bound it (every thread of the
+    process, so call it before the process groups start theirs), size torch's threads to
+    what it got, and say what it got; warn when a launcher's binding sits on another NUMA
+    node than the GPU. `bus_ids` (the visible GPUs' PCI addresses) default to CUDA's."""
     import torch
 
     cpus, online = affinity(), online_cpus(sysfs_root)
@@ -194,7 +232,7 @@ def place_task(env, device, sysfs_root: str = "/sys",
         rank_numa = [pci_numa_node(bus[choose_device(r, lw, len(bus))], sysfs_root)
                      for r in range(lw)]
         cpus = cpu_plan(env.local_rank, rank_numa, numa, cpus)
-        os.sched_setaffinity(0, cpus)
+        bind_threads(cpus)
         source = "plan"
     elif source == "launcher" and (warning := numa_mismatch(env.rank, str(device), node,
                                                              cpus, numa)):
@@ -205,4 +243,4 @@ def place_task(env, device, sysfs_root: str = "/sys",
     torch.set_num_threads(threads)
     visible = ",".join(visible_devices(os.environ, len(bus)))
     name = f"{device} of [{visible}] ({bus[device.index]})" if bus else None
-    return describe(env.rank, env.local_rank, cpus, threads, source, name, node)
+    return Placement(env.rank, env.local_rank, tuple(cpus), threads, source, name, node)
