@@ -4,19 +4,28 @@ reductions, as enn_cluster's parallel.wrap_model shards it (block by block, then
 
 MFU = achieved model FLOPs / peak: FLOPs per token = 6 N (forward + backward over the
 N non-embedding parameters) + 12 L d s (attention scores and values; PaLM, Chowdhery et al.
-2022, appendix B). Peak dense bf16 per GPU from the vendor data sheets: H100/H200 SXM 989
-TFLOP/s, A100 312; other GPUs need ENN_GPU_PEAK_TFLOPS. Published anchor: torchtitan,
-Llama-3.1-8B, 8 x H100, FSDP, bf16: 33-39 % MFU. Skips (a result, not an error) without CUDA.
+2022, appendix B). Peak dense bf16 per GPU from the vendor data sheets (PEAK_TFLOPS); on a
+GPU not in the table MFU is reported unknown (tokens/s still measured) unless
+ENN_GPU_PEAK_TFLOPS gives the peak. Published anchor: torchtitan, Llama-3.1-8B, 8 x H100,
+FSDP, bf16: 33-39 % MFU. Skips (a result, not an error) without CUDA.
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
+from typing import Mapping, Optional
 
 from .measure import BenchContext, Result, Series
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# Dense bf16 tensor-core TFLOP/s (the data sheets print twice these, "with sparsity"),
+# matched in order against torch.cuda.get_device_name, case-insensitively: the PCIe and
+# NVL boards before the bare name, which is the SXM part's ("NVIDIA H100 80GB HBM3").
+# H100 SXM 989 / PCIe 756 / NVL 835: NVIDIA H100 Tensor Core GPU data sheet; H200 SXM 989 /
+# NVL 835: NVIDIA H200 data sheet (GH200 matches H200: the same 989); A100 312 (SXM and
+# PCIe alike): NVIDIA A100 data sheet.
+PEAK_TFLOPS = (("H100 PCIE", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0),
+               ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
 
 
 @dataclass(frozen=True)
@@ -81,13 +90,13 @@ def build(shape: Shape):
     return Decoder()
 
 
-def peak_tflops(device_name: str) -> float:
-    if os.environ.get("ENN_GPU_PEAK_TFLOPS"):
-        return float(os.environ["ENN_GPU_PEAK_TFLOPS"])
-    for key, value in PEAK_TFLOPS.items():
-        if key in device_name:
-            return value
-    raise ValueError(f"no peak known for {device_name!r}: set ENN_GPU_PEAK_TFLOPS")
+def peak_tflops(device_name: str, environ: Mapping[str, str] = os.environ) -> Optional[float]:
+    """The GPU's dense bf16 peak: ENN_GPU_PEAK_TFLOPS, else the first PEAK_TFLOPS entry
+    in the device name; None when unknown (MFU is then reported unknown, not guessed)."""
+    if environ.get("ENN_GPU_PEAK_TFLOPS"):
+        return float(environ["ENN_GPU_PEAK_TFLOPS"])
+    name = device_name.upper()
+    return next((value for key, value in PEAK_TFLOPS if key in name), None)
 
 
 def _rank(rank: int, world: int, port: int, shape: Shape, steps: int, out: str) -> None:
@@ -128,7 +137,8 @@ def _rank(rank: int, world: int, port: int, shape: Shape, steps: int, out: str) 
     dist.destroy_process_group()
 
 
-def run(ctx: BenchContext) -> list[Result]:
+def run(ctx: BenchContext, shape: Optional[Shape] = None) -> list[Result]:
+    """`shape`: the model measured (default the ~1B decoder; the tests pass a tiny one)."""
     import torch
 
     name = "GPU tokens/s and MFU, ~1B decoder, FSDP2 (1 GPU) / HSDP (node), bf16"
@@ -138,9 +148,10 @@ def run(ctx: BenchContext) -> list[Result]:
 
     import torch.multiprocessing as mp
 
-    world, shape = torch.cuda.device_count(), Shape()
+    world, shape = torch.cuda.device_count(), shape or Shape()
+    device_name = torch.cuda.get_device_name(0)
     steps = 5 if ctx.quick else 20
-    peak = peak_tflops(torch.cuda.get_device_name(0))
+    peak = peak_tflops(device_name)
     tokens = Series("tokens/s (all GPUs)", "tokens/s")
     mfu = []
     for i in range(ctx.repeats):
@@ -151,8 +162,11 @@ def run(ctx: BenchContext) -> list[Result]:
         mp.spawn(_rank, args=(world, port, shape, steps, str(out)), nprocs=world, join=True)
         rate = float(out.read_text())
         tokens.values.append(rate)
-        mfu.append(rate * shape.flops_per_token() / (world * peak * 1e12))
+        if peak is not None:
+            mfu.append(rate * shape.flops_per_token() / (world * peak * 1e12))
+    peak_text = (f"peak {peak:.0f} TFLOP/s each; samples are MFU (fraction of peak)"
+                 if peak is not None else
+                 "MFU unknown: no peak known for this GPU (set ENN_GPU_PEAK_TFLOPS)")
     return [Result("gpu", name, samples=mfu, ours=tokens,
                    note=f"{shape.params() / 1e9:.2f} B non-embedding parameters, {world} x "
-                        f"{torch.cuda.get_device_name(0)}, peak {peak:.0f} TFLOP/s each; "
-                        "samples are MFU (fraction of peak)")]
+                        f"{device_name}, {peak_text}")]

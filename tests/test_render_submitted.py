@@ -10,8 +10,8 @@ FLAGS = ("--container", "none", "--time", "10", "--nodes", "1-2", "--gpus-per-no
          "--partition", "debug", "--max-restarts", "3")
 
 
-def _render(target, *extra) -> str:
-    res = cli("render", target, *FLAGS, *extra)
+def _render(target, *extra, env=None) -> str:
+    res = cli("render", target, *FLAGS, *extra, env=env)
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -49,12 +49,16 @@ def test_render_is_the_submitit_script_and_writes_nothing(tmp_path):
 
 
 def test_render_needs_no_slurm_and_submit_says_where_to_run(tmp_path):
-    """With no srun or sbatch on PATH, render prints the same script; train --cluster
-    slurm refuses in one line (exit 2) and leaves no run behind."""
+    """With no srun, sbatch or scontrol on PATH, render prints the script it prints where
+    Slurm cannot be asked (CPUs per task left to the job, one warning line says so); train
+    --cluster slurm refuses in one line (exit 2) and leaves no run behind."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "noslurm"))
     bare = cli("render", cfg, *FLAGS, env={"PATH": "/nonexistent"})
     assert bare.returncode == 0, bare.stderr
-    assert bare.stdout == _render(cfg)
+    assert bare.stdout == _render(cfg, env={"SLURM_CONF": "/nonexistent"})
+    (warning,) = bare.stderr.strip().splitlines()
+    assert "CPUs per task not sized from the nodes (no scontrol here" in warning, warning
+    assert "#SBATCH --cpus-per-task" not in bare.stdout
     res = cli("train", "--config", cfg, "--cluster", "slurm", *FLAGS,
               env={"PATH": "/nonexistent"})
     assert res.returncode == 2 and "no sbatch on this machine" in res.stderr

@@ -275,6 +275,18 @@ def test_admin_template_runs_from_environment_variables(stub, run_dir, image):
     assert stub.env["ENN_NCCL_PROFILE"] == "auto"
 
 
+@pytest.mark.parametrize("job_env,expected", [
+    ({"SLURM_CPUS_ON_NODE": "96"}, "12"),  # --exclusive (the template's): the node's 96 / 8
+    ({"SLURM_CPUS_ON_NODE": "48", "SLURM_CPUS_PER_TASK": "6"}, "6"),  # #SBATCH --cpus-per-task=6
+    ({"SLURM_CPUS_ON_NODE": "96", "SRUN_CPUS_PER_TASK": "3"}, "3"),  # the submitter's own
+])
+def test_admin_template_cpus_per_task(stub, run_dir, job_env, expected):
+    done = stub.run((TEMPLATES / "train.sbatch").read_text(), ENN_RUN_DIR=run_dir,
+                    ENN_GPUS_PER_NODE="8", **job_env)
+    assert done.returncode == 0, done.stderr
+    assert stub.env["SRUN_CPUS_PER_TASK"] == expected
+
+
 @pytest.mark.parametrize("cpus_per_task,preset,expected", [
     (None, None, "12"),  # 96 CPUs on the node / 8 tasks
     (10, None, "10"),  # --cpus-per-task or site.cpus_per_task

@@ -157,3 +157,23 @@ def test_wait_shows_state_and_reason_and_fails_fast_when_the_job_can_never_start
     assert f"Slurm job {job} can never start: Reason=PartitionConfig" in lines[-1], res.stderr
     state = slurm_cluster.wait_job(job, ("CANCELLED",), timeout=30)
     assert state == "CANCELLED"
+
+
+def test_cpus_per_task_are_the_node_cpus_over_its_tasks(slurm_cluster, tmp_path):
+    """Issue 16 item 2: a job that is not --exclusive and names no --cpus-per-task asks for
+    the node's CPUs / tasks, read from Slurm at submit: the dev nodes declare CPUs=4, so 2
+    CPU tasks get 2 each. Before, Slurm gave such a job one CPU per task and every task saw
+    SLURM_CPUS_PER_TASK=1 (SLURM_CPUS_ON_NODE=2 / 2 tasks)."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "cpus", training={"max_steps": 2}))
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "1", "--procs-per-node", "2",
+                  "--wait")
+    run = tmp_path / "runs" / "cpus"
+    script = next((run / "slurm").rglob(f"{job}_submission.sh")).read_text()
+    assert "#SBATCH --cpus-per-task=2" in script, script
+    assert "export SRUN_CPUS_PER_TASK=2" in script, script
+    _, text = slurm_cluster.job_state(job)
+    assert " NumCPUs=4 " in text and " CPUs/Task=2 " in text, text
+    for rank in (0, 1):  # what each task saw: threads = SLURM_CPUS_PER_TASK (<= its CPUs)
+        log = (run / "logs" / f"slurm-{job}-r0" / f"rank-{rank}.log").read_text()
+        assert f"placement: rank {rank} " in log and " threads 2 " in log, log

@@ -67,9 +67,15 @@ def launch_from_flags(args, run: RunDir, task: str, shape, restarts: int, name=N
 
 def cmd_render(args) -> int:
     """Print, byte for byte, the batch script `train`/`resume`/`predict --cluster slurm`
-    would hand to sbatch for this run (dry run, nothing written)."""
+    would hand to sbatch for this run (dry run, nothing written); CPUs per task sized as
+    submit sizes them, from the partition's nodes where Slurm can be asked from here."""
     from enn_cluster.client.prepare import shape_from_flags
-    from enn_cluster.cluster.submit_slurm import batch_script, slurm_executor, submitit_folder
+    from enn_cluster.cluster.submit_slurm import (
+        batch_script,
+        sized_for_nodes,
+        slurm_executor,
+        submitit_folder,
+    )
     from enn_cluster.storage.rundir import run_dir_for
 
     target = Path(args.target)
@@ -84,8 +90,11 @@ def cmd_render(args) -> int:
     restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
 
     spec_run = run if (run.path / "config.yaml").exists() else ConfigOnlyRun(run.path, cfg)
-    spec = slurm_spec(slurm_request(args), spec_run, args.task, shape, restarts, args.name)
+    spec, warning = sized_for_nodes(
+        slurm_spec(slurm_request(args), spec_run, args.task, shape, restarts, args.name))
     sys.stdout.write(batch_script(slurm_executor(spec, submitit_folder(run.path))))
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 

@@ -82,9 +82,12 @@ class JobSpec:
         fix("nodes", lo if lo == hi else f"{lo}-{hi}")
         if pyxis.is_bare_metal(self.container_image):
             fix("container_image", None)
-        if not isinstance(self.env, Mapping):
+        env = self.env
+        if isinstance(env, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in env):
+            env = dict(env)  # the pairs it keeps, as dataclasses.replace hands them back
+        if not isinstance(env, Mapping):
             raise _fail("--env", f"{self.env!r} is not a mapping", "give NAME=VALUE pairs")
-        fix("env", tuple(self.env.items()))
+        fix("env", tuple(env.items()))
         _validate(self)
 
     @property

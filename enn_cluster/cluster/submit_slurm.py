@@ -93,7 +93,8 @@ class SlurmRequest:
 def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: int,
                name: Optional[str] = None, *, cfg):
     """Flags win over the site config, which wins over defaults (site.merge). `cfg`: the
-    run's config as the command holds it (the default job name is its run_name's)."""
+    run's config as the command holds it (the default job name is its run_name's). CPUs
+    per task that neither sets are left to `sized_for_nodes`, when the job is handed over."""
     from enn_cluster.cluster.job_spec import JobSpec
     from enn_cluster.cluster.site import DEFAULTS, merge
 
@@ -122,6 +123,25 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
         python=req.python or (sys.executable if bare else opts["python"]),
         setup_lines=tuple(opts["setup_lines"]), extra_sbatch_args=tuple(opts["extra_sbatch_args"]),
         extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
+
+
+def sized_for_nodes(spec):
+    """`spec` with CPUs per task from its partition's nodes (partition_shape) when neither
+    --cpus-per-task nor the site set them (an --exclusive job has whole nodes: its own
+    fallback is right). Asked of Slurm as the job is handed over (submit, render); when
+    Slurm cannot say, the spec as it was and the warning line to print once it is."""
+    import dataclasses
+
+    from enn_cluster.cluster.partition_shape import cpus_from_slurm
+
+    if spec.cpus_per_task is not None or spec.exclusive:
+        return spec, ""
+    cpus, why = cpus_from_slurm(spec.partition, spec.gpus_per_node, spec.tasks_per_node)
+    if cpus is not None:
+        return dataclasses.replace(spec, cpus_per_task=cpus), ""
+    return spec, (f"enn-submit: warning: CPUs per task not sized from the nodes ({why}): "
+                  "each task gets its allocation's CPUs on the node / tasks, 1 on a shared "
+                  "node; pass --cpus-per-task or set site.cpus_per_task")
 
 
 def submitit_folder(run_dir: Path) -> Path:
@@ -176,6 +196,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
                         "login node (`enn-submit render` shows the script from anywhere)")
     _check_lock(run, job_alive)
+    spec, warning = sized_for_nodes(spec)
     token = secrets.token_hex(8)
     claim = acquire_lock(run, {**lock_owner(), "submission": token})
     try:
@@ -197,6 +218,8 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         release_lock(run, claim)
         raise
     job_id = str(job.job_id)
+    if warning:
+        print(warning, file=sys.stderr)
     replace_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
                        "submitted_by": "enn-submit", "submission": token})
     run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,

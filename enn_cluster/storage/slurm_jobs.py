@@ -44,7 +44,9 @@ def parse_scontrol(text: str) -> dict:
     return fields
 
 
-def _run(cmd: list[str], timeout: float = 20) -> Optional[subprocess.CompletedProcess]:
+def slurm_client(cmd: list[str], timeout: float = 20) -> Optional[subprocess.CompletedProcess]:
+    """A Slurm client command's result (output as text, not checked); None when the tool
+    is missing or does not answer within `timeout` s."""
     if shutil.which(cmd[0]) is None:
         return None
     try:
@@ -54,13 +56,13 @@ def _run(cmd: list[str], timeout: float = 20) -> Optional[subprocess.CompletedPr
 
 
 def job_state(job_id: str) -> dict:
-    res = _run(["scontrol", "show", "job", "-o", str(job_id)])
+    res = slurm_client(["scontrol", "show", "job", "-o", str(job_id)])
     if res is not None and res.returncode == 0 and res.stdout.strip():
         f = parse_scontrol(res.stdout)
         return {"job_id": str(job_id), "state": f.get("JobState", "UNKNOWN"),
                 "restarts": int(f.get("Restarts", "0") or 0), "reason": f.get("Reason"),
                 "nodes": f.get("NodeList"), "exit_code": f.get("ExitCode")}
-    res = _run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State,ExitCode"])
+    res = slurm_client(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State,ExitCode"])
     if res is not None and res.returncode == 0 and res.stdout.strip():
         state, _, code = res.stdout.strip().splitlines()[0].partition("|")
         return {"job_id": str(job_id), "state": state.split()[0], "exit_code": code}
@@ -72,13 +74,13 @@ def job_alive(job_id: str) -> bool:
     state = job_state(job_id)["state"]
     if state != "UNKNOWN":
         return state in LIVE_STATES
-    res = _run(["squeue", "-h", "-j", str(job_id)])
+    res = slurm_client(["squeue", "-h", "-j", str(job_id)])
     return bool(res is not None and res.returncode == 0 and res.stdout.strip())
 
 
 def job_fields(job_id: str) -> dict:
     """`scontrol show job` fields of a job the controller still knows ({} otherwise)."""
-    res = _run(["scontrol", "show", "job", "-o", str(job_id)])
+    res = slurm_client(["scontrol", "show", "job", "-o", str(job_id)])
     ok = res is not None and res.returncode == 0 and res.stdout.strip()
     return parse_scontrol(res.stdout) if ok else {}
 
@@ -95,7 +97,7 @@ def job_belongs_to_run(fields: dict, run_path: str, job_names: set) -> bool:
 
 
 def cancel(job_id: str) -> None:
-    res = _run(["scancel", str(job_id)])
+    res = slurm_client(["scancel", str(job_id)])
     if res is None or res.returncode != 0:
         from enn_cluster.errors import UserError
 
