@@ -73,3 +73,32 @@ class OffsetRegressor(nn.Module):
 
 def offset(n_features: int, n_outputs: int) -> OffsetRegressor:
     return OffsetRegressor(n_features, n_outputs)
+
+
+class ScaledRegressor(nn.Module):
+    """Holds a buffer its constructor computes and its state dict leaves out
+    (persistent=False): no checkpoint restores it."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.lin = nn.Linear(n_in, n_out)
+        self.register_buffer("scale", torch.linspace(1.0, 2.0, n_out), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class ScaledOwnInit(ScaledRegressor):
+    """The same with torchtitan's init_weights(), which computes the buffer again."""
+
+    def init_weights(self):
+        self.scale.copy_(torch.linspace(1.0, 2.0, len(self.scale)))
+        self.lin.reset_parameters()
+
+
+def scaled(n_features: int, n_outputs: int) -> ScaledRegressor:
+    return ScaledRegressor(n_features, n_outputs)
+
+
+def scaled_own_init(n_features: int, n_outputs: int) -> ScaledOwnInit:
+    return ScaledOwnInit(n_features, n_outputs)

@@ -99,6 +99,19 @@ def test_writer_checksums_what_it_wrote_and_stock_dcp_reads_it(tmp_path):
         assert torch.equal(ours[key], state[key]) and torch.equal(theirs[key], state[key]), key
 
 
+def test_a_destination_of_another_dtype_gets_the_values_cast(tmp_path, caplog):
+    """Prediction reads fp32 weights into bf16 replicas: each value is the cast of what was
+    saved, in-place reads (contiguous) and DCP's own (strided, empty) alike."""
+    state, path, _ = _checkpoint(tmp_path)
+    floats = {k: v for k, v in state.items() if v.is_floating_point() and v.dtype != torch.bfloat16}
+    loaded = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in floats.items()}
+    with caplog.at_level(logging.WARNING, logger="enn_cluster.storage.dcp_io"):
+        safe_load(loaded, path)
+    assert "slow way" not in caplog.text
+    for key, value in floats.items():
+        assert loaded[key].dtype == torch.bfloat16 and torch.equal(loaded[key], value.bfloat16()), key
+
+
 def test_a_record_that_ends_elsewhere_is_read_the_slow_way(tmp_path, caplog):
     state, path, _ = _checkpoint(tmp_path)
     shard = next(path.glob("*.distcp"))

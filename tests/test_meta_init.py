@@ -17,26 +17,10 @@ import json, os, sys
 import torch
 from enn_cluster.worker import model_setup, trainer as tr
 from enn_cluster.worker.entry import run_task
-
-def rss_peak_mb():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+from tests.peak_rss import measured
 
 record = {}
-build = model_setup.build_sharded_model
-def probed(*args, **kw):
-    import gc
-    warm = build(*args, **kw)  # first use pages in FSDP/DTensor code: not the model's bytes
-    del warm
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as fh:  # restart the peak-RSS count here
-        fh.write("5")
-    before = rss_peak_mb()
-    sm = build(*args, **kw)
-    record["build_peak_mb"] = rss_peak_mb() - before
-    return sm
-tr.build_sharded_model = probed
+tr.build_sharded_model = measured(model_setup.build_sharded_model, record, "build_peak_mb")
 
 fit = tr.Trainer.fit
 def fit_and_count(self):
@@ -73,9 +57,7 @@ def test_no_rank_holds_the_whole_model(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          str(probe), str(tmp_path / "runs" / "big"), str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        # Every allocation of 1 MiB or more gets its own mapping, returned when freed: the
-        # peak RSS then counts live tensors, not what malloc kept from the warm-up build
-        # (without this the peak swung from 16 to 84 MiB between runs).
+        # see tests/peak_rss.py for MALLOC_MMAP_THRESHOLD_
         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                  MALLOC_MMAP_THRESHOLD_=str(2**20)))
     assert res.returncode == 0, res.stderr[-3000:]

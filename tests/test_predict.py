@@ -85,6 +85,19 @@ def test_predict_2x2_equals_single_process_forward(trained, tmp_path):
     np.testing.assert_array_equal(api, y)
 
 
+def test_predict_world_1_equals_single_process_forward(trained, tmp_path):
+    """One rank reads the checkpoint alone (no node group) into its own replica."""
+    run, xpath, x, step = trained
+    done = cli("predict", run, "--input", xpath, "--name", "one", "--nodes", "1",
+               "--procs-per-node", "1", *CHUNK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((run / "predictions" / "one" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and manifest["precision_check"]["dtype"] == "float32"
+    assert cli("collect", run, "--name", "one", "--out", tmp_path / "y.npy").returncode == 0
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), _reference(run, x, step),
+                               atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_stopped_prediction_continues_with_every_row_once(trained, tmp_path, trial):
     """A random rank dies hard after a random number of its chunks (15 chunks of 20 rows,

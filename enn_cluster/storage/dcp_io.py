@@ -331,11 +331,13 @@ class SafeFileSystemReader(FileSystemReader):
         start = layout.data_start + part.storage_offset() * part.element_size()
         nbytes = part.numel() * part.element_size()
         desc_at = layout.data_start + layout.nbytes
-        if not part.is_contiguous() or part.dtype != target.dtype or nbytes == 0 \
+        if not part.is_contiguous() or nbytes == 0 \
                 or part.size() != target.size() or desc_at + 16 > info.length:
             return False
-        direct = target.device.type == "cpu" and target.is_contiguous()
-        dest = target if direct else torch.empty(target.size(), dtype=target.dtype)
+        direct = target.device.type == "cpu" and target.is_contiguous() and \
+            part.dtype == target.dtype
+        # another dtype (prediction reads fp32 into bf16): one tensor's bytes, cast on copy
+        dest = target if direct else torch.empty(target.size(), dtype=part.dtype)
         view = _tensor_bytes(dest)
         have = max(0, min(len(head) - start, nbytes))  # bytes already in `head`
         view[:have] = head[start:start + have]

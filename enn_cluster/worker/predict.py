@@ -1,14 +1,12 @@
 """Worker side of prediction: load a checkpoint, infer this rank's chunks, commit them.
 
-Every rank loads the full weights of the chosen checkpoint (DCP reshards whatever world
-size it was saved at into plain tensors) on the host, casts them to the inference dtype
-there (bf16 on GPU: no fp32 weights on the device) and runs its own replica: inference needs no
-collective per batch, so ranks with more rows never hold up ranks with fewer, and a
-restarted job only redoes chunks that have no commit record.
+Every rank holds a whole replica of the chosen checkpoint's weights in the inference dtype
+(bf16 where configured: see predict_weights for where each dtype lives) and runs it alone:
+inference needs no collective per batch, so ranks with more rows never hold up ranks with
+fewer, and a restarted job only redoes chunks that have no commit record.
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -19,62 +17,16 @@ import numpy as np
 import torch
 
 from enn_cluster.errors import UserError
-from enn_cluster.models import build_model, output_size
-from enn_cluster.storage import commits as store
 from enn_cluster.storage import prediction_collapse
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
-from enn_cluster.storage.staging import read_manifest
 from enn_cluster.worker import checkpoint as ckpt
 from enn_cluster.worker.model_setup import use_bf16
+from enn_cluster.worker.predict_weights import load_replica
 
 log = logging.getLogger("enn_cluster.worker.predict")
 FAULT_AFTER_CHUNKS = "ENN_FAULT_PREDICT_EXIT_AFTER_CHUNKS"  # tests: exit hard after k chunks
-
-
-def node_groups(nodes: list) -> tuple[list[int], dict]:
-    """From every rank's node (index = rank): the first rank of each node (the one that reads
-    the checkpoint) and each node's ranks, leader first. Pure."""
-    members: dict = {}
-    for rank, node in enumerate(nodes):
-        members.setdefault(node, []).append(rank)
-    return sorted(r[0] for r in members.values()), members
-
-
-def load_weights(run: RunDir, cfg, step: int, input_shape: tuple, lanes,
-                 node: int) -> torch.nn.Module:
-    """The full fp32 weights of step-N on the host, in eval mode. Read from the shared
-    filesystem once per node: the first rank of each node reads (those ranks together, through
-    DCP), then hands the tensors to its node's other ranks over a node-local gloo group, so
-    that eight ranks on a node do not each pull the whole checkpoint through Lustre."""
-    manifest = read_manifest(run.data_dir)
-    model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
-    state = {"model": model.state_dict()}
-    path = store.step_dir(run.checkpoints, step)
-    leaders, members = node_groups(lanes.gather_objects(node))
-    if len(leaders) == lanes.world_size:  # one rank per node: everyone reads
-        ckpt.safe_load(state, path, process_group=lanes.control)
-    else:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        wait = timedelta(seconds=cfg.checkpoint.barrier_timeout_s or cfg.parallel.timeout_s)
-        readers = dist.new_group(leaders, backend="gloo", timeout=wait)
-        groups = {n: dist.new_group(ranks, backend="gloo", timeout=wait)
-                  for n, ranks in sorted(members.items())}
-        mine, src = groups[node], members[node][0]
-        if lanes.rank == src:
-            ckpt.safe_load(state, path, process_group=readers)
-        for key in sorted(state["model"]):
-            dist.broadcast(state["model"][key], src=src, group=mine)
-        log.info("weights of step-%d: %s", step, "read from the checkpoint for this node"
-                 if lanes.rank == src else f"received from rank {src} on this node")
-        for group in (readers, *groups.values()):
-            dist.destroy_process_group(group)
-    model.load_state_dict(state["model"])
-    return model.eval()
 
 
 def chunk_stats(values: np.ndarray) -> dict:
@@ -101,33 +53,37 @@ def denormalise(raw: np.ndarray, scaler) -> np.ndarray:
     return (flat * std + mean).astype(np.float32).reshape(shape)
 
 
-class ChunkWriter:
-    """Infers chunks with one replica and commits each: `.npy` by rename, then its record."""
+def committed(pdir: Path, spec: pm.ChunkSpec) -> bool:
+    """A record that matches its file (size and checksum): never redo that chunk."""
+    try:
+        rec = json.loads((pdir / f"{spec.stem}.json").read_text())
+        size, checksum = file_checksum(pdir / rec["file"], like=rec["checksum"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return False
+    return size == rec["nbytes"] and checksum == rec["checksum"] and \
+        rec["rows"] == [spec.start, spec.stop]
 
-    def __init__(self, pdir: Path, model, x, request: dict, lanes, bf16: bool,
-                 reference=None) -> None:
+
+class ChunkWriter:
+    """Infers chunks with one replica and commits each: `.npy` by rename, then its record.
+    Chunk 0's record carries the precision check (`first_fp32`: rank 0's fp32 output on
+    its first batch, when the replica is bf16)."""
+
+    def __init__(self, pdir: Path, model, x, request: dict, lanes,
+                 first_fp32=None) -> None:
         self.pdir, self.model, self.x, self.request, self.lanes = pdir, model, x, request, lanes
-        self.bf16 = bf16
-        self.reference = reference  # host fp32 weights for the first batch's check only
+        self.first_fp32 = first_fp32
         self.dtype = next(model.parameters()).dtype
         self.out_shape = tuple(request["output_shape"])
-        self.precision_checked = False
 
     def committed(self, spec: pm.ChunkSpec) -> bool:
-        """A record that matches its file (size and checksum): never redo that chunk."""
-        try:
-            rec = json.loads((self.pdir / f"{spec.stem}.json").read_text())
-            size, checksum = file_checksum(self.pdir / rec["file"], like=rec["checksum"])
-        except (FileNotFoundError, ValueError, KeyError):
-            return False
-        return size == rec["nbytes"] and checksum == rec["checksum"] and \
-            rec["rows"] == [spec.start, spec.stop]
+        return committed(self.pdir, spec)
 
     def _forward(self, xb: torch.Tensor) -> torch.Tensor:
         return self.model(xb.to(self.dtype)).float()
 
     def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None, float]:
-        """The chunk's raw outputs, the precision check (first batch of this rank) and the
+        """The chunk's raw outputs, the precision check (first batch of chunk 0) and the
         largest spread of any input feature over the chunk's rows (0: identical rows)."""
         out = np.empty((spec.rows,) + self.out_shape, dtype=np.float32)
         batch, check, spread, first = int(self.request["batch_size"]), None, 0.0, None
@@ -142,20 +98,20 @@ class ChunkWriter:
                                                      initial=0.0)))
                 xb = torch.from_numpy(rows).to(self.lanes.device, non_blocking=True)
                 yb = self._forward(xb)
-                if not self.precision_checked:
-                    check = self._precision_check(xb, yb)
+                if spec.index == 0 and start == spec.start:
+                    check = self._precision_check(yb)
                 out[start - spec.start:stop - spec.start] = \
                     yb.reshape((stop - start,) + self.out_shape).cpu().numpy()
         return out, check, spread
 
-    def _precision_check(self, xb: torch.Tensor, yb: torch.Tensor) -> dict:
-        """On the first batch: how far reduced precision is from an fp32 forward pass, and
+    def _precision_check(self, yb: torch.Tensor) -> dict | None:
+        """How far reduced precision is from the fp32 forward pass on the same batch, and
         each output's spread in both (a collapse verdict's fp32 re-run candidate)."""
-        self.precision_checked = True
-        if not self.bf16 or self.reference is None:
+        if self.dtype == torch.float32:
             return {"reduced_precision": False, "dtype": "float32"}
-        ref = self.reference(xb.float().cpu()).float()
-        self.reference = None
+        ref, self.first_fp32 = self.first_fp32, None
+        if ref is None:  # rank 0 always has it for chunk 0 (run_prediction): be loud
+            raise RuntimeError("precision check: no fp32 output for chunk 0's first batch")
         diff = float((ref - yb.cpu()).abs().max()) if yb.numel() else 0.0
         log.info("precision check: max |fp32 - bf16| on the first batch = %.3g", diff)
         flat_ref, flat_red = ref.reshape(len(ref), -1), yb.cpu().reshape(len(yb), -1)
@@ -216,14 +172,15 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         raise UserError(f"checkpoint step-{request['step']} of {run.path} is missing or fails "
                         f"verification; see 'enn-submit verify {run.path}'")
     x = np.load(pdir / pm.INPUT, mmap_mode="r")
-    bf16 = use_bf16(cfg, lanes.device)  # cast on the host: no fp32 weights on the GPU
-    weights = load_weights(run, cfg, chosen, x.shape[1:], lanes, env.node_rank)
-    replica = copy.deepcopy(weights) if bf16 else weights
-    replica = replica.to(dtype=torch.bfloat16 if bf16 else torch.float32).to(lanes.device)
-    writer = ChunkWriter(pdir, replica, x, request, lanes, bf16, weights if bf16 else None)
-    del weights
-    mine = pm.chunks_for_rank(pm.plan_chunks(len(x), request["chunk_rows"]), lanes.rank,
-                              lanes.world_size)
+    dtype = torch.bfloat16 if use_bf16(cfg, lanes.device) else torch.float32
+    chunks = pm.plan_chunks(len(x), request["chunk_rows"])
+    check_rows = None  # rank 0 owns chunk 0: its first batch gets the fp32 re-run
+    if dtype != torch.float32 and lanes.rank == 0 and chunks and not committed(pdir, chunks[0]):
+        check_rows = np.array(x[:min(int(request["batch_size"]), chunks[0].rows)], np.float32)
+    model, first_fp32 = load_replica(run, cfg, chosen, x.shape[1:], lanes, env.node_rank,
+                                     dtype, check_rows)
+    writer = ChunkWriter(pdir, model, x, request, lanes, first_fp32)
+    mine = pm.chunks_for_rank(chunks, lanes.rank, lanes.world_size)
     started, written, skipped = time.perf_counter(), 0, 0
     for spec in mine:
         if writer.committed(spec):
