@@ -157,15 +157,21 @@ def test_a_rank_refusing_its_input_alone_is_never_requeued(slurm_cluster, tmp_pa
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "refused", training={"oom_at_step": 2, "fail_rank": 1,
                                        "per_device_train_batch_size": 1}))
-    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "1", "--gpus-per-node", "0",
-                  "--procs-per-node", "2", "--max-restarts", "3")
-    assert slurm_cluster.wait_job(job, ("FAILED",), timeout=180) == "FAILED"
+    res = cli("train", "--config", cfg, *SLURM, "--nodes", "1", "--gpus-per-node", "0",
+              "--procs-per-node", "2", "--max-restarts", "3", "--wait", timeout=240)
+    job = res.stdout.strip().splitlines()[-1]
+    assert res.returncode == 1 and slurm_cluster.job_state(job)[0] == "FAILED", res.stderr
     _, text = slurm_cluster.job_state(job)
     assert "Restarts=0" in text, text
     run = tmp_path / "runs" / "refused"
     (event,) = json.loads((run / "oom.json").read_text())["events"]
     assert (event["rank"], event["micro_batch"]) == (1, 1)
     batch_log = (run / "slurm" / job / f"{job}_0_log.err").read_text()
-    assert f"enn: job {job} refused its input (exit 2), not requeueing: out of memory at " \
-           "step 2 on rank 1 with micro-batch 1" in batch_log, batch_log[-3000:]
+    refusal = (f"enn: job {job} refused its input (exit 2), not requeueing: out of memory at "
+               "step 2 on rank 1 with micro-batch 1")
+    assert refusal in batch_log, batch_log[-3000:]
     assert "srun: error" in batch_log and "requeueing job" not in batch_log, batch_log[-3000:]
+    # --wait ends with the batch log's last lines and where the ranks' logs are
+    lines = res.stderr.splitlines()
+    assert f"Slurm job {job}: FAILED" in res.stderr and any(refusal in line for line in lines), res.stderr
+    assert f"the ranks' logs: enn-submit logs {run} --rank R" in lines, res.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec, submit
+from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec, submit, submitit_folder
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir, read_lock, run_dir_for
 
@@ -160,12 +161,14 @@ def submit_to_slurm(request: SlurmRequest, run: RunDir, task: str, shape: Launch
     job_id = submit(run, spec, step=step, cfg=cfg)
     print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
     print(job_id)
-    return wait_for_job(job_id) if request.wait else 0
+    return wait_for_job(job_id, run=run) if request.wait else 0
 
 
-def wait_for_job(job_id: str, poll_s: float = 1.0) -> int:
+def wait_for_job(job_id: str, poll_s: float = 1.0, run: Optional[RunDir] = None) -> int:
     """Block until the job leaves Slurm's live states, printing each new state and reason;
-    0 only when it COMPLETED. A job Slurm will never start as asked is cancelled at once."""
+    0 only when it COMPLETED. A job Slurm will never start as asked is cancelled at once.
+    A job that ended otherwise shows the end of its batch log (srun's and the host-side
+    trap's lines) and the command for the ranks' logs, where `run` is known."""
     from enn_cluster.storage.slurm_jobs import (
         LIVE_STATES,
         cancel,
@@ -186,8 +189,26 @@ def wait_for_job(job_id: str, poll_s: float = 1.0) -> int:
                             "(beyond the partition's, account's or QOS's limits); cancelled "
                             "it: ask for fewer nodes, GPUs or less --time, or another --partition")
         if state["state"] not in LIVE_STATES:
-            return 0 if state["state"] == "COMPLETED" else 1
+            if state["state"] == "COMPLETED":
+                return 0
+            if run is not None:
+                print("\n".join(failed_job_lines(run.path, job_id)), file=sys.stderr)
+            return 1
         time.sleep(poll_s)
+
+
+def failed_job_lines(run_dir: Path, job_id: str, tail_lines: int = 20) -> list[str]:
+    """The end of a finished job's batch log (its last 8 KiB at most) and where to look next."""
+    log = Path(str(submitit_folder(run_dir)).replace("%j", job_id)) / f"{job_id}_0_log.err"
+    lines = [f"Slurm job {job_id}: batch log {log}:"]
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 8192))
+            text = fh.read().decode("utf-8", errors="replace")
+        lines += [f"  | {line}" for line in text.splitlines()[-tail_lines:]]
+    except OSError as exc:
+        lines = [f"Slurm job {job_id}: no batch log to show ({exc.strerror}: {log})"]
+    return lines + [f"the ranks' logs: enn-submit logs {shlex.quote(str(run_dir))} --rank R"]
 
 
 class ConfigOnlyRun(RunDir):
