@@ -59,6 +59,19 @@ def test_which_exits_the_local_launcher_restarts():
     assert failure_code([1, 2]) == 2 and failure_code([7]) == 7 and failure_code([]) == 1
 
 
+def test_the_agent_waits_for_the_checkpoint_a_stopped_worker_may_take():
+    """A TERM or INT to the local launcher reaches the workers through torch's elastic
+    agent, which kills them shutdown_timeout later: never before parallel.stop_grace_s,
+    the time a worker may take to reach its checkpoint. Torch 2.9 has no such field (its
+    agent's 30 s stand, as docs/config.md says); 2.13 has it."""
+    from enn_cluster.client.launch_local import SHUTDOWN_MARGIN_S, shutdown_options
+
+    fields = {"nproc_per_node", "rdzv_backend", "shutdown_timeout"}
+    assert shutdown_options(60.0, fields) == {"shutdown_timeout": 60 + SHUTDOWN_MARGIN_S}
+    assert shutdown_options(0.5, fields) == {"shutdown_timeout": 1 + SHUTDOWN_MARGIN_S}
+    assert shutdown_options(60.0, fields - {"shutdown_timeout"}) == {}
+
+
 def test_rank_death_without_restarts_fails_fast(tmp_path):
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "dies", training={"fail_at_step": 3, "fail_rank": 1}))

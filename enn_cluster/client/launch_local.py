@@ -11,6 +11,7 @@ caller's `__main__` (a plain script, a notebook, `python -c`) is re-run in the w
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from enn_cluster.config.launch_env import (
 
 EXIT_STOPPED = 75  # as the worker's: stopped with a committed checkpoint
 EXIT_BAD_INPUT = UserError.exit_code  # a worker refused its input: never retried
+SHUTDOWN_MARGIN_S = 10  # past a worker's own hard exit: its log lines and exit record
 log = logging.getLogger("enn_cluster.client.launch_local")
 
 
@@ -100,10 +102,12 @@ def _environ(updates: dict):
 
 def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per_node: int = 2,
                  max_restarts: int = 0, name: Optional[str] = None,
-                 step: Optional[int] = None, launch_id: str = "local") -> int:
+                 step: Optional[int] = None, launch_id: str = "local",
+                 stop_grace_s: float = 60.0) -> int:
     """Run the worker on nodes x procs_per_node local processes; return the job's exit code.
     A failed attempt is restarted up to `max_restarts` times, unless a worker refused its
-    input (exit 2) or a signal stopped the launcher."""
+    input (exit 2) or a signal stopped the launcher. `stop_grace_s`: how long a worker
+    may take to checkpoint after a TERM or INT before the agent kills it."""
     worker_env = {
         SIM_NODES_VAR: str(nodes),
         "PYTHONPATH": caller_pythonpath(sys.path, tuple({sys.prefix, sys.base_prefix,
@@ -117,7 +121,7 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
     code = 0
     for attempt in range(max_restarts + 1):
         code = _attempt(run_dir, nodes * procs_per_node,
-                        {**worker_env, ATTEMPT_VAR: str(attempt)}, args)
+                        {**worker_env, ATTEMPT_VAR: str(attempt)}, args, stop_grace_s)
         if not retried(code):
             return code
         if attempt < max_restarts:
@@ -132,6 +136,16 @@ def retried(code: int) -> bool:
     return code not in (0, EXIT_STOPPED, EXIT_BAD_INPUT) and code <= 128
 
 
+def shutdown_options(stop_grace_s: float, launch_fields: set[str]) -> dict:
+    """The elastic agent passes a TERM or INT of the launcher on to the workers and kills
+    them `shutdown_timeout` later (default 30 s), which must not cut short the checkpoint
+    a worker may take stop_grace_s to reach (it exits hard itself after that). Torch
+    releases whose LaunchConfig lacks the field keep their 30 s (docs/config.md)."""
+    if "shutdown_timeout" not in launch_fields:
+        return {}
+    return {"shutdown_timeout": math.ceil(stop_grace_s) + SHUTDOWN_MARGIN_S}
+
+
 def failure_code(exit_codes: list[int]) -> int:
     """The attempt's exit code from its failed workers': 2 if any refused its input (the
     others were then stopped by the agent), else the first failure's (a signal is 1)."""
@@ -141,8 +155,11 @@ def failure_code(exit_codes: list[int]) -> int:
     return first if first > 0 else 1
 
 
-def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str]) -> int:
+def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
+             stop_grace_s: float) -> int:
     """One elastic launch of the whole group, with no restart of its own."""
+    import dataclasses
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -151,7 +168,8 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str]) -> in
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
         run_id=f"enn-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.5, start_method="spawn")
+        monitor_interval=0.5, start_method="spawn",
+        **shutdown_options(stop_grace_s, {f.name for f in dataclasses.fields(LaunchConfig)}))
     marker = Path(run_dir) / "requeue" / "local"
     marker.unlink(missing_ok=True)
     previous = signal.signal(signal.SIGUSR2, _forward_to_workers)

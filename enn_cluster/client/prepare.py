@@ -187,6 +187,7 @@ def run_local(run: RunDir, task: str, shape: LaunchShape, max_restarts: int,
             return launch_local(str(run.path), task, nodes=shape.nodes,
                                 procs_per_node=shape.procs_per_node,
                                 max_restarts=max_restarts, name=name, step=step,
-                                launch_id=f"local-{len(run.jobs())}")
+                                launch_id=f"local-{len(run.jobs())}",
+                                stop_grace_s=cfg.parallel.stop_grace_s)
     finally:
         release_lock(run, owner)

@@ -155,7 +155,10 @@ DESCRIPTIONS = {
     "parallel.max_restarts": "Retries after a worker failure (default of `--max-restarts`); "
                              "each restart resumes from the newest complete checkpoint.",
     "parallel.stop_grace_s": "After SIGTERM: exit hard if the agreed checkpoint is not "
-                             "reached within this many seconds.",
+                             "reached within this many seconds. The local launcher's elastic "
+                             "agent waits this long plus 10 s after a TERM or INT before it "
+                             "kills the workers; on torch releases whose LaunchConfig has no "
+                             "`shutdown_timeout`, 30 s whatever this says.",
     "parallel.reduce_dtype": "Dtype of the gradient reductions when parameters run in bf16 "
                              "(`training.bf16`): `fp32` (default) or `bf16`. bf16 halves the "
                              "bytes of the inter-node all-reduce (HSDP) and of the intra-node "
