@@ -1,8 +1,8 @@
 """The Python API: `train()` and `predict()` drive the same runtime as `enn-submit`.
 
 A call does not loop over `model.forward()` in the caller's process. It stages the data
-into memmaps, writes the model's current weights as the run's step-0 checkpoint, freezes
-the config, launches workers (local elastic workers, or Slurm tasks through submitit) and
+into memmaps, writes the model's current weights as the run's step-0 checkpoint and its
+structure without them (storage/model_structure.py), freezes the config, launches workers (local elastic workers, or Slurm tasks through submitit) and
 reads back their artifacts.
 
     >>> import numpy as np, torch, enn_cluster
@@ -14,7 +14,6 @@ reads back their artifacts.
 from __future__ import annotations
 
 import importlib
-import pickle
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -36,22 +35,20 @@ from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir
 
+from enn_cluster.storage.model_structure import FACTORY, from_structure, structure_bytes
+
 MODEL_PICKLE = "model.pkl"
+unpickled_model = from_structure  # the factory that runs made before FACTORY still name
 
 
-def unpickled_model(n_features: int, n_outputs: int, path: str):
-    """Factory the workers call for a module given as an instance: its pickled structure."""
-    with open(path, "rb") as fh:
-        return pickle.load(fh)
-
-
-def check_shippable(model: Any) -> None:
-    """What ships to workers must import there: refuse early, before anything is written."""
+def check_shippable(model: Any) -> Optional[bytes]:
+    """What ships to workers must import there: refuse early, before anything is written.
+    Returns a module's structure to ship (None for 'module:factory')."""
     if isinstance(model, str):
         module, sep, attr = model.partition(":")
         if not sep or not module or not attr:
             raise UserError(f"model: {model!r} is not 'package.module:factory'")
-        return
+        return None
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -73,7 +70,7 @@ def check_shippable(model: Any) -> None:
             raise UserError(f"model: class {where} is not importable by that path; "
                             "define it at the top level of an importable module")
     try:
-        pickle.dumps(model)
+        return structure_bytes(model)
     except Exception as exc:  # pickle raises many types; all mean the same to the user
         raise UserError(f"model: cannot be pickled for the workers ({exc}); remove lambdas "
                         "and open handles from it or pass 'module:factory'")
@@ -153,7 +150,7 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
     `{"nodes": 2, "gpus_per_node": 8, "partition": "gpu", "container": "/img.sqsh"}` submits
     to Slurm. `wait=False` returns at once; `Run.open(path)` re-attaches later.
     """
-    check_shippable(model)
+    structure = check_shippable(model)
     if run_dir is not None:
         overrides = {**overrides, "run_name": Path(run_dir).name,
                      "runs_root": str(Path(run_dir).resolve().parent)}
@@ -165,14 +162,13 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
     restarts = cfg.parallel.max_restarts
 
     def populate(run: RunDir) -> None:
-        if not isinstance(model, str):
-            with open(run.path / MODEL_PICKLE, "wb") as fh:
-                pickle.dump(model, fh)
+        if structure is not None:
+            (run.path / MODEL_PICKLE).write_bytes(structure)
             _write_step0(model, run)
 
-    if not isinstance(model, str):
+    if structure is not None:
         final = Path(cfg.runs_root).expanduser().resolve() / cfg.run_name
-        cfg.model.name = "enn_cluster.client.api:unpickled_model"
+        cfg.model.name = FACTORY
         cfg.model.kwargs = {"path": str(final / MODEL_PICKLE)}
     run, frozen, spec = create_train_run(cfg, shape, restarts, slurm,
                                          arrays=_arrays(X, y, eval_data), populate_extra=populate)
