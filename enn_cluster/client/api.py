@@ -23,13 +23,14 @@ from enn_cluster.client.launching import (
     create_train_run,
     launch_detached,
     removed_if_never_run,
+    resolved_config,
     slurm_spec,
     wait_for_job,
 )
 from enn_cluster.client.prepare import LaunchShape, run_local
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, submit
-from enn_cluster.config.loading import apply_overrides, config_from_dict, config_to_dict
+from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
@@ -76,20 +77,31 @@ def check_shippable(model: Any) -> Optional[bytes]:
                         "and open handles from it or pass 'module:factory'")
 
 
-def _config(config: Union[None, str, dict, RunConfig], overrides: dict) -> RunConfig:
+def _config(config: Union[None, str, dict, RunConfig], overrides: dict, read_site) -> RunConfig:
+    """The CLI's config step (launching.resolved_config) for the API's arguments: `config`
+    as the file, keyword sections as --set, top-level keywords (run_dir's name and root)
+    verbatim. A RunConfig names every key, runs_root included: the site's is not applied."""
     if isinstance(config, RunConfig):
         data = config_to_dict(config)
     elif isinstance(config, (str, Path)):
         data = read_yaml(str(config))
     else:
         data = dict(config or {})
-    for section, values in overrides.items():
-        if isinstance(values, dict):
-            data = apply_overrides(data, [f"{section}.{k}={v!r}" if isinstance(v, str)
-                                          else f"{section}.{k}={v}" for k, v in values.items()])
-        else:
-            data[section] = values
-    return config_from_dict(data)
+    sets = [f"{section}.{k}={v!r}" if isinstance(v, str) else f"{section}.{k}={v}"
+            for section, values in overrides.items() if isinstance(values, dict)
+            for k, v in values.items()]
+    verbatim = {k: v for k, v in overrides.items() if not isinstance(v, dict)}
+    return resolved_config(data, sets, verbatim, read_site)
+
+
+def _site_reader(cluster: Optional[dict]):
+    """The site config as this call reads it, once: `cluster`'s `site`, else the lookup
+    the CLI does ($ENN_SITE_CONFIG, ./enn-site.yaml, ...)."""
+    from functools import cache
+
+    from enn_cluster.cluster.site import load_site
+
+    return cache(lambda: load_site((cluster or {}).get("site")))
 
 
 def _arrays(X, y, eval_data) -> dict:
@@ -115,13 +127,11 @@ def _write_step0(model, run: RunDir) -> None:
     store.write_commit(path, 0, files, world_size=1, contents=["model"], source="api")
 
 
-def _slurm_request(cluster: Optional[dict]) -> Optional[SlurmRequest]:
+def _slurm_request(cluster: Optional[dict], read_site=None) -> Optional[SlurmRequest]:
     """The API's `cluster=` dict as the CLI's Slurm flags would give it, with the site config
     read once; None: run locally."""
     if cluster is None:
         return None
-    from enn_cluster.cluster.site import load_site
-
     keys = ("partition", "account", "qos", "time", "container", "python", "site",
             "job_name", "signal_grace", "cpus_per_task", "mem_gb")
     nodes = cluster.get("nodes")
@@ -129,7 +139,7 @@ def _slurm_request(cluster: Optional[dict]) -> Optional[SlurmRequest]:
                         nodes=None if nodes is None else str(nodes),
                         mounts=tuple(cluster.get("mounts", ())),
                         exclusive=bool(cluster.get("exclusive", False)),
-                        site_config=load_site(cluster.get("site")))
+                        site_config=(read_site or _site_reader(cluster))())
 
 
 def _shape(cfg: RunConfig, cluster: Optional[dict], slurm: Optional[SlurmRequest]) -> LaunchShape:
@@ -148,16 +158,19 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
     `config` is a RunConfig, a dict or a YAML path; keyword sections override it
     (`training={"epochs": 3}`). `cluster=None` runs locally; a dict such as
     `{"nodes": 2, "gpus_per_node": 8, "partition": "gpu", "container": "/img.sqsh"}` submits
-    to Slurm. `wait=False` returns at once; `Run.open(path)` re-attaches later.
+    to Slurm. `wait=False` returns at once; `Run.open(path)` re-attaches later. The run
+    lands at `run_dir`, else under the config's runs_root, else the site config's (as with
+    `enn-submit train`).
     """
     structure = check_shippable(model)
     if run_dir is not None:
         overrides = {**overrides, "run_name": Path(run_dir).name,
                      "runs_root": str(Path(run_dir).resolve().parent)}
-    cfg = _config(config, overrides)
+    read_site = _site_reader(cluster)
+    cfg = _config(config, overrides, read_site)
     if isinstance(model, str):
         cfg.model.name = model
-    slurm = _slurm_request(cluster)
+    slurm = _slurm_request(cluster, read_site)
     shape = _shape(cfg, cluster, slurm)
     restarts = cfg.parallel.max_restarts
 
