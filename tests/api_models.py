@@ -102,3 +102,31 @@ def scaled(n_features: int, n_outputs: int) -> ScaledRegressor:
 
 def scaled_own_init(n_features: int, n_outputs: int) -> ScaledOwnInit:
     return ScaledOwnInit(n_features, n_outputs)
+
+
+class NormedRegressor(nn.Module):
+    """What a module shipped as its structure must keep: BatchNorm's running statistics
+    (persistent buffers: in the step-0 checkpoint), dropout (the RNG) and a non-persistent
+    buffer (in no checkpoint: shipped with the structure)."""
+
+    def __init__(self, n_in: int = 8, hidden: int = 16, n_out: int = 1):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(n_in, hidden), nn.BatchNorm1d(hidden), nn.Tanh(),
+                                  nn.Dropout(0.2))
+        self.head = nn.Linear(hidden, n_out)
+        self.register_buffer("input_scale", torch.linspace(0.5, 1.5, n_in), persistent=False)
+
+    def forward(self, x):
+        return self.head(self.body(x * self.input_scale))
+
+
+def normed_preset() -> NormedRegressor:
+    """A 'pretrained' NormedRegressor: seeded weights, running statistics of its own."""
+    torch.manual_seed(3)
+    model = NormedRegressor()
+    norm = model.body[1]
+    with torch.no_grad():
+        norm.running_mean.copy_(torch.linspace(-0.5, 0.5, 16))
+        norm.running_var.fill_(2.0)
+        norm.num_batches_tracked.fill_(5)
+    return model

@@ -14,15 +14,16 @@ def rss_peak_mb() -> float:
 
 def measured(fn, record: dict, key: str):
     """`fn`, wrapped: a first call pages in the code it runs (not the model's bytes) and is
-    dropped; record[key] is the second call's peak RSS over what was resident before it."""
+    dropped; record[key] is the second call's peak RSS over what was resident before it
+    (record["before_mb"]), from which a probe may measure what comes after too."""
     def probed(*args, **kwargs):
         warm = fn(*args, **kwargs)
         del warm
         gc.collect()
         with open("/proc/self/clear_refs", "w") as fh:  # restart the peak-RSS count here
             fh.write("5")
-        before = rss_peak_mb()
+        record["before_mb"] = rss_peak_mb()
         out = fn(*args, **kwargs)
-        record[key] = rss_peak_mb() - before
+        record[key] = rss_peak_mb() - record["before_mb"]
         return out
     return probed

@@ -1,6 +1,8 @@
 """The Python API drives the same runtime as the CLI: real workers, real files."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 import enn_cluster
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
-from api_models import preset
+from api_models import normed_preset, preset
 from helpers import full_params
 
 
@@ -40,6 +42,75 @@ def test_train_from_preset_weights_and_load_model(tmp_path):
     assert [r["step"] for r in run.metrics("resume")] == [0]
     again = enn_cluster.Run.open(run.path)
     assert again.latest_checkpoint == 24 and len(again.metrics("train")) == 24
+
+
+def test_a_module_ships_as_its_structure_and_trains_as_a_whole_one_did(tmp_path):
+    """The API ships a module without its weights (the step-0 checkpoint holds them, the
+    ranks load their shards from it); BatchNorm's running statistics and a non-persistent
+    buffer survive exactly, and training gives what shipping the whole module gave: the
+    reference is the CLI training the same module pickled whole, through the factory
+    runs made before structures were shipped still name."""
+    import pickle
+
+    from helpers import cli, metrics, write_config
+
+    model = normed_preset()
+    x, y = _data()
+    sections = {"training": {"epochs": 2, "per_device_train_batch_size": 16, "seed": 5},
+                "checkpoint": {"every_steps": 0}, "parallel": {"nodes": 1, "procs_per_node": 2}}
+    run = enn_cluster.train(model, x, y, run_dir=str(tmp_path / "runs" / "api"), **sections)
+    shipped = pickle.loads((run.path / "model.pkl").read_bytes())
+    assert all(t.is_meta for t in shipped.state_dict().values())
+    assert torch.equal(shipped.input_scale, model.input_scale)
+    step0 = full_params(run.path / "checkpoints" / "step-0")
+    assert sorted(step0) == sorted(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(step0[key], value), key  # running statistics included
+
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    (tmp_path / "whole.pkl").write_bytes(pickle.dumps(model))
+    cfg = write_config(tmp_path / "ref.yaml", run_name="ref", runs_root=str(tmp_path / "runs"),
+                       model={"name": "enn_cluster.client.api:unpickled_model",
+                              "kwargs": {"path": str(tmp_path / "whole.pkl")}},
+                       data={"train_path": str(tmp_path / "x.npy"),
+                             "train_targets_path": str(tmp_path / "y.npy")}, **sections)
+    done = cli("train", "--config", cfg, cwd=Path(__file__).parent)  # imports api_models
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = tmp_path / "runs" / "ref"
+    assert [r["loss"] for r in metrics(ref, "train")] == [r["loss"] for r in run.metrics("train")]
+    final, reference = full_params(run.path / "checkpoints" / "step-24"), \
+        full_params(ref / "checkpoints" / "step-24")
+    for key, value in reference.items():
+        assert torch.equal(final[key], value), key
+    assert reference["body.1.num_batches_tracked"].item() == 5 + 24
+    trained = run.load_model()
+    assert torch.equal(trained.input_scale, model.input_scale)
+    with torch.no_grad():
+        expected = trained(torch.from_numpy(x[:40])).numpy()
+    assert np.allclose(enn_cluster.predict(run, x[:40]), expected, atol=1e-5)
+
+
+def test_a_structure_run_without_a_checkpoint_that_verifies_refuses_to_train(tmp_path):
+    """Its weights exist only in its checkpoints: when none verifies, the workers stop with
+    one line (exit 2, never retried) instead of training uninitialised storage."""
+    from helpers import cli
+
+    x, y = _data(64)
+    run = enn_cluster.train(preset(), x, y, run_dir=str(tmp_path / "runs" / "gone"),
+                            training={"max_steps": 1}, parallel={"nodes": 1, "procs_per_node": 2})
+    import shutil
+
+    shutil.rmtree(store.step_dir(run.path / "checkpoints", 1))
+    shard = next((run.path / "checkpoints" / "step-0").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+    res = cli("resume", run.path, "--set", "training.max_steps=2", "--procs-per-node", "2",
+              cwd=Path(__file__).parent)  # imports api_models
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "the model's weights exist only there" in res.stderr
+    assert store.committed_steps(run.path / "checkpoints") == [0]
 
 
 def test_failing_worker_is_restarted_and_run_completes(tmp_path):

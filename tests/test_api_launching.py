@@ -38,6 +38,47 @@ def test_api_cluster_dict_and_cli_flags_build_the_same_slurm_job(tmp_path, monke
     assert from_cli.node_range == (2, 3) and from_cli.exclusive and from_cli.job_name == "exp-1"
 
 
+def test_the_site_runs_root_places_api_and_cli_runs_alike(tmp_path, monkeypatch):
+    """A site file's runs_root places a run whose config names none, whatever the caller's
+    cwd: the API (with `cluster=` and locally) takes the CLI's config step, so its runs land
+    where `enn-submit train` puts them, on the shared filesystem."""
+    import numpy as np
+    import yaml
+
+    import enn_cluster
+
+    shared, notebook, bin_dir = tmp_path / "shared", tmp_path / "notebook", tmp_path / "bin"
+    notebook.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'Submitted batch job 4242'\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump({"runs_root": str(shared), "python": "python3"}))
+    monkeypatch.setenv("ENN_SITE_CONFIG", str(site))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(notebook)
+    config = small_config(tmp_path, "cli", parallel={"nodes": 1, "procs_per_node": 1},
+                          training={"max_steps": 1})
+    del config["runs_root"]
+    (tmp_path / "cli.yaml").write_text(yaml.safe_dump(config))
+    res = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
+                          str(tmp_path / "cli.yaml"), "--cluster", "slurm", "--container", "none"],
+                         capture_output=True, text=True, timeout=120, cwd=notebook,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    x = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    api = {k: v for k, v in config.items() if k != "data"}
+    on_slurm = enn_cluster.train("api_models:tiny", x, x[:, :1], config={**api, "run_name": "slurm"},
+                                 cluster={"nodes": 1, "container": "none"}, wait=False)
+    local = enn_cluster.train("api_models:tiny", x, x[:, :1], config={**api, "run_name": "local"})
+    for name in ("cli", "slurm", "local"):
+        assert (shared / name / "config.yaml").exists(), name
+    assert (on_slurm.path, local.path) == (shared / "slurm", shared / "local")
+    assert yaml.safe_load((shared / "slurm" / "config.yaml").read_text())["runs_root"] == \
+        yaml.safe_load((shared / "cli" / "config.yaml").read_text())["runs_root"] == str(shared)
+    assert local.latest_checkpoint == 1 and not (notebook / "runs").exists()
+
+
 DETACHED = textwrap.dedent("""
     import json, sys, time
     import numpy as np, torch, enn_cluster

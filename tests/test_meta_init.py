@@ -6,21 +6,29 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import ROOT, cli, small_config, write_config
 
-PROBE = r"""
-import json, os, sys
+# Installed in every worker (by the probe script under torchrun, by a sitecustomize under
+# the API's own launcher); each rank writes its record to $ENN_PROBE_OUT when fit returns.
+PATCHES = r"""
+import json, os
 import torch
 from enn_cluster.worker import model_setup, trainer as tr
-from enn_cluster.worker.entry import run_task
-from tests.peak_rss import measured
+from tests.peak_rss import measured, rss_peak_mb
 
 record = {}
 tr.build_sharded_model = measured(model_setup.build_sharded_model, record, "build_peak_mb")
+
+resume = tr.Trainer.resume
+def resume_and_measure(self):  # the build, then the weights loaded from a checkpoint
+    resume(self)
+    record["load_peak_mb"] = rss_peak_mb() - record["before_mb"]
+tr.Trainer.resume = resume_and_measure
 
 fit = tr.Trainer.fit
 def fit_and_count(self):
@@ -30,13 +38,25 @@ def fit_and_count(self):
     record["optim_mb"] = sum(local(v).numel() * local(v).element_size()
                              for s in self.optimizer.state.values() for v in s.values()
                              if torch.is_tensor(v) and v.dim() > 0) / 2**20
+    with open(os.path.join(os.environ["ENN_PROBE_OUT"], f"rank-{os.environ['RANK']}.json"),
+              "w") as fh:
+        json.dump(record, fh)
     return out
 tr.Trainer.fit = fit_and_count
+"""
+
+PROBE = PATCHES + r"""
+import sys
+from enn_cluster.worker.entry import run_task
 code = run_task(sys.argv[1])
-with open(os.path.join(sys.argv[2], f"rank-{os.environ['RANK']}.json"), "w") as fh:
-    json.dump({"code": code, **record}, fh)
+record["code"] = code
+with open(os.path.join(os.environ["ENN_PROBE_OUT"], f"rank-{os.environ['RANK']}.json"), "w") as fh:
+    json.dump(record, fh)
 os._exit(code)  # as the worker leaves (worker.exit_now): no finalisation race with gloo threads
 """
+
+# see tests/peak_rss.py for MALLOC_MMAP_THRESHOLD_
+PROBE_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 WIDTH = 2048  # eight 2048x2048 layers: 128 MiB of fp32 parameters, 16 MiB a layer
 LAYERS = 8
@@ -55,23 +75,65 @@ def test_no_rank_holds_the_whole_model(tmp_path):
     out.mkdir()
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(probe), str(tmp_path / "runs" / "big"), str(out)],
+         str(probe), str(tmp_path / "runs" / "big")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        # see tests/peak_rss.py for MALLOC_MMAP_THRESHOLD_
-        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-                 MALLOC_MMAP_THRESHOLD_=str(2**20)))
+        env=dict(os.environ, PYTHONPATH=str(ROOT), ENN_PROBE_OUT=str(out), **PROBE_ENV))
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
-    total_mb = sum(p.numel() for p in torch.nn.Sequential(
-        torch.nn.Linear(8, WIDTH), *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)],
-        torch.nn.Linear(WIDTH, 1)).parameters()) * 4 / 2**20
-    layer_mb = WIDTH * WIDTH * 4 / 2**20
     for r in ranks:
         assert r["code"] == 0
+    _assert_a_share_per_rank(ranks)
+
+
+def _big_mlp() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(8, WIDTH),
+                               *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)],
+                               torch.nn.Linear(WIDTH, 1))
+
+
+def _assert_a_share_per_rank(ranks: list) -> None:
+    total_mb = sum(p.numel() for p in _big_mlp().parameters()) * 4 / 2**20
+    layer_mb = WIDTH * WIDTH * 4 / 2**20
+    for r in ranks:
         assert r["param_mb"] == pytest.approx(total_mb / 4, rel=0.05), r
         assert r["optim_mb"] == pytest.approx(2 * total_mb / 4, rel=0.05), r  # AdamW moments
-        # building: this rank's share, plus one full layer at a time (and its local slice)
-        assert r["build_peak_mb"] < total_mb / 4 + 1.5 * layer_mb < total_mb / 2, (r, total_mb)
+        # building, then loading any checkpoint: this rank's share, plus one full layer at a
+        # time (and its local slice)
+        assert r["build_peak_mb"] <= r["load_peak_mb"] < total_mb / 4 + 1.5 * layer_mb \
+            < total_mb / 2, (r, total_mb)
+
+
+API_RUN = """
+import sys
+import numpy as np, torch, enn_cluster
+sys.path.insert(0, sys.argv[2])
+from test_meta_init import _big_mlp
+x = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+enn_cluster.train(_big_mlp(), x, x[:, :1] ** 2, run_dir=sys.argv[1],
+                  training={"max_steps": 2, "per_device_train_batch_size": 4},
+                  checkpoint={"every_steps": 0},
+                  parallel={"nodes": 1, "procs_per_node": 4, "strategy": "fsdp"})
+"""
+
+
+def test_no_rank_holds_the_whole_model_given_to_the_api(tmp_path):
+    """A module given to enn_cluster.train as an object: its structure ships without its
+    weights, every rank builds it on the meta device, shards it and loads only its shards
+    from the step-0 checkpoint (the client holds the whole model: it is the caller's)."""
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "sitecustomize.py").write_text(
+        "import os\nif 'RANK' in os.environ and 'ENN_PROBE_OUT' in os.environ:\n"
+        + "\n".join("    " + line for line in PATCHES.strip().splitlines()) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    res = subprocess.run(
+        [sys.executable, "-c", API_RUN, str(tmp_path / "runs" / "api"), str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=f"{tmp_path / 'probe'}{os.pathsep}{ROOT}",
+                 ENN_PROBE_OUT=str(out), **PROBE_ENV))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+    _assert_a_share_per_rank(ranks)
 
 
 def test_weights_do_not_depend_on_the_world_size(tmp_path):

@@ -223,8 +223,9 @@ def test_every_torch_load_uses_weights_only_true():
 
 # Files allowed to unpickle, and why. Anything new here needs a review.
 PICKLE_ALLOWED = {
-    "api.py": "enn_cluster.train(model=<nn.Module instance>) pickles the caller's own module "
-              "into RUN_DIR for the workers (same user, by design)",
+    "model_structure.py": "enn_cluster.train(model=<nn.Module instance>) pickles the caller's "
+                          "own module's structure into RUN_DIR for the workers (same user, "
+                          "by design)",
 }
 
 

@@ -1,8 +1,8 @@
 """The Python API: `train()` and `predict()` drive the same runtime as `enn-submit`.
 
 A call does not loop over `model.forward()` in the caller's process. It stages the data
-into memmaps, writes the model's current weights as the run's step-0 checkpoint, freezes
-the config, launches workers (local elastic workers, or Slurm tasks through submitit) and
+into memmaps, writes the model's current weights as the run's step-0 checkpoint and its
+structure without them (storage/model_structure.py), freezes the config, launches workers (local elastic workers, or Slurm tasks through submitit) and
 reads back their artifacts.
 
     >>> import numpy as np, torch, enn_cluster
@@ -14,7 +14,6 @@ reads back their artifacts.
 from __future__ import annotations
 
 import importlib
-import pickle
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -24,34 +23,33 @@ from enn_cluster.client.launching import (
     create_train_run,
     launch_detached,
     removed_if_never_run,
+    resolved_config,
     slurm_spec,
     wait_for_job,
 )
 from enn_cluster.client.prepare import LaunchShape, run_local
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, submit
-from enn_cluster.config.loading import apply_overrides, config_from_dict, config_to_dict
+from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir
 
+from enn_cluster.storage.model_structure import FACTORY, from_structure, structure_bytes
+
 MODEL_PICKLE = "model.pkl"
+unpickled_model = from_structure  # the factory that runs made before FACTORY still name
 
 
-def unpickled_model(n_features: int, n_outputs: int, path: str):
-    """Factory the workers call for a module given as an instance: its pickled structure."""
-    with open(path, "rb") as fh:
-        return pickle.load(fh)
-
-
-def check_shippable(model: Any) -> None:
-    """What ships to workers must import there: refuse early, before anything is written."""
+def check_shippable(model: Any) -> Optional[bytes]:
+    """What ships to workers must import there: refuse early, before anything is written.
+    Returns a module's structure to ship (None for 'module:factory')."""
     if isinstance(model, str):
         module, sep, attr = model.partition(":")
         if not sep or not module or not attr:
             raise UserError(f"model: {model!r} is not 'package.module:factory'")
-        return
+        return None
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -73,26 +71,37 @@ def check_shippable(model: Any) -> None:
             raise UserError(f"model: class {where} is not importable by that path; "
                             "define it at the top level of an importable module")
     try:
-        pickle.dumps(model)
+        return structure_bytes(model)
     except Exception as exc:  # pickle raises many types; all mean the same to the user
         raise UserError(f"model: cannot be pickled for the workers ({exc}); remove lambdas "
                         "and open handles from it or pass 'module:factory'")
 
 
-def _config(config: Union[None, str, dict, RunConfig], overrides: dict) -> RunConfig:
+def _config(config: Union[None, str, dict, RunConfig], overrides: dict, read_site) -> RunConfig:
+    """The CLI's config step (launching.resolved_config) for the API's arguments: `config`
+    as the file, keyword sections as --set, top-level keywords (run_dir's name and root)
+    verbatim. A RunConfig names every key, runs_root included: the site's is not applied."""
     if isinstance(config, RunConfig):
         data = config_to_dict(config)
     elif isinstance(config, (str, Path)):
         data = read_yaml(str(config))
     else:
         data = dict(config or {})
-    for section, values in overrides.items():
-        if isinstance(values, dict):
-            data = apply_overrides(data, [f"{section}.{k}={v!r}" if isinstance(v, str)
-                                          else f"{section}.{k}={v}" for k, v in values.items()])
-        else:
-            data[section] = values
-    return config_from_dict(data)
+    sets = [f"{section}.{k}={v!r}" if isinstance(v, str) else f"{section}.{k}={v}"
+            for section, values in overrides.items() if isinstance(values, dict)
+            for k, v in values.items()]
+    verbatim = {k: v for k, v in overrides.items() if not isinstance(v, dict)}
+    return resolved_config(data, sets, verbatim, read_site)
+
+
+def _site_reader(cluster: Optional[dict]):
+    """The site config as this call reads it, once: `cluster`'s `site`, else the lookup
+    the CLI does ($ENN_SITE_CONFIG, ./enn-site.yaml, ...)."""
+    from functools import cache
+
+    from enn_cluster.cluster.site import load_site
+
+    return cache(lambda: load_site((cluster or {}).get("site")))
 
 
 def _arrays(X, y, eval_data) -> dict:
@@ -118,13 +127,11 @@ def _write_step0(model, run: RunDir) -> None:
     store.write_commit(path, 0, files, world_size=1, contents=["model"], source="api")
 
 
-def _slurm_request(cluster: Optional[dict]) -> Optional[SlurmRequest]:
+def _slurm_request(cluster: Optional[dict], read_site=None) -> Optional[SlurmRequest]:
     """The API's `cluster=` dict as the CLI's Slurm flags would give it, with the site config
     read once; None: run locally."""
     if cluster is None:
         return None
-    from enn_cluster.cluster.site import load_site
-
     keys = ("partition", "account", "qos", "time", "container", "python", "site",
             "job_name", "signal_grace", "cpus_per_task", "mem_gb")
     nodes = cluster.get("nodes")
@@ -132,7 +139,7 @@ def _slurm_request(cluster: Optional[dict]) -> Optional[SlurmRequest]:
                         nodes=None if nodes is None else str(nodes),
                         mounts=tuple(cluster.get("mounts", ())),
                         exclusive=bool(cluster.get("exclusive", False)),
-                        site_config=load_site(cluster.get("site")))
+                        site_config=(read_site or _site_reader(cluster))())
 
 
 def _shape(cfg: RunConfig, cluster: Optional[dict], slurm: Optional[SlurmRequest]) -> LaunchShape:
@@ -151,28 +158,30 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
     `config` is a RunConfig, a dict or a YAML path; keyword sections override it
     (`training={"epochs": 3}`). `cluster=None` runs locally; a dict such as
     `{"nodes": 2, "gpus_per_node": 8, "partition": "gpu", "container": "/img.sqsh"}` submits
-    to Slurm. `wait=False` returns at once; `Run.open(path)` re-attaches later.
+    to Slurm. `wait=False` returns at once; `Run.open(path)` re-attaches later. The run
+    lands at `run_dir`, else under the config's runs_root, else the site config's (as with
+    `enn-submit train`).
     """
-    check_shippable(model)
+    structure = check_shippable(model)
     if run_dir is not None:
         overrides = {**overrides, "run_name": Path(run_dir).name,
                      "runs_root": str(Path(run_dir).resolve().parent)}
-    cfg = _config(config, overrides)
+    read_site = _site_reader(cluster)
+    cfg = _config(config, overrides, read_site)
     if isinstance(model, str):
         cfg.model.name = model
-    slurm = _slurm_request(cluster)
+    slurm = _slurm_request(cluster, read_site)
     shape = _shape(cfg, cluster, slurm)
     restarts = cfg.parallel.max_restarts
 
     def populate(run: RunDir) -> None:
-        if not isinstance(model, str):
-            with open(run.path / MODEL_PICKLE, "wb") as fh:
-                pickle.dump(model, fh)
+        if structure is not None:
+            (run.path / MODEL_PICKLE).write_bytes(structure)
             _write_step0(model, run)
 
-    if not isinstance(model, str):
+    if structure is not None:
         final = Path(cfg.runs_root).expanduser().resolve() / cfg.run_name
-        cfg.model.name = "enn_cluster.client.api:unpickled_model"
+        cfg.model.name = FACTORY
         cfg.model.kwargs = {"path": str(final / MODEL_PICKLE)}
     run, frozen, spec = create_train_run(cfg, shape, restarts, slurm,
                                          arrays=_arrays(X, y, eval_data), populate_extra=populate)

@@ -29,22 +29,31 @@ if TYPE_CHECKING:  # prepare stages data (numpy): imported by the commands that 
 def load_flagged_config(config: Optional[str], overrides: list, site: Optional[str],
                         run_name: Optional[str] = None, runs_root: Optional[str] = None,
                         read_site=None):
-    """The config file, then --set (YAML values), then the name flags (verbatim strings:
-    'exp #3' stays 'exp #3', 0010 stays 0010); the site's runs_root where none is named.
-    `read_site()`: the site config as this command reads it once (default: from `site`);
-    called only when the runs root is not given."""
-    from enn_cluster.config.loading import load_config
+    """The CLI's config: the file, --set and the name flags (verbatim strings: 'exp #3'
+    stays 'exp #3', 0010 stays 0010), through `resolved_config`. `read_site()`: the site
+    config as this command reads it once (default: from `site`)."""
+    from enn_cluster.cluster.site import load_site
     from enn_cluster.config.yaml_file import read_yaml
 
     verbatim = {k: v for k, v in (("run_name", run_name), ("runs_root", runs_root))
                 if v is not None}
-    if runs_root is None and not any(o.startswith("runs_root=") for o in overrides):
-        from enn_cluster.cluster.site import load_site
+    return resolved_config(read_yaml(config) if config else {}, list(overrides), verbatim,
+                           read_site or (lambda: load_site(site)))
 
-        site_root = (read_site() if read_site else load_site(site)).runs_root
-        if site_root and "runs_root" not in (read_yaml(config) if config else {}):
-            verbatim["runs_root"] = site_root
-    return load_config(config, overrides, verbatim)
+
+def resolved_config(data: dict, overrides: list, verbatim: dict, read_site):
+    """The one config step of a new run, for the CLI and the API alike: `data` (a config
+    file's), then `overrides` (--set KEY=VALUE, YAML values), then `verbatim` (top-level
+    values taken as given); the site's runs_root where none of them names one, so a run
+    lands on the shared filesystem whatever the caller's cwd. `read_site()` is called only
+    then."""
+    from enn_cluster.config.loading import apply_overrides, config_from_dict
+
+    named = "runs_root" in data or "runs_root" in verbatim or \
+        any(o.startswith("runs_root=") for o in overrides)
+    site_root = None if named else read_site().runs_root
+    return config_from_dict({**apply_overrides(data, overrides), **verbatim,
+                             **({"runs_root": site_root} if site_root else {})})
 
 
 def checked_shape(cfg, nodes, gpus_per_node: Optional[int], procs_per_node: Optional[int], *,

@@ -6,9 +6,11 @@ this rank's slice of it is kept. Every parameter draws from a generator seeded b
 run seed and the parameter's name, so the weights are the same at every world size
 and mesh shape (a run started on 2 processes equals one started on 4).
 
-Models built here: the built-ins, and any model that has an `init_weights()` method
-(torchtitan's convention: it initialises its own, already sharded, parameters). A user
-factory without one is built whole, as before: its `__init__` may hold custom init.
+Models built here: the built-ins, any model that has an `init_weights()` method
+(torchtitan's convention: it initialises its own, already sharded, parameters), and a
+module given to the Python API as an object, whose local shards are left for the run's
+step-0 checkpoint to fill (the trainer's resume). A user factory without `init_weights`
+is built whole, as before: its `__init__` may hold custom init.
 """
 from __future__ import annotations
 
@@ -19,15 +21,20 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from enn_cluster.storage.model_structure import with_storage
+
 FULL_INIT = "full"  # build_plan values
 META_BUILTIN = "meta-builtin"
 META_OWN = "meta-init_weights"
+META_CHECKPOINT = "meta-checkpoint"  # the weights are in the run's step-0 checkpoint
 
 
-def init_plan(model: nn.Module) -> str:
+def init_plan(model: nn.Module, from_checkpoint: bool = False) -> str:
     """How to materialise a model built on the meta device (pure)."""
     if not all(p.is_meta for p in model.parameters()):
         return FULL_INIT  # built with real tensors anyway (e.g. unpickled weights)
+    if from_checkpoint:
+        return META_CHECKPOINT
     if callable(getattr(model, "init_weights", None)):
         return META_OWN
     if all(_rule_for(name, module) is not None for name, module in _owners(model)):
@@ -113,6 +120,9 @@ def templates(model: nn.Module) -> dict:
 def materialize(model: nn.Module, plan: str, tmpls: dict, seed: int,
                 device: torch.device) -> None:
     """Give the meta model (sharded, or whole for DDP) real tensors on `device`."""
+    if plan == META_CHECKPOINT:  # storage only: the step-0 checkpoint holds the values
+        with_storage(model, device)
+        return
     model.to_empty(device=device)
     if plan == META_OWN:
         model.init_weights()

@@ -13,6 +13,7 @@ from torch import nn
 
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
 from enn_cluster.models import build_model, output_size
+from enn_cluster.storage.model_structure import FACTORY as STRUCTURE_FACTORY
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes
 from enn_cluster.worker.parallel import build_mesh, wrap_model
@@ -24,6 +25,7 @@ class ShardedModel:
     plan: MeshPlan
     mesh: object
     use_bf16: bool
+    weights_from_checkpoint: bool = False  # a module given to the API: step-0 holds them
 
     @property
     def dp_size(self) -> int:
@@ -38,28 +40,30 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
                         input_shape: tuple) -> ShardedModel:
     """Built on the meta device, sharded, then only the local shards materialised (see
     meta_init); a model that must be built whole (a user factory without init_weights)
-    is built with the same seed on every rank, so the full weights agree before sharding."""
+    is built with the same seed on every rank, so the full weights agree before sharding.
+    A module given to the API gets storage for its shards only: the trainer's resume fills
+    them from step 0 (the seed is set as for a whole build, for dropout's sake)."""
     from enn_cluster.worker import meta_init
 
+    shape, n_out = tuple(input_shape), output_size(cfg, manifest)
     with torch.device("meta"):
-        model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
-    how = meta_init.init_plan(model)
-    if how == meta_init.FULL_INIT:
+        model = build_model(cfg.model, shape, n_out)
+    from_checkpoint = cfg.model.name == STRUCTURE_FACTORY
+    how = meta_init.init_plan(model, from_checkpoint)
+    if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT):
         torch.manual_seed(cfg.training.seed)
-        model = build_model(cfg.model, tuple(input_shape), output_size(cfg, manifest))
-        model.to(lanes.device)
+    if how == meta_init.FULL_INIT:
+        model = build_model(cfg.model, shape, n_out).to(lanes.device)
     plan = plan_mesh(cfg.parallel, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, lanes.device)
     bf16 = use_bf16(cfg, lanes.device)
-    if how != meta_init.FULL_INIT:
-        tmpls = meta_init.templates(model)
-        if plan.strategy == "ddp":  # DDP replicates whole weights: materialise, then wrap
-            meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
-            return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype), plan, mesh, bf16)
-        model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype)
+    tmpls = meta_init.templates(model) if how == meta_init.META_BUILTIN else {}
+    if how != meta_init.FULL_INIT and plan.strategy == "ddp":  # DDP replicates whole weights
         meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
-        return ShardedModel(model, plan, mesh, bf16)
-    return ShardedModel(wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype), plan, mesh, bf16)
+    model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype)
+    if how != meta_init.FULL_INIT and plan.strategy != "ddp":  # FSDP/HSDP: local shards only
+        meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+    return ShardedModel(model, plan, mesh, bf16, from_checkpoint)
 
 
 def gradient_sync(sm: ShardedModel, sync: bool):

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, total_steps
+from enn_cluster.errors import UserError
 from enn_cluster.models import compute_loss
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import oom_record
@@ -284,6 +285,10 @@ class Trainer:
 
     def resume(self) -> None:
         found = ckpt.resume(self.run.checkpoints, self.sm.model, self.optimizer, self.lanes)
+        if found is None and self.sm.weights_from_checkpoint:  # never train empty storage
+            raise UserError(f"checkpoints: no checkpoint of {self.run.path} verifies, and the "
+                            "model's weights exist only there (a module given to "
+                            "enn_cluster.train); start a new run with enn_cluster.train")
         if found is None:
             return
         step, state = found
