@@ -63,6 +63,9 @@ class FeatureTransformer(nn.Module):
         return list(self.layers)
 
 
+BUILTIN_MODELS = ("mlp", "transformer")  # model.name values that are not `module:factory`
+
+
 def import_factory(path: str) -> Callable:
     module_name, _, attr = path.partition(":")
     try:

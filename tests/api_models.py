@@ -130,3 +130,11 @@ def normed_preset() -> NormedRegressor:
         norm.running_var.fill_(2.0)
         norm.num_batches_tracked.fill_(5)
     return model
+
+
+def normed_zero_head(n_features: int, n_outputs: int) -> NormedRegressor:
+    """A user factory with BatchNorm buffers and an init of its own in code (a zeroed
+    head): built whole, never re-initialised by the built-ins' per-module rules."""
+    model = NormedRegressor(n_features, 16, n_outputs)
+    nn.init.zeros_(model.head.weight)
+    return model

@@ -157,3 +157,20 @@ def test_weights_do_not_depend_on_the_world_size(tmp_path):
         for key, value in ref.items():
             assert torch.allclose(params[label][key], value, atol=1e-6), (label, key)
     assert not torch.allclose(params["seed8"]["head.weight"], ref["head.weight"])
+
+
+def test_a_user_factory_keeps_its_own_init_and_buffers(tmp_path):
+    """A `module:factory` without init_weights is built whole, as documented: its own
+    init (here a zeroed head) is kept, not replaced by the built-ins' per-module rules,
+    and its BatchNorm buffers do not stop the build (the rules refused buffers)."""
+    from helpers import full_params
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "own", model={"name": "api_models:normed_zero_head"},
+        training={"max_steps": 1, "lr": 1e-12}, checkpoint={"every_steps": 1},
+        parallel={"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"}))
+    res = cli("train", "--config", cfg, cwd=ROOT / "tests")  # api_models importable
+    assert res.returncode == 0, res.stderr[-3000:]
+    params = full_params(tmp_path / "runs" / "own" / "checkpoints" / "step-1")
+    assert params["head.weight"].abs().max() < 1e-9  # lr 1e-12: the factory's zeros, kept
+    assert params["body.1.running_var"].shape == (16,)

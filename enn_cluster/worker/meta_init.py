@@ -29,15 +29,17 @@ META_OWN = "meta-init_weights"
 META_CHECKPOINT = "meta-checkpoint"  # the weights are in the run's step-0 checkpoint
 
 
-def init_plan(model: nn.Module, from_checkpoint: bool = False) -> str:
-    """How to materialise a model built on the meta device (pure)."""
+def init_plan(model: nn.Module, from_checkpoint: bool = False, builtin: bool = True) -> str:
+    """How to materialise a model built on the meta device (pure). Only a built-in model
+    is initialised by our per-module rules: a user factory's `__init__` may set weights
+    (a zeroed head, a loaded embedding) or buffers that the rules would silently replace."""
     if not all(p.is_meta for p in model.parameters()):
         return FULL_INIT  # built with real tensors anyway (e.g. unpickled weights)
     if from_checkpoint:
         return META_CHECKPOINT
     if callable(getattr(model, "init_weights", None)):
         return META_OWN
-    if all(_rule_for(name, module) is not None for name, module in _owners(model)):
+    if builtin and all(_rule_for(name, module) is not None for name, module in _owners(model)):
         return META_BUILTIN
     return FULL_INIT
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
-from enn_cluster.models import build_model, output_size
+from enn_cluster.models import BUILTIN_MODELS, build_model, output_size
 from enn_cluster.storage.model_structure import FACTORY as STRUCTURE_FACTORY
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes
@@ -49,7 +49,7 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     with torch.device("meta"):
         model = build_model(cfg.model, shape, n_out)
     from_checkpoint = cfg.model.name == STRUCTURE_FACTORY
-    how = meta_init.init_plan(model, from_checkpoint)
+    how = meta_init.init_plan(model, from_checkpoint, builtin=cfg.model.name in BUILTIN_MODELS)
     if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT):
         torch.manual_seed(cfg.training.seed)
     if how == meta_init.FULL_INIT:
