@@ -134,3 +134,36 @@ def in_pid_namespace(code: str, *args, timeout: float = 400) -> subprocess.Compl
     return subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
                            sys.executable, "-c", code, *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+SOCKET_FALLBACK_LOG = [  # NCCL's init log where the EFA plugin is absent: it falls back to TCP
+    "ip-10-1-2-3:77:77 [0] NCCL INFO NCCL version 2.23.4+cuda12.6",
+    "ip-10-1-2-3:77:90 [0] NCCL INFO NET/Plugin: Could not find: libnccl-net.so.",
+    "ip-10-1-2-3:77:90 [0] NCCL INFO NET/IB : No device found.",
+    "ip-10-1-2-3:77:90 [0] NCCL INFO NET/Socket : Using [0]ens32:10.1.2.3<0>",
+    "ip-10-1-2-3:77:90 [0] NCCL INFO Using network Socket",
+]
+
+
+def as_gpu_ranks_on_sockets(run: Path, site_profile: str = "efa") -> None:
+    """The GPU fault on this CPU machine: the newest attempt's backend reports become what
+    its ranks write on GPUs when the site's profile is `site_profile` and NCCL fell back to
+    sockets. NCCL's init log goes where the worker points NCCL_DEBUG_FILE; the NCCL fields
+    come from the product's fabric_fields over that log, the file from its write_report.
+    Only the device and lane names are set by hand (there is no GPU here to read them)."""
+    from enn_cluster.config.nccl import PROFILE_VAR
+    from enn_cluster.storage import backend_report as br
+    from enn_cluster.storage.attempts import attempt_dirs
+    from enn_cluster.storage.rundir import RunDir
+
+    attempt, reports = br.newest_reports(attempt_dirs(RunDir(run)))
+    log_dir = run / "logs" / attempt
+    for rep in reports:
+        nccl_log = log_dir / br.NCCL_LOG_NAME.format(rank=rep["rank"])
+        nccl_log.write_text("\n".join(SOCKET_FALLBACK_LOG) + "\n")
+        rep.update(device=f"cuda:{rep['rank']}", device_type="cuda", device_name="NVIDIA H100",
+                   lanes={"accelerator": "cpu:gloo,cuda:nccl", "control": "gloo",
+                          "checkpoint": "gloo"},
+                   nccl_profile=site_profile,
+                   **br.fabric_fields({PROFILE_VAR: site_profile}, nccl_log, "2.23.4"))
+        br.write_report(log_dir, rep)

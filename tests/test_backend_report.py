@@ -3,9 +3,10 @@ the report a CPU run's workers write and `status` shows (real processes)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
-from helpers import cli, small_config, write_config
+from helpers import SOCKET_FALLBACK_LOG, as_gpu_ranks_on_sockets, cli, small_config, write_config
 
 from enn_cluster.storage import backend_report as br
 from enn_cluster.worker.placement import parse_cpulist
@@ -20,13 +21,6 @@ EFA_LOG = [
     "ip-10-1-2-3:77:77 [0] NCCL INFO NCCL version 2.23.4+cuda12.6",
     "ip-10-1-2-3:77:90 [0] NCCL INFO NET/OFI Selected Provider is efa (found 32 nics)",
     "ip-10-1-2-3:77:90 [0] NCCL INFO Using network Libfabric",
-]
-SOCKET_FALLBACK_LOG = [  # EFA plugin absent: NCCL falls back to TCP
-    "ip-10-1-2-3:77:77 [0] NCCL INFO NCCL version 2.23.4+cuda12.6",
-    "ip-10-1-2-3:77:90 [0] NCCL INFO NET/Plugin: Could not find: libnccl-net.so.",
-    "ip-10-1-2-3:77:90 [0] NCCL INFO NET/IB : No device found.",
-    "ip-10-1-2-3:77:90 [0] NCCL INFO NET/Socket : Using [0]ens32:10.1.2.3<0>",
-    "ip-10-1-2-3:77:90 [0] NCCL INFO Using network Socket",
 ]
 CHANNEL_ONLY_LOG = ["n1:1:2 [3] NCCL INFO Channel 01/0 : 3[3] -> 11[3] [send] via NET/AWS Libfabric/1"]
 
@@ -55,6 +49,9 @@ def test_expected_fabric_and_mismatch_warnings():
                                                    bf16_supported=False))[0]
     assert "runs on the CPU" in br.mismatches({"device": "cpu", "gpus_requested": 4})[0]
     assert br.mismatches({"device": "cpu", "gpus_requested": 0}) == []
+    by_layer = br.layer_warnings(dict(gpu, bf16_supported=False, gpus_requested=4))
+    assert [len(by_layer[k]) for k in ("kernels", "precision", "distributed")] == [0, 1, 1]
+    assert br.layer_warnings({"device": "cpu", "gpus_requested": 4})["kernels"]
     lines = br.summarize([dict(gpu, nccl_version="2.23.4", lanes={"accelerator": "nccl"})])
     assert "NCCL 2.23.4 over socket (site: efa)" in lines[0]
     assert lines[1] == "warning: rank 3: " + warning
@@ -73,18 +70,63 @@ def test_placement_is_summarised_and_one_cpu_per_gpu_warned():
     assert br.mismatches(dict(rank(0, 1), device="cpu")) == []  # a CPU rank: one is fine
 
 
+@pytest.mark.parametrize("device, sdpa, needle", [
+    ("cpu", {"flash": True, "mem_efficient": False, "cudnn": False, "math": True}, None),
+    ("cpu", {"flash": False, "mem_efficient": True, "cudnn": True, "math": True},
+     "no fused attention kernel is enabled on cpu (flash off)"),
+    ("cuda", {"flash": False, "mem_efficient": True, "cudnn": False, "math": True}, None),
+    ("cuda", {"flash": False, "mem_efficient": False, "cudnn": False, "math": True},
+     "no fused attention kernel is enabled on cuda (flash, mem_efficient, cudnn off)"),
+    ("cuda", {"flash": False, "mem_efficient": False, "cudnn": False, "math": False},
+     "every attention backend is off on cuda"),
+])
+def test_sdpa_backends_the_device_has_and_are_off_are_a_kernels_warning(device, sdpa, needle):
+    """CPU attention has one fused kernel (flash, torch.backends.cuda's switch governs it
+    too); CUDA has three. With none of them on, attention runs the math kernel."""
+    got = br.layer_warnings({"device": device, "device_type": device, "sdpa": sdpa})
+    assert got["precision"] == got["distributed"] == []
+    assert (needle is None and got["kernels"] == []) or needle in got["kernels"][0], got
+
+
+def test_the_cpu_flash_kernel_follows_the_cuda_flash_switch():
+    """What FUSED_SDPA["cpu"] rests on, checked against this torch: with the flash switch
+    off, CPU attention runs the math kernel."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import profile
+
+    def kernels():
+        q = torch.randn(2, 4, 16, 8)
+        with profile() as prof:
+            F.scaled_dot_product_attention(q, q, q)
+        return {e.key for e in prof.key_averages() if "_scaled_dot_product" in e.key}
+
+    assert kernels() == {"aten::_scaled_dot_product_flash_attention_for_cpu"}
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        assert kernels() == {"aten::_scaled_dot_product_attention_math"}
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+
+
 def test_nccl_debug_of_the_job_is_left_alone(tmp_path):
     env = br.nccl_log_env(tmp_path, 2, {})
     assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_FILE"].endswith("nccl-rank-2.log")
     assert br.nccl_log_env(tmp_path, 2, {"NCCL_DEBUG": "WARN"}) == {}
 
 
-def test_cpu_run_reports_gloo_lanes_and_status_shows_them(tmp_path):
-    cfg = small_config(tmp_path, "b", training={"max_steps": 2}, checkpoint={"every_steps": 2},
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("backends")
+    cfg = small_config(tmp, "b", training={"max_steps": 2}, checkpoint={"every_steps": 2},
                        parallel={"nodes": 1, "procs_per_node": 2})
-    done = cli("train", "--config", write_config(tmp_path / "b.yaml", **cfg))
+    done = cli("train", "--config", write_config(tmp / "b.yaml", **cfg))
     assert done.returncode == 0, done.stderr[-2000:]
-    run = tmp_path / "runs" / "b"
+    return tmp / "runs" / "b"
+
+
+def test_cpu_run_reports_gloo_lanes_and_status_shows_them(cpu_run):
+    run = cpu_run
     files = sorted(run.glob("logs/*/backend-rank-*.json"))
     assert [f.name for f in files] == ["backend-rank-0.json", "backend-rank-1.json"]
     for rank, path in enumerate(files):
@@ -107,3 +149,23 @@ def test_cpu_run_reports_gloo_lanes_and_status_shows_them(tmp_path):
             "control gloo; bf16 off; compile off; SDPA ") in status.stdout
     assert "                 placement: 2 rank(s) with " in status.stdout
     assert "warning" not in status.stdout
+
+
+def test_status_warns_when_nccl_fell_back_to_sockets_on_an_efa_site(cpu_run, tmp_path):
+    """The run's reports rewritten as its ranks write them on GPUs of a site whose profile
+    is efa, with NCCL's init log saying it fell back to sockets (helpers.as_gpu_ranks_on_sockets):
+    `status` shows the transport, the site's fabric and a warning per rank."""
+    run = tmp_path / "gpu"
+    shutil.copytree(cpu_run, run)
+    as_gpu_ranks_on_sockets(run, "efa")
+    status = cli("status", run)
+    assert status.returncode == 0, status.stderr
+    assert "backends:        cuda (2 rank(s)); lanes: accelerator cpu:gloo,cuda:nccl, " \
+        "checkpoint gloo, control gloo; NCCL 2.23.4 over socket (site: efa)" in status.stdout
+    for rank in (0, 1):
+        assert f"warning: rank {rank}: the site expects efa but NCCL uses socket; see " \
+            "docs/admin.md#nccl-profiles" in status.stdout, status.stdout
+    same = tmp_path / "socket"  # the site asks for what NCCL uses: no warning
+    shutil.copytree(cpu_run, same)
+    as_gpu_ranks_on_sockets(same, "socket")
+    assert "warning" not in cli("status", same).stdout

@@ -1,28 +1,42 @@
-"""`enn-submit doctor`: a healthy 2-rank run is ok on all eight layers (exit 0); copies of it
-with one fault each (the real fault, made on disk: a flipped checkpoint byte, a missing
-manifest, a changed staged array, a failed rank's exit record, an unimportable model, a
-GPU rank whose NCCL fell back to sockets) name that layer (exit 1 for problems, 0 for
-warnings); a model that branches on a tensor's value gets an export warning."""
+"""`enn-submit doctor`: a healthy 2-rank run that predicted is ok on every layer (exit 0);
+copies of it with one fault each (the real fault, made on disk: a flipped checkpoint byte,
+a missing manifest, a changed staged array, a failed rank's exit record, an unimportable
+model, a GPU rank whose NCCL fell back to sockets, a torn prediction manifest) name that
+layer (exit 1 for problems, 0 for warnings). Runs that met the fault for real: a model
+that branches on a tensor's value (export), one that turns the fused attention kernels off
+(kernels), a NaN row and NaN targets (precision, with the newest non-finite dump), an
+out-of-memory error recovered and one at micro-batch 1 (logs, from oom.json), a model that
+outputs a constant (predictions, the collapse verdict)."""
 from __future__ import annotations
 
 import json
 import shutil
 
+import numpy as np
 import pytest
 import yaml
 
-from helpers import ROOT, cli, small_config, write_config
+from helpers import ROOT, as_gpu_ranks_on_sockets, cli, small_config, write_config
 
 LAYERS = ["data", "model", "kernels", "precision", "logs", "distributed", "checkpoints",
-          "export"]
+          "export", "predictions"]
+ONE_PROC = {"nodes": 1, "procs_per_node": 1}
 
 
-def _train(tmp, name, **over):
+def _train(tmp, name, code=0, **over):
     cfg = small_config(tmp, name, training={"max_steps": 3}, checkpoint={"every_steps": 3},
-                       parallel={"nodes": 1, "procs_per_node": 2}, **over)
+                       parallel={"nodes": 1, "procs_per_node": 2})
+    for section, values in over.items():
+        cfg.setdefault(section, {}).update(values)
     done = cli("train", "--config", write_config(tmp / f"{name}.yaml", **cfg), cwd=ROOT / "tests")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == code, done.stderr[-3000:]
     return tmp / "runs" / name
+
+
+def _predict(tmp, run, name="p"):
+    np.save(tmp / f"{name}.npy", np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32))
+    done = cli("predict", run, "--input", tmp / f"{name}.npy", "--name", name, cwd=ROOT / "tests")
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def _doctor(run):
@@ -34,7 +48,10 @@ def _doctor(run):
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("doctor"), "h")
+    tmp = tmp_path_factory.mktemp("doctor")
+    run = _train(tmp, "h")
+    _predict(tmp, run)
+    return run
 
 
 def test_healthy_run_is_ok_on_every_layer(healthy):
@@ -47,6 +64,7 @@ def test_healthy_run_is_ok_on_every_layer(healthy):
     assert "lanes: accelerator gloo, checkpoint gloo, control gloo" in lines["distributed"]
     assert f"(more: enn-submit verify {healthy})" in lines["checkpoints"]
     assert "every rank ended cleanly" in lines["logs"]
+    assert "1 committed prediction(s), none near-constant" in lines["predictions"]
 
 
 def _corrupt_checkpoint(run):
@@ -63,8 +81,11 @@ def _change_staged_array(run):
     path.write_bytes(bytes(data))
 
 
-def _failed_rank(run):
-    (exit_record,) = run.glob("logs/*/exit-rank-1.json")
+def _failed_rank(run):  # in the newest attempt (the prediction's)
+    from enn_cluster.storage.attempts import attempt_dirs
+    from enn_cluster.storage.rundir import RunDir
+
+    exit_record = attempt_dirs(RunDir(run))[-1] / "exit-rank-1.json"
     rec = json.loads(exit_record.read_text())
     exit_record.write_text(json.dumps(dict(rec, code=1)))
 
@@ -75,14 +96,9 @@ def _unimportable_model(run):
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
 
 
-def _nccl_fell_back_to_sockets(run):  # the GPU fault, written as a GPU rank would report it
-    for path in run.glob("logs/*/backend-rank-*.json"):
-        rep = json.loads(path.read_text())
-        rep.update(device="cuda:0", device_type="cuda", nccl_version="2.23.4",
-                   nccl_transport="socket", expected_fabric="efa",
-                   lanes={"accelerator": "cpu:gloo,cuda:nccl", "control": "gloo",
-                          "checkpoint": "gloo"})
-        path.write_text(json.dumps(rep))
+def _torn_prediction_manifest(run):
+    path = run / "predictions" / "p" / "manifest.json"
+    path.write_bytes(path.read_bytes()[:40])
 
 
 @pytest.mark.parametrize("fault, layer, level, needle, code", [
@@ -92,8 +108,9 @@ def _nccl_fell_back_to_sockets(run):  # the GPU fault, written as a GPU rank wou
     (_change_staged_array, "data", "problem", "train_x.npy does not match", 1),
     (_failed_rank, "logs", "problem", "rank 1 exited 1", 1),
     (_unimportable_model, "model", "problem", "no_such_module_here", 1),
-    (_nccl_fell_back_to_sockets, "distributed", "warning",
+    (as_gpu_ranks_on_sockets, "distributed", "warning",
      "the site expects efa but NCCL uses socket", 0),
+    (_torn_prediction_manifest, "predictions", "problem", "p: manifest.json is unreadable", 1),
 ])
 def test_one_fault_names_its_layer(healthy, tmp_path, fault, layer, level, needle, code):
     run = tmp_path / "copy"
@@ -119,3 +136,89 @@ def test_not_export_safe_model_is_an_export_warning(tmp_path):
 def test_not_a_run_directory(tmp_path):
     done = cli("doctor", tmp_path)
     assert done.returncode == 2 and "is not a run directory" in done.stderr
+
+
+def test_fused_attention_turned_off_is_a_kernels_warning(tmp_path):
+    """The model's module turns flash attention off when imported (tests/sdpa_off_model.py):
+    the workers' reports say so, and doctor and status warn that attention runs the math
+    kernel."""
+    run = _train(tmp_path, "k", model={"name": "sdpa_off_model:attention"})
+    code, lines = _doctor(run)
+    assert code == 0
+    assert lines["kernels"].split()[1] == "warning"
+    assert "SDPA math, compile off" in lines["kernels"], lines["kernels"]
+    assert "no fused attention kernel is enabled on cpu (flash off)" in lines["kernels"]
+    assert f"(more: enn-submit status {run})" in lines["kernels"]
+    others = [line for name, line in lines.items() if name != "kernels" and line.split()[1] != "ok"]
+    assert others == [], others
+    status = cli("status", run).stdout
+    assert "warning: rank 1: SDPA: no fused attention kernel is enabled on cpu" in status, status
+
+
+def _nan_rows(tmp, rows):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    y = rng.standard_normal((64, 1)).astype(np.float32)
+    y[rows] = np.nan
+    np.savez(tmp / "nan.npz", x=x, y=y)
+    return {"train_path": str(tmp / "nan.npz"), "eval_fraction": 0.0}
+
+
+@pytest.mark.parametrize("rows, training, code, level, needle", [
+    ([37], {"nonfinite_policy": "skip", "max_steps": 12}, 0, "warning",
+     "fp32; 3 step(s) skipped for a non-finite loss or gradient; 3 dump(s); newest "
+     "nonfinite/step-"),
+    (slice(None), {"max_nonfinite_steps": 2}, 1, "problem",
+     "the last loss (step 1) is nan; 2 dump(s)"),
+])
+def test_non_finite_steps_are_a_precision_finding_naming_the_dump(tmp_path, rows, training,
+                                                                   code, level, needle):
+    """Row 37 has a NaN target (one skipped step per epoch of 4, logged every 4 steps):
+    a warning. Every target NaN: training stops after 2 in a row, a problem. Either way
+    the line names the newest dump and `more` opens it."""
+    run = _train(tmp_path, "nan", code=code, data=_nan_rows(tmp_path, rows), training=training,
+                 logging={"every_steps": 4} if code == 0 else {"every_steps": 1})
+    got, lines = _doctor(run)
+    assert got == (1 if level == "problem" else 0)
+    line = lines["precision"]
+    assert line.split()[1] == level and needle in line, line
+    newest = max(run.glob("nonfinite/step-*.json"), key=lambda p: int(p.stem[5:]))
+    assert f"newest nonfinite/{newest.name}: rows [" in line, line
+    assert f"(more: python -m json.tool {run}/nonfinite/{newest.name})" in line
+
+
+def test_out_of_memory_is_a_logs_finding_from_oom_json(tmp_path):
+    """Rank 1 runs out of memory at step 2 (the fault hook): the retry runs micro-batch 4
+    and completes, a warning naming why the first attempt's ranks left. At micro-batch 1
+    there is nothing left to halve: a problem with the memory figures."""
+    run = _train(tmp_path, "oom", training={"oom_at_step": 2, "fail_rank": 1},
+                 parallel={"max_restarts": 1})
+    got, lines = _doctor(run)
+    assert got == 0
+    line = lines["logs"]
+    assert line.split()[1] == "warning", line
+    assert "rank 1 exited 1" in line and "out of memory at step 2 on rank 1 (micro-batch 8 x " \
+        "1); since then micro-batch <= 4, same global batch 16 (1 event(s), oom.json)" in line
+    assert f"(more: python -m json.tool {run}/oom.json)" in line
+
+    run = _train(tmp_path, "floor", code=2, parallel=ONE_PROC,
+                 training={"oom_at_step": 2, "per_device_train_batch_size": 1})
+    got, lines = _doctor(run)
+    assert got == 1
+    line = lines["logs"]
+    assert line.split()[1] == "problem" and "rank 0 exited 2" in line, line
+    assert "out of memory at step 2 on rank 0 (micro-batch 1 x 1) with memory device cpu, " \
+        "peak_rss_mb " in line and "nothing left to halve" in line, line
+
+
+def test_a_collapsed_prediction_is_a_predictions_warning_with_its_verdict(tmp_path):
+    """A model that outputs a constant: the prediction manifest's verdict (model) is the
+    line; `more` opens the manifest, whose candidates hold the figures."""
+    run = _train(tmp_path, "const", model={"name": "api_models:constant"}, parallel=ONE_PROC)
+    _predict(tmp_path, run, "c")
+    got, lines = _doctor(run)
+    assert got == 0
+    line = lines["predictions"]
+    assert line.split()[1] == "warning", line
+    assert "c: collapse verdict (model): output 0: the inputs vary but every candidate" in line
+    assert f"(more: python -m json.tool {run}/predictions/c/manifest.json)" in line

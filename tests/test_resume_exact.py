@@ -148,3 +148,6 @@ def test_out_of_memory_at_micro_batch_1_stops_with_the_figures(tmp_path):
     assert len(metrics(run, "start")) == 1  # exit 2: never retried
     attempts = sorted(p.name for p in (run / "logs").iterdir() if p.is_dir())
     assert len(attempts) == 1 and attempts[0].endswith("-r0"), attempts  # not even started
+    again = cli("resume", run, timeout=240)  # every retry stops the same way until oom.json goes
+    assert again.returncode == 2 and "nothing left to halve" in again.stderr, again.stderr[-3000:]
+    assert "out of memory at step 2 on rank 0 with micro-batch 1" in again.stderr

@@ -34,6 +34,13 @@ def test_train_2x2_across_two_nodes_then_resume_on_one(slurm_cluster, tmp_path):
     status = cli("status", run)
     assert f"slurm job:       {job} COMPLETED" in status.stdout, status.stdout
     assert "last complete:   step-28" in status.stdout
+    # ... and the backend report: status warns per rank, doctor's kernels line (exit 0)
+    assert "warning: rank 3: 2 GPUs per node were requested but the rank runs on the CPU" \
+        in status.stdout, status.stdout
+    doctor = cli("doctor", run)
+    kernels = next(line for line in doctor.stdout.splitlines() if line.startswith("kernels"))
+    assert doctor.returncode == 0 and kernels.split()[1] == "warning", doctor.stdout
+    assert "2 GPUs per node were requested but the rank runs on the CPU" in kernels, kernels
     # a site without select/cons_tres asks with --gres=gpu:N (issue 12): the tasks get the same GPUs
     site = tmp_path / "site.yaml"
     site.write_text("gpu_request: gres\n")

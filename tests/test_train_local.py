@@ -176,7 +176,9 @@ def test_a_nan_row_is_dumped_with_its_rows_and_counts_and_the_policy_decides(tmp
         d = json.loads(path.read_text())
         assert 37 in d["rows"] and len(d["rows"]) == 16 and len(d["rows_by_rank"]) == 2
         assert d["loss"] != d["loss"] and d["skipped_total"] == n  # NaN loss
+        assert d["step"] == int(path.stem.removeprefix("step-"))
         assert d["param_dtype"] == "float32" and d["policy"] == "skip" and d["lr"] > 0
+        assert d["grad_norm"] != d["grad_norm"]  # NaN: the norm of NaN gradients, before the clip
         counts = d["nonfinite_grad_elements"]  # a NaN target reaches every gradient
         assert set(counts) == {"layers.0.0.weight", "layers.0.0.bias", "layers.1.0.weight",
                                "layers.1.0.bias", "head.weight", "head.bias"}, counts

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
 
     p = sub.add_parser("doctor", help="check a run layer by layer: data, model, kernels, "
-                       "precision, logs, distributed, checkpoints, export")
+                       "precision, logs, distributed, checkpoints, export, predictions")
     p.add_argument("run_dir")
 
     p = sub.add_parser("plot", help="PNG of loss, validation loss, lr and throughput")

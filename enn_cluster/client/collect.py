@@ -26,6 +26,7 @@ from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
 from enn_cluster.storage.file_copy import kernel_copy
 from enn_cluster.storage.npy_header import read_npy_header
 from enn_cluster.storage.output_target import check_local_target
+from enn_cluster.storage.prediction_collapse import recorded_verdict
 from enn_cluster.storage.rundir import RunDir, fsync_dir
 from enn_cluster.storage.staging import progress_bar
 
@@ -251,12 +252,4 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
     warnings = pm.collapse_warnings(manifest.get("stats"), scale)
     return CollectResult(str(out), name, (manifest["n_rows"], *manifest["output_shape"]),
                          manifest["step"], warnings, pm.summary_lines(manifest),
-                         _collapse(manifest.get("collapse")))
-
-
-def _collapse(record) -> Optional[dict]:
-    """The manifest's collapse verdict when it has the shape the workers write (a
-    hand-edited manifest's odd value is left out, not printed)."""
-    ok = isinstance(record, dict) and all(isinstance(record.get(k), str)
-                                          for k in ("verdict", "message"))
-    return record if ok else None
+                         recorded_verdict(manifest.get("collapse")))

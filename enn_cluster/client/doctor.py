@@ -1,12 +1,14 @@
 """`enn-submit doctor RUN_DIR`: the run's layers in the order trouble travels through them,
 one line each (ok / warning / problem) with the command that shows more.
 
-data -> model -> kernels -> precision -> logs -> distributed -> checkpoints -> export.
+data -> model -> kernels -> precision -> logs -> distributed -> checkpoints -> export ->
+predictions (the last two: the result side, export-safety and what predict wrote).
 Why this order: a fault in an early layer explains symptoms in the later ones (a corrupt
 staged array makes NaN losses makes failed ranks), so the first problem line is the one
 to fix first. Each check reads what the run already wrote (manifest, backend reports,
-exit records, metrics, commit records); only the model and export layers import torch.
-Exit 0 when no layer has a problem, 1 otherwise.
+non-finite dumps, exit records, oom.json, metrics, commit records, prediction manifests);
+only the model and export layers import torch. Exit 0 when no layer has a problem, 1
+otherwise.
 """
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ from typing import Optional
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import oom_record
+from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
 from enn_cluster.storage.metrics import read_metrics
+from enn_cluster.storage.prediction_collapse import recorded_verdict
 from enn_cluster.storage.rundir import RunDir
 
 LEVELS = ("ok", "warning", "problem")
@@ -99,6 +104,11 @@ def check_model(run: RunDir, cfg, manifest: Optional[dict]):
                    more), model, shape
 
 
+def _warnings(reports: list[dict], layer: str) -> list[str]:
+    """The backend reports' warnings for one layer, once each (ranks mostly agree)."""
+    return sorted({w for r in reports for w in backend_report.layer_warnings(r)[layer]})
+
+
 def check_kernels(reports: list[dict], attempt: Optional[str], q: str) -> Finding:
     more = f"enn-submit status {q}"
     if not reports:
@@ -106,9 +116,13 @@ def check_kernels(reports: list[dict], attempt: Optional[str], q: str) -> Findin
                        "the run predates backend reports)", more)
     first = reports[0]
     sdpa = "+".join(k for k, on in sorted(first.get("sdpa", {}).items()) if on) or "none"
-    return Finding("kernels", "ok", f"attempt {attempt}: {first.get('device_type')} "
-                   f"({first.get('device_name')}), torch {first.get('torch')}, SDPA {sdpa}, "
-                   f"compile {'on' if first.get('compile') else 'off'}", more)
+    detail = (f"attempt {attempt}: {first.get('device_type')} ({first.get('device_name')}), "
+              f"torch {first.get('torch')}, SDPA {sdpa}, "
+              f"compile {'on' if first.get('compile') else 'off'}")
+    warnings = _warnings(reports, "kernels")
+    if warnings:
+        return Finding("kernels", "warning", "; ".join([detail, *warnings]), more)
+    return Finding("kernels", "ok", detail, more)
 
 
 def _non_finite(value) -> bool:
@@ -116,20 +130,26 @@ def _non_finite(value) -> bool:
 
 
 def check_precision(run: RunDir, reports: list[dict], q: str) -> Finding:
+    from enn_cluster.client.status import nonfinite_dumps, nonfinite_line
+
     more = f"grep '\"kind\": \"train\"' {q}/metrics.jsonl | tail -n 5"
     train = list(read_metrics(run.metrics, "train"))
     bf16 = [r for r in reports if r.get("bf16")]
-    if any(not r.get("bf16_supported") for r in bf16):
+    if _warnings(reports, "precision"):
         return Finding("precision", "problem", "training.bf16 is on but the device has no "
                        "bf16 support; set training.bf16: false", more)
+    dump = nonfinite_dumps(run.path / "nonfinite")
+    newest = f"; {nonfinite_line(dump)}" if dump else ""
+    if dump:  # the dump names the rows, parameters, dtype, lr and gradient norm
+        more = f"python -m json.tool {q}/nonfinite/step-{dump['step']}.json"
     if train and _non_finite(train[-1].get("loss")):
         return Finding("precision", "problem", f"the last loss (step {train[-1]['step']}) is "
-                       f"{train[-1]['loss']}", more)
+                       f"{train[-1]['loss']}{newest}", more)
     skipped = max((int(r.get("skipped") or 0) for r in train), default=0)
     mode = "bf16 mixed precision" if bf16 else "fp32"
     if skipped:
         return Finding("precision", "warning", f"{mode}; {skipped} step(s) skipped for a "
-                       "non-finite loss or gradient", more)
+                       f"non-finite loss or gradient{newest}", more)
     return Finding("precision", "ok", f"{mode}; {len(train)} logged steps, all finite", more)
 
 
@@ -164,15 +184,22 @@ def check_logs(run: RunDir, live: bool, q: str) -> Finding:
             lines.append(f"{d.name}: {', '.join(notes)}")
             rank = int(notes[0].split()[1])
             worst = max(worst, level, key=LEVELS.index)
+    more = f"enn-submit logs {q} --rank {rank}"
+    oom = oom_record.read_record(run.path)
+    if oom and oom.get("events"):  # why a rank left: the governor's record and figures
+        lines.append(oom_record.summary(oom))
+        level = "problem" if oom_record.floor_event(oom) else "warning"
+        worst = max(worst, level, key=LEVELS.index)
+        more = f"python -m json.tool {q}/{oom_record.NAME}"
     detail = "; ".join(lines) if lines else f"{len(dirs)} attempt(s), every rank ended cleanly"
-    return Finding("logs", worst, detail, f"enn-submit logs {q} --rank {rank}")
+    return Finding("logs", worst, detail, more)
 
 
 def check_distributed(reports: list[dict], attempt: Optional[str], q: str) -> Finding:
     more = f"cat {q}/logs/{shlex.quote(attempt or 'ATTEMPT')}/backend-rank-0.json"
     if not reports:
         return Finding("distributed", "warning", "no backend report to read the lanes from", more)
-    warnings = [w for r in reports for w in backend_report.mismatches(r)]
+    warnings = _warnings(reports, "distributed")
     lanes = ", ".join(f"{k} {v}" for k, v in sorted(reports[0].get("lanes", {}).items()))
     nccl = reports[0].get("nccl_transport")
     detail = f"{len(reports)} rank(s); lanes: {lanes}" + (f"; NCCL over {nccl}" if nccl else "")
@@ -210,6 +237,37 @@ def check_export(model, shape, name: str, q: str) -> Finding:
     return Finding("export", "ok", "torch.export traces the forward (dynamic batch)", more)
 
 
+def _prediction_finding(run: RunDir, name: str) -> Optional[tuple[str, str, str]]:
+    """(level, detail, more) for one committed prediction, or None when it looks sound."""
+    path = run.predictions / name / pm.MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return "problem", f"{name}: {pm.MANIFEST} is unreadable ({exc}); predict again " \
+            "with another --name", f"ls -l {shlex.quote(str(path.parent))}"
+    verdict = recorded_verdict(manifest.get("collapse") if isinstance(manifest, dict) else None)
+    if verdict:
+        return "warning", f"{name}: collapse verdict ({verdict['verdict']}): " \
+            f"{verdict['message']}", f"python -m json.tool {shlex.quote(str(path))}"
+    return None
+
+
+def check_predictions(run: RunDir, q: str) -> Finding:
+    """The result side: each committed prediction's near-constant verdict (the workers
+    compared raw, denormalised, fp32 re-run and per-sample candidates, prediction_collapse)."""
+    names = sorted(p.parent.name for p in run.predictions.glob(f"*/{pm.MANIFEST}"))
+    if not names:
+        return Finding("predictions", "ok", "no committed prediction", f"ls {q}/predictions")
+    found = [f for name in names for f in [_prediction_finding(run, name)] if f]
+    if found:
+        worst = max((f[0] for f in found), key=LEVELS.index)
+        first = next(f for f in found if f[0] == worst)
+        return Finding("predictions", worst, "; ".join(f[1] for f in found), first[2])
+    return Finding("predictions", "ok", f"{len(names)} committed prediction(s), none "
+                   "near-constant", f"enn-submit collect {q} --name "
+                   f"{shlex.quote(names[-1])} --out OUT.npy")
+
+
 def diagnose(path: Path) -> list[Finding]:
     """Every layer's finding, in order."""
     from enn_cluster.client.status import live_lock
@@ -224,7 +282,7 @@ def diagnose(path: Path) -> list[Finding]:
     return [data, model_finding, check_kernels(reports, attempt, q),
             check_precision(run, reports, q), check_logs(run, live_lock(run) is not None, q),
             check_distributed(reports, attempt, q), check_checkpoints(run, q),
-            check_export(model, shape, cfg.model.name, q)]
+            check_export(model, shape, cfg.model.name, q), check_predictions(run, q)]
 
 
 def cmd_doctor(args) -> int:

@@ -120,7 +120,8 @@ def nonfinite_dumps(folder: Path) -> Optional[dict]:
     return {"count": len(found), "step": step, "path": str(newest), "record": record}
 
 
-def _nonfinite_line(nf: dict) -> str:
+def nonfinite_line(nf: dict) -> str:
+    """The newest non-finite dump in one line (status, doctor)."""
     rec = nf["record"]
     rows = rec.get("rows") or []
     grads = ", ".join(f"{k} ({v})" for k, v in (rec.get("nonfinite_grad_elements") or {}).items())
@@ -142,14 +143,10 @@ def format_status(st: dict) -> str:
              f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
     for i, line in enumerate((st.get("backends") or {}).get("lines", [])):
         lines.append(f"{'backends:' if i == 0 else '':<17}{line}")
-    if st.get("oom"):
-        ev = st["oom"]["events"][-1]
-        lines.append(f"memory:          out of memory at step {ev['step']} on rank {ev['rank']} "
-                     f"(micro-batch {ev['micro_batch']} x {ev['accumulation']}); since then "
-                     f"micro-batch <= {st['oom']['micro_batch_cap']}, same global batch "
-                     f"{ev['global_batch']} ({len(st['oom']['events'])} event(s), oom.json)")
+    if st.get("oom") and st["oom"].get("events"):
+        lines.append(f"memory:          {oom_record.summary(st['oom'])}")
     if st.get("nonfinite"):
-        lines.append(f"non-finite:      {_nonfinite_line(st['nonfinite'])}")
+        lines.append(f"non-finite:      {nonfinite_line(st['nonfinite'])}")
     if st.get("slurm"):
         s = st["slurm"]
         lines.append(f"slurm job:       {s.get('job_id')} {s.get('state')} "

@@ -67,27 +67,57 @@ def expected_fabric(profile: Optional[str], detected: Optional[str]) -> Optional
     return None  # profile none: the site leaves NCCL alone
 
 
-def mismatches(report: Mapping) -> list[str]:
-    """Warnings for one rank's report: what runs is not what the site or config meant."""
-    out = []
+# The fused attention kernels each device type has (torch.backends.cuda's flags govern
+# both: the CPU has a flash kernel of its own). With none enabled, scaled_dot_product_attention
+# runs the math reference kernel: slower, and it materialises the attention matrix.
+FUSED_SDPA = {"cpu": ("flash",), "cuda": ("flash", "mem_efficient", "cudnn")}
+
+
+def _sdpa_warning(report: Mapping) -> Optional[str]:
+    sdpa, fused = report.get("sdpa") or {}, FUSED_SDPA.get(report.get("device_type", ""))
+    if not sdpa or not fused or any(sdpa.get(k) for k in fused):
+        return None
+    off = ", ".join(fused)
+    if not sdpa.get("math"):
+        return (f"SDPA: every attention backend is off on {report['device_type']} ({off} and "
+                "math): scaled_dot_product_attention will fail")
+    return (f"SDPA: no fused attention kernel is enabled on {report['device_type']} ({off} "
+            "off): attention runs the math reference kernel (slower, more memory); something "
+            f"in the job turned them off (torch.backends.cuda.enable_{fused[0]}_sdp(False) "
+            "or the like)")
+
+
+def layer_warnings(report: Mapping) -> dict[str, list[str]]:
+    """One rank's report against what the site and config meant, by doctor layer:
+    kernels (device, SDPA), precision (bf16), distributed (NCCL's transport)."""
+    found = {"kernels": [], "precision": [], "distributed": []}
     expected, transport = report.get("expected_fabric"), report.get("nccl_transport")
     if report.get("device", "cpu").startswith("cuda"):
         if expected and transport and expected != transport:
-            out.append(f"the site expects {expected} but NCCL uses {transport}; see "
-                       "docs/admin.md#nccl-profiles")
+            found["distributed"].append(f"the site expects {expected} but NCCL uses "
+                                        f"{transport}; see docs/admin.md#nccl-profiles")
         if expected and not transport:
-            out.append(f"the site expects {expected}; NCCL's transport is unknown (NCCL_DEBUG "
-                       "was set by the job, so its log went elsewhere)")
+            found["distributed"].append(
+                f"the site expects {expected}; NCCL's transport is unknown (NCCL_DEBUG was "
+                "set by the job, so its log went elsewhere)")
         if report.get("bf16") and not report.get("bf16_supported"):
-            out.append("training.bf16 is on but this GPU has no bf16 support")
+            found["precision"].append("training.bf16 is on but this GPU has no bf16 support")
         if (report.get("placement") or {}).get("cpu_count") == 1:
-            out.append("the rank has 1 CPU for its GPU (loader, NCCL proxy, checkpoint "
-                       "thread share it): no CPUs per task reached srun; see "
-                       "docs/admin.md#first-run-on-a-new-cluster")
+            found["distributed"].append(
+                "the rank has 1 CPU for its GPU (loader, NCCL proxy, checkpoint thread share "
+                "it): no CPUs per task reached srun; see docs/admin.md#first-run-on-a-new-cluster")
     elif report.get("gpus_requested"):
-        out.append(f"{report['gpus_requested']} GPUs per node were requested but the rank "
-                   "runs on the CPU (a CPU-only torch build?)")
-    return out
+        found["kernels"].append(f"{report['gpus_requested']} GPUs per node were requested but "
+                                "the rank runs on the CPU (a CPU-only torch build?)")
+    sdpa = _sdpa_warning(report)
+    if sdpa:
+        found["kernels"].append(sdpa)
+    return found
+
+
+def mismatches(report: Mapping) -> list[str]:
+    """Every warning for one rank's report (status shows them, the worker logs them)."""
+    return [w for ws in layer_warnings(report).values() for w in ws]
 
 
 def summarize(reports: list[Mapping]) -> list[str]:
@@ -169,16 +199,26 @@ def gather(rank: int, device, lane_backends: Mapping[str, str], bf16: bool,
         "gpus_requested": int(environ.get("SLURM_GPUS_ON_NODE", "0") or 0),
     }
     if cuda:
-        lines = _read_lines(nccl_log)
-        version = ".".join(map(str, torch.cuda.nccl.version()))
-        report["nccl_version"] = nccl_version_from_log(lines) or version
-        report["nccl_transport"] = nccl_transport(lines)
-        try:
-            detected = nccl.detect_fabric(environ=environ)
-        except Exception:  # a bad ENN_FABRIC was reported when the profile was applied
-            detected = None
-        report["expected_fabric"] = expected_fabric(report["nccl_profile"], detected)
+        report.update(fabric_fields(environ, nccl_log,
+                                    ".".join(map(str, torch.cuda.nccl.version()))))
     return report
+
+
+def fabric_fields(environ: Mapping[str, str], nccl_log: Optional[Path],
+                  linked_version: Optional[str]) -> dict:
+    """A GPU rank's NCCL version and transport (from NCCL's init log; the version torch
+    links as the fallback) and the fabric the site expected (its profile, else detection)."""
+    from enn_cluster.config import nccl
+
+    lines = _read_lines(nccl_log)
+    try:
+        detected = nccl.detect_fabric(environ=environ)
+    except Exception:  # a bad ENN_FABRIC was reported when the profile was applied
+        detected = None
+    return {"nccl_version": nccl_version_from_log(lines) or linked_version,
+            "nccl_transport": nccl_transport(lines),
+            "expected_fabric": expected_fabric(environ.get(nccl.PROFILE_VAR, "auto"),
+                                               detected)}
 
 
 def _read_lines(path: Optional[Path]) -> list[str]:

@@ -37,3 +37,24 @@ def add_event(run_path: Path, event: dict, cap: int) -> dict:
     record["events"] = [*record.get("events", []), event]
     atomic_write_text(run_path / NAME, json.dumps(record, indent=1) + "\n")
     return record
+
+
+def floor_event(record: Optional[dict]) -> Optional[dict]:
+    """The newest event when it ran at micro-batch 1: nothing left to halve, so every
+    retry would run out of memory again (the governor refuses it)."""
+    if record and record.get("events") and record["events"][-1].get("micro_batch", 2) <= 1:
+        return record["events"][-1]
+    return None
+
+
+def summary(record: dict) -> str:
+    """One line for status and doctor: the newest event and what followed from it."""
+    ev = record["events"][-1]
+    head = (f"out of memory at step {ev['step']} on rank {ev['rank']} (micro-batch "
+            f"{ev['micro_batch']} x {ev['accumulation']})")
+    if floor_event(record):
+        figures = ", ".join(f"{k} {v}" for k, v in (ev.get("memory") or {}).items())
+        return (f"{head} with memory {figures}: nothing left to halve, the run stops until "
+                f"{NAME} is removed")
+    return (f"{head}; since then micro-batch <= {record['micro_batch_cap']}, same global batch "
+            f"{ev['global_batch']} ({len(record['events'])} event(s), {NAME})")

@@ -175,10 +175,16 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
 
 
 def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
-    """backend-rank-R.json: what runs here, for status and doctor; mismatches are logged."""
+    """backend-rank-R.json: what runs here, for status and doctor; mismatches are logged.
+    The model's module is imported first: kernel switches it flips when imported (SDPA
+    backends are process-wide) are what the task will run with."""
     import torch.distributed as dist
 
+    from enn_cluster.models import import_factory
     from enn_cluster.worker.model_setup import use_bf16
+
+    if ":" in cfg.model.name:
+        import_factory(cfg.model.name)
 
     backends = {"accelerator": str(dist.get_backend()),
                 "control": str(dist.get_backend(lanes.control)),

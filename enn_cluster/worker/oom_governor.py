@@ -51,9 +51,9 @@ def _floor_message(event: dict) -> str:
 def refuse_after_floor(run_path) -> None:
     """A retry after an OOM at micro-batch 1 would run out of memory again: every attempt
     (a launcher may restart on any exit) stops at once with the same message."""
-    rec = oom_record.read_record(run_path)
-    if rec and rec["events"] and rec["events"][-1].get("micro_batch", 2) <= 1:
-        raise UserError(_floor_message(rec["events"][-1]))
+    event = oom_record.floor_event(oom_record.read_record(run_path))
+    if event:
+        raise UserError(_floor_message(event))
 
 
 def record(run_path, step: int, rank: int, batch, device: torch.device, exc: BaseException):
