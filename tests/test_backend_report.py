@@ -2,8 +2,11 @@
 the report a CPU run's workers write and `status` shows (real processes)."""
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 from helpers import SOCKET_FALLBACK_LOG, as_gpu_ranks_on_sockets, cli, small_config, write_config
@@ -169,3 +172,51 @@ def test_status_warns_when_nccl_fell_back_to_sockets_on_an_efa_site(cpu_run, tmp
     shutil.copytree(cpu_run, same)
     as_gpu_ranks_on_sockets(same, "socket")
     assert "warning" not in cli("status", same).stdout
+
+
+# docs/admin.md "First run on a new cluster": the words a placeholder stands for
+CHECKLIST_PLACEHOLDERS = ("FABRIC", "A-B", "PCI", "IF", "R", "W", "L", "N", "C", "T", "S", "I",
+                          "host", "addr")
+
+
+def _checklist() -> dict[str, str]:
+    """The checklist's log lines, by their first two words: the first column's code span."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "admin.md").read_text()
+    section = text.split("## First run on a new cluster", 1)[1].split("\n## ", 1)[0]
+    lines = [m.group(1) for m in re.finditer(r"^\| `([^`]+)`", section, re.M)]
+    return {" ".join(line.split()[:2]): line for line in lines}
+
+
+def _matches(doc_line: str, logged: str) -> bool:
+    """Placeholders match any word, `...` and `[...]` anything; the rest literally."""
+    words = "|".join(re.escape(p) for p in CHECKLIST_PLACEHOLDERS)
+    parts = re.split(rf"(\[\.\.\.\]|\.\.\.|(?<!\w)(?:{words})(?!\w))", doc_line)
+    pattern = "".join(".*" if "..." in p else r"\S+" if p in CHECKLIST_PLACEHOLDERS
+                      else re.escape(p) for p in parts)
+    return re.fullmatch(pattern + r"(\s.*)?", logged) is not None
+
+
+def test_the_first_run_checklist_shows_the_lines_workers_write(cpu_run):
+    """Each line docs/admin.md tells an admin to look for is what the worker writes: the
+    CPU run's own log for the lines every worker writes, the product's formatters for
+    the GPU-only ones (placement with a GPU, the NCCL environment)."""
+    from enn_cluster.config import nccl
+    from enn_cluster.worker import entry, placement
+
+    log = (sorted(cpu_run.glob("logs/*/rank-0.log"))[-1]).read_text().splitlines()
+    logged = [line.split(" INFO ", 1)[1] for line in log if " INFO " in line]
+    first = {" ".join(line.split()[:2]): line for line in reversed(logged)}
+    profile_format = 'log.info("NCCL profile: %s", chosen)'  # rank 0, where NCCL runs
+    assert profile_format in inspect.getsource(entry._configure_nccl)
+    written = {
+        "worker rank": first["worker rank"], "control plane:": first["control plane:"],
+        "NCCL profile:": "NCCL profile: %s" % "ib",
+        "NCCL environment": nccl.report({"NCCL_IB_TIMEOUT": "22"}, "ib")[0][1],
+        "placement: rank": placement.describe(3, 3, range(36, 48), 12, "plan",
+                                              "cuda:3 of [0,1,2,3,4,5,6,7] (0000:9c:00.0)", 0)}
+    doc = _checklist()
+    assert sorted(doc) == sorted(written), doc  # a new row needs its check here
+    for key, line in written.items():
+        assert _matches(doc[key], line), (doc[key], line)
+    assert not _matches(doc["placement: rank"], placement.describe(0, 0, [0, 1], 1, "none"))
+    assert 'log.info("NCCL profile: %s", chosen)' in inspect.getsource(entry._configure_nccl)
