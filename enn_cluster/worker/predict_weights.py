@@ -24,6 +24,7 @@ from torch import nn
 
 from enn_cluster.models import build_model, output_size
 from enn_cluster.storage import commits as store
+from enn_cluster.storage.model_structure import with_storage
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.staging import read_manifest
 from enn_cluster.worker import checkpoint as ckpt
@@ -45,23 +46,26 @@ def empty_replica(cfg, manifest: dict, input_shape: tuple, dtype: torch.dtype,
     """The model in `dtype` on `device`, in eval mode, its tensors not yet filled (the
     checkpoint fills every one of its state dict). Built on the meta device; a model that
     comes out real anyway (it loads its own weights), or whose non-persistent buffers only
-    its constructor computes (no `init_weights()` to redo them), is built whole."""
+    its constructor computes (no `init_weights()` to redo them), is built whole. Tensors
+    that hold values on meta (a module shipped as its structure keeps its non-persistent
+    buffers) keep them."""
     shape, n_out = tuple(input_shape), output_size(cfg, manifest)
     with torch.device("meta"):
         model = build_model(cfg.model, shape, n_out)
-    tensors = [*model.parameters(), *model.buffers()]
-    computed = sorted(set(dict(model.named_buffers())) - set(model.state_dict()))
+    buffers = dict(model.named_buffers())
+    lost = sorted(name for name in set(buffers) - set(model.state_dict()) if buffers[name].is_meta)
     own_init = callable(getattr(model, "init_weights", None))
-    if not all(t.is_meta for t in tensors) or (computed and not own_init):
+    real = not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if real or (lost and not own_init):
         log.info("prediction model built whole, then cast to %s: %s", dtype,
-                 f"buffers {computed} are not in its state dict" if computed
+                 f"buffers {lost} are not in its state dict" if lost
                  else "its factory made real tensors")
-        if all(t.is_meta for t in tensors):
+        if not real:
             model = build_model(cfg.model, shape, n_out)
         return model.to(dtype=dtype).to(device).eval()
     model.to(dtype=dtype)  # on meta: floating tensors only, no memory
-    model.to_empty(device=device)
-    if computed:  # its own init recomputes them; the weights it draws are overwritten
+    with_storage(model, device)
+    if lost:  # its own init recomputes them; the weights it draws are overwritten
         with torch.no_grad():
             model.init_weights()
     return model.eval()
