@@ -45,13 +45,15 @@ def resolved_config(data: dict, overrides: list, verbatim: dict, read_site):
     """The one config step of a new run, for the CLI and the API alike: `data` (a config
     file's), then `overrides` (--set KEY=VALUE, YAML values), then `verbatim` (top-level
     values taken as given); the site's runs_root where none of them names one, so a run
-    lands on the shared filesystem whatever the caller's cwd. `read_site()` is called only
-    then."""
+    lands on the shared filesystem whatever the caller's cwd. `read_site()` is called
+    every time: a site file named but missing or malformed is refused even when the run
+    does not need its runs_root."""
     from enn_cluster.config.loading import apply_overrides, config_from_dict
 
     named = "runs_root" in data or "runs_root" in verbatim or \
         any(o.startswith("runs_root=") for o in overrides)
-    site_root = None if named else read_site().runs_root
+    site_root = read_site().runs_root
+    site_root = None if named else site_root
     return config_from_dict({**apply_overrides(data, overrides), **verbatim,
                              **({"runs_root": site_root} if site_root else {})})
 
