@@ -35,7 +35,8 @@ FLOOR_VENV ?= .venv-floor-$(FLOOR_TORCH)
 FLOOR_TESTS ?= tests/test_trainer_units.py tests/test_dcp_io.py tests/test_async_checkpoint.py \
 	tests/test_train_local.py tests/test_predict.py tests/test_crash_during_checkpoint.py \
 	tests/test_sampler_staging_store.py tests/test_torch_range.py \
-	tests/test_resume_exact.py tests/test_meta_init.py tests/test_hsdp_accumulation.py
+	tests/test_resume_exact.py tests/test_meta_init.py tests/test_hsdp_accumulation.py \
+	tests/test_device_check.py tests/test_place_task.py tests/test_predict_memory.py tests/test_api.py
 FLOOR_CERT := $(wildcard /etc/ssl/certs/ca-certificates.crt)
 
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp

@@ -81,7 +81,11 @@ def _place(sysfs, bind, local_rank, early_threads=False, masks=None) -> dict:
                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
                              env=dict(env, PYTHONPATH=str(ROOT)))
     try:
-        got = json.loads(child.stdout.readline() or "{}")
+        line = ""  # the child's JSON line; torch 2.9's gloo prints its own lines before it
+        while line := child.stdout.readline():
+            if line.startswith("{"):
+                break
+        got = json.loads(line or "{}")
         if got and masks is not None:
             masks.update(_thread_masks(got["pid"]))
         _, err = child.communicate("", timeout=120)
