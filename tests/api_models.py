@@ -138,3 +138,22 @@ def normed_zero_head(n_features: int, n_outputs: int) -> NormedRegressor:
     model = NormedRegressor(n_features, 16, n_outputs)
     nn.init.zeros_(model.head.weight)
     return model
+
+
+class TiedRegressor(nn.Module):
+    """Two names for one weight (a decoder tied to its encoder, as language models tie
+    their embedding and head): a checkpoint holds both keys, the module one tensor."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.enc = nn.Linear(n_in, n_in, bias=False)
+        self.dec = nn.Linear(n_in, n_in, bias=False)
+        self.dec.weight = self.enc.weight
+        self.head = nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.dec(torch.tanh(self.enc(x)))))
+
+
+def tied(n_features: int, n_outputs: int) -> TiedRegressor:
+    return TiedRegressor(n_features, n_outputs)

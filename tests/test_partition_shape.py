@@ -82,7 +82,7 @@ def test_parse_scontrol_partitions_and_nodes():
 
 
 def _stub_scontrol(tmp_path, partitions=PARTITIONS, nodes=NODES) -> tuple[dict, object]:
-    """A scontrol first on PATH answering `-o show partition` and `-o show node NODES`
+    """A scontrol first on PATH answering `-o --all show partition` and `-o show node NODES`
     with the text above, recording each call (no Slurm needed)."""
     bin_dir, asked = tmp_path / "bin", tmp_path / "scontrol-asked"
     bin_dir.mkdir()
@@ -90,7 +90,7 @@ def _stub_scontrol(tmp_path, partitions=PARTITIONS, nodes=NODES) -> tuple[dict, 
     (tmp_path / "nodes.txt").write_text(nodes)
     stub = bin_dir / "scontrol"
     stub.write_text(f'#!/bin/sh\necho "$*" >> {asked}\ncase "$*" in\n'
-                    f'  "-o show partition") cat {tmp_path}/partitions.txt ;;\n'
+                    f'  "-o --all show partition") cat {tmp_path}/partitions.txt ;;\n'
                     f'  "-o show node "*) cat {tmp_path}/nodes.txt ;;\n'
                     '  *) echo "scontrol: error: unexpected" >&2; exit 1 ;;\nesac\n')
     stub.chmod(0o755)
@@ -122,7 +122,7 @@ def test_render_sizes_cpus_per_task_from_the_partition_nodes(tmp_path):
     assert _cpus_lines(res.stdout) == [
         "#SBATCH --cpus-per-task=23",  # n1: CPUEfctv 184 x 4/8 GPUs / 4 tasks
         '[ -n "${SRUN_CPUS_PER_TASK+x}" ] || export SRUN_CPUS_PER_TASK=23'], res.stdout
-    assert asked.read_text() == "-o show partition\n-o show node n[1-2]\n"
+    assert asked.read_text() == "-o --all show partition\n-o show node n[1-2]\n"
     assert "warning" not in res.stderr
 
 
@@ -130,6 +130,15 @@ def test_a_partition_of_whole_nodes_with_a_cpu_cap(tmp_path):
     env, asked = _stub_scontrol(tmp_path)
     res = _render(tmp_path, env, "--gpus-per-node", "4", "--partition", "gpu")
     assert "#SBATCH --cpus-per-task=24" in res.stdout  # min(184, 96) / 4 tasks (EXCLUSIVE)
+    assert asked.read_text().splitlines()[-1] == "-o show node p5-[001-002]"
+
+
+def test_a_job_naming_no_partition_is_sized_where_sbatch_sends_it(tmp_path):
+    """sbatch sends a job that names no partition to SBATCH_PARTITION's, if set: the
+    nodes sized are that partition's, not the default's."""
+    env, asked = _stub_scontrol(tmp_path)
+    res = _render(tmp_path, {**env, "SBATCH_PARTITION": "gpu"}, "--gpus-per-node", "4")
+    assert "#SBATCH --cpus-per-task=24" in res.stdout
     assert asked.read_text().splitlines()[-1] == "-o show node p5-[001-002]"
 
 

@@ -109,3 +109,23 @@ def test_buffers_no_checkpoint_restores_are_computed(tmp_path, factory):
     model = empty_replica(cfg, MANIFEST, (8,), torch.bfloat16, torch.device("cpu"))
     assert torch.equal(model.scale, torch.tensor([1.0, 1.5, 2.0], dtype=torch.bfloat16))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_tied_weight_model_predicts_in_bf16_with_its_fp32_check(tmp_path):
+    """Rank 0's fp32 reference of chunk 0 runs the replica with fp32 weights swapped in:
+    the two names of a tied weight must come with one tensor there (functional_call
+    refuses two values for a tied pair), and the check is recorded."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "tied", model={"name": "tests.api_models:tied"},
+        training={"max_steps": 2, "bf16": "true"}, checkpoint={"every_steps": 2},
+        parallel={"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"}))
+    assert cli("train", "--config", cfg, timeout=600).returncode == 0
+    run = tmp_path / "runs" / "tied"
+    np.save(tmp_path / "x.npy", np.random.default_rng(5).standard_normal((40, 8)).astype(np.float32))
+    done = cli("predict", run, "--input", tmp_path / "x.npy", "--name", "p", "--chunk-rows", "20",
+               "--nodes", "1", "--procs-per-node", "2", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((run / "predictions" / "p" / "manifest.json").read_text())
+    assert manifest["precision_check"]["reduced_precision"], manifest.get("precision_check")
+    model = enn_cluster.Run.open(run).load_model()
+    assert model.dec.weight is model.enc.weight  # tied in what the run holds, too

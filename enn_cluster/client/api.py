@@ -199,7 +199,7 @@ def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int,
         with removed_if_never_run(run) if spec is not None else nullcontext():
             job = submit(run, spec or slurm_spec(slurm, run, task, shape, restarts, name=name,
                                                  cfg=cfg), step=step, cfg=cfg)
-        if wait and wait_for_job(job) != 0:
+        if wait and wait_for_job(job, run=run) != 0:
             raise RuntimeError(f"Slurm job {job} for {run.path} did not complete; "
                                f"see 'enn-submit logs {run.path}'")
         return Run.open(run.path)

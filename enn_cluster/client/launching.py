@@ -198,7 +198,9 @@ def wait_for_job(job_id: str, poll_s: float = 1.0, run: Optional[RunDir] = None)
             cancel(job_id)
             raise UserError(f"Slurm job {job_id} can never start: Reason={state['reason']} "
                             "(beyond the partition's, account's or QOS's limits); cancelled "
-                            "it: ask for fewer nodes, GPUs or less --time, or another --partition")
+                            "it: ask for fewer nodes, GPUs, CPUs (--cpus-per-task; unset, it "
+                            "is sized from the partition's nodes) or less --time, or another "
+                            "--partition")
         if state["state"] not in LIVE_STATES:
             if state["state"] == "COMPLETED":
                 return 0

@@ -107,7 +107,7 @@ def cpus_from_slurm(partition: Optional[str], gpus_per_node: int,
                     tasks_per_node: int) -> tuple[Optional[int], str]:
     """CPUs per task from the partition's nodes (None: the default partition), asked of
     scontrol; (None, why not) when Slurm cannot say."""
-    text, why = _ask(["show", "partition"])
+    text, why = _ask(["--all", "show", "partition"])  # hidden ones and other groups' too
     if text is None:
         return None, why
     parts = parse_partitions(text)

@@ -136,7 +136,9 @@ def sized_for_nodes(spec):
 
     if spec.cpus_per_task is not None or spec.exclusive:
         return spec, ""
-    cpus, why = cpus_from_slurm(spec.partition, spec.gpus_per_node, spec.tasks_per_node)
+    # sbatch sends a job that names no partition to SBATCH_PARTITION's, if set
+    partition = spec.partition or os.environ.get("SBATCH_PARTITION") or None
+    cpus, why = cpus_from_slurm(partition, spec.gpus_per_node, spec.tasks_per_node)
     if cpus is not None:
         return dataclasses.replace(spec, cpus_per_task=cpus), ""
     return spec, (f"enn-submit: warning: CPUs per task not sized from the nodes ({why}): "

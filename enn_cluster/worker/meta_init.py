@@ -122,10 +122,9 @@ def templates(model: nn.Module) -> dict:
 def materialize(model: nn.Module, plan: str, tmpls: dict, seed: int,
                 device: torch.device) -> None:
     """Give the meta model (sharded, or whole for DDP) real tensors on `device`."""
+    with_storage(model, device)  # to_empty alone would untie weights shared by two modules
     if plan == META_CHECKPOINT:  # storage only: the step-0 checkpoint holds the values
-        with_storage(model, device)
         return
-    model.to_empty(device=device)
     if plan == META_OWN:
         model.init_weights()
         return

@@ -5,6 +5,8 @@ slow inter-node links carry one all-reduce of shards instead of all-gathers of w
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -46,7 +48,18 @@ def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
     policy = mixed_precision(use_bf16, reduce_dtype)
     if policy is not None:
         kwargs["mp_policy"] = policy
-    for block in model_blocks(model):
+    for block in own_parameters_only(model, model_blocks(model)):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def own_parameters_only(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks whose parameters nothing outside them uses. FSDP2 puts a parameter in one
+    group only: a weight tied across blocks (a decoder to its encoder, a head to the
+    embedding) would be claimed by two ("shared with a parameter already managed by another
+    FSDP group"), so the blocks holding it are left to the root's group. Pure."""
+    everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [block for block in blocks
+            if all(everywhere[pid] == n for pid, n in Counter(
+                id(p) for _, p in block.named_parameters(remove_duplicate=False)).items())]

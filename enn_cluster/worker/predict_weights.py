@@ -73,11 +73,16 @@ def empty_replica(cfg, manifest: dict, input_shape: tuple, dtype: torch.dtype,
 
 def _read_targets(state: dict, fp32: bool) -> dict:
     """Where this reader's DCP load writes: the replica itself (DCP casts each tensor as it
-    reads it), or for rank 0's precision check fp32 tensors on the host."""
+    reads it), or for rank 0's precision check fp32 tensors on the host: one per tensor of
+    the replica, so that tied weights (two names, one tensor) stay one tensor there too
+    (functional_call refuses two values for a tied pair)."""
     if not fp32:
         return dict(state)
-    return {key: torch.empty(value.shape, dtype=torch.float32 if value.is_floating_point()
-                             else value.dtype) for key, value in state.items()}
+    shared: dict = {}
+    return {key: shared.setdefault(
+        (value.data_ptr(), value.shape, value.stride(), value.dtype),
+        torch.empty(value.shape, dtype=torch.float32 if value.is_floating_point() else value.dtype))
+        for key, value in state.items()}
 
 
 def _fp32_forward(model: nn.Module, weights: dict, rows: np.ndarray) -> torch.Tensor:
