@@ -191,3 +191,14 @@ def test_no_node_with_the_gpus_asked_for_keeps_the_fallback(tmp_path):
     res = _render(tmp_path, env, "--gpus-per-node", "8")
     assert _cpus_lines(res.stdout) == [FALLBACK]
     assert "no node of partition debug has 8 GPUs" in res.stderr
+
+
+def test_a_slurm_conf_that_names_no_file_is_not_asked(tmp_path):
+    """scontrol retries a missing SLURM_CONF for 60 s before it gives up: not asked."""
+    from enn_cluster.cluster.partition_shape import unreadable_config
+
+    conf = tmp_path / "slurm.conf"
+    assert unreadable_config({"SLURM_CONF": str(conf)}) == f"SLURM_CONF={conf} names no file"
+    conf.write_text("ClusterName=x\n")
+    assert unreadable_config({"SLURM_CONF": str(conf)}) is None
+    assert unreadable_config({}) is None  # the clients' own default: asked

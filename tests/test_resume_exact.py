@@ -134,6 +134,11 @@ def test_out_of_memory_halves_the_micro_batch_and_the_run_matches(uninterrupted,
     status = cli("status", run).stdout
     assert "memory:          out of memory at step 13 on rank 1 (micro-batch 8 x 1); since " \
         "then micro-batch <= 4, same global batch 32" in status, status
+    code, line = _doctor_logs(run)  # recovered: a warning naming why the ranks left
+    assert code == 0 and line.split()[1] == "warning", line
+    assert "rank 1 exited 1" in line and "out of memory at step 13 on rank 1 (micro-batch 8 " \
+        "x 1); since then micro-batch <= 4, same global batch 32 (1 event(s), oom.json)" in line
+    assert f"(more: python -m json.tool {run}/oom.json)" in line
 
 
 def test_out_of_memory_at_micro_batch_1_stops_with_the_figures(tmp_path):
@@ -151,3 +156,14 @@ def test_out_of_memory_at_micro_batch_1_stops_with_the_figures(tmp_path):
     again = cli("resume", run, timeout=240)  # every retry stops the same way until oom.json goes
     assert again.returncode == 2 and "nothing left to halve" in again.stderr, again.stderr[-3000:]
     assert "out of memory at step 2 on rank 0 with micro-batch 1" in again.stderr
+    code, line = _doctor_logs(run)  # nothing left to halve: a problem, with the figures
+    assert code == 1 and line.split()[1] == "problem" and "rank 0 exited 2" in line, line
+    assert "out of memory at step 2 on rank 0 (micro-batch 1 x 1) with memory device cpu, " \
+        "peak_rss_mb " in line and "nothing left to halve" in line, line
+
+
+def _doctor_logs(run) -> tuple[int, str]:
+    """`enn-submit doctor RUN`'s exit code and its logs line."""
+    done = cli("doctor", run)
+    return done.returncode, next(line for line in done.stdout.splitlines()
+                                 if line.startswith("logs "))

@@ -12,8 +12,9 @@ partitions listed whole: no user value reaches its argv).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from enn_cluster.storage.slurm_jobs import parse_scontrol, slurm_client
 
@@ -103,10 +104,22 @@ def _ask(args: list[str]) -> tuple[Optional[str], str]:
     return res.stdout, ""
 
 
+def unreadable_config(environ: Mapping[str, str], exists=os.path.exists) -> Optional[str]:
+    """Why scontrol cannot be asked, where that shows without asking: a SLURM_CONF that
+    names no file makes it retry for 60 s before it gives up. None: ask."""
+    named = environ.get("SLURM_CONF")
+    if named and not exists(named):
+        return f"SLURM_CONF={named} names no file"
+    return None
+
+
 def cpus_from_slurm(partition: Optional[str], gpus_per_node: int,
                     tasks_per_node: int) -> tuple[Optional[int], str]:
     """CPUs per task from the partition's nodes (None: the default partition), asked of
     scontrol; (None, why not) when Slurm cannot say."""
+    why = unreadable_config(os.environ)
+    if why:
+        return None, why
     text, why = _ask(["--all", "show", "partition"])  # hidden ones and other groups' too
     if text is None:
         return None, why
