@@ -48,14 +48,14 @@ def resolved_config(data: dict, overrides: list, verbatim: dict, read_site):
     lands on the shared filesystem whatever the caller's cwd. `read_site()` is called
     every time: a site file named but missing or malformed is refused even when the run
     does not need its runs_root."""
-    from enn_cluster.config.loading import apply_overrides, config_from_dict
+    from enn_cluster.config.loading import layered_config
 
     named = "runs_root" in data or "runs_root" in verbatim or \
         any(o.startswith("runs_root=") for o in overrides)
-    site_root = read_site().runs_root
-    site_root = None if named else site_root
-    return config_from_dict({**apply_overrides(data, overrides), **verbatim,
-                             **({"runs_root": site_root} if site_root else {})})
+    site_root = read_site().runs_root  # read even when not needed: a bad site is refused
+    if site_root and not named:
+        verbatim = {**verbatim, "runs_root": site_root}
+    return layered_config(data, overrides, verbatim)
 
 
 def checked_shape(cfg, nodes, gpus_per_node: Optional[int], procs_per_node: Optional[int], *,

@@ -137,8 +137,13 @@ def config_from_dict(data: Any) -> RunConfig:
 def load_config(path: Optional[str], overrides: list[str] = (),
                 verbatim: Optional[dict] = None) -> RunConfig:
     """`verbatim` (top-level keys from flags that name things) are taken as given, never YAML."""
-    data = apply_overrides(read_yaml(path) if path else {}, list(overrides))
-    return config_from_dict({**data, **(verbatim or {})})
+    return layered_config(read_yaml(path) if path else {}, overrides, verbatim)
+
+
+def layered_config(data: dict, overrides: list[str] = (),
+                   verbatim: Optional[dict] = None) -> RunConfig:
+    """`data` (a config file's), then --set overrides (YAML values), then `verbatim`."""
+    return config_from_dict({**apply_overrides(data, list(overrides)), **(verbatim or {})})
 
 
 def config_to_dict(cfg: RunConfig) -> dict:

@@ -175,7 +175,9 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
     dtype = torch.bfloat16 if use_bf16(cfg, lanes.device) else torch.float32
     chunks = pm.plan_chunks(len(x), request["chunk_rows"])
     check_rows = None  # rank 0 owns chunk 0: its first batch gets the fp32 re-run
-    if dtype != torch.float32 and lanes.rank == 0 and chunks and not committed(pdir, chunks[0]):
+    first_done = dtype != torch.float32 and lanes.rank == 0 and chunks and \
+        committed(pdir, chunks[0])  # checksummed once: the loop below trusts this answer
+    if dtype != torch.float32 and lanes.rank == 0 and chunks and not first_done:
         check_rows = np.array(x[:min(int(request["batch_size"]), chunks[0].rows)], np.float32)
     model, first_fp32 = load_replica(run, cfg, chosen, x.shape[1:], lanes, env.node_rank,
                                      dtype, check_rows)
@@ -183,7 +185,7 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
     mine = pm.chunks_for_rank(chunks, lanes.rank, lanes.world_size)
     started, written, skipped = time.perf_counter(), 0, 0
     for spec in mine:
-        if writer.committed(spec):
+        if (first_done and spec == chunks[0]) or writer.committed(spec):
             skipped += 1
             continue
         began = time.perf_counter()
