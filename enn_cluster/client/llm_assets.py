@@ -50,9 +50,9 @@ def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512) -> N
 
 
 def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0,
-                     texts: list[str] | None = None) -> Path:
-    """A random causal LM of the `arch` shape plus its tokenizer in `out_dir`, saved as
-    safetensors by `save_pretrained`; returns `out_dir`."""
+                     texts: list[str] | None = None, **shape_over) -> Path:
+    """A random causal LM of the `arch` shape (`shape_over` changes any of it) plus its
+    tokenizer in `out_dir`, saved as safetensors by `save_pretrained`; returns `out_dir`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -60,7 +60,7 @@ def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0,
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out_dir, texts or corpus(400, seed))
     tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
-    shape = dict(ARCHS[arch])
+    shape = {**ARCHS[arch], **shape_over}
     config = AutoConfig.for_model(shape.pop("model_type"), vocab_size=len(tok),
                                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, **shape)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
-from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
+from enn_cluster.config.run_config import MeshPlan, RunConfig, is_hf_model, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
 from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
@@ -93,6 +93,9 @@ def check_model_importable(name: str) -> None:
     """A `module:factory` model must import in the workers: import it now (the workers would
     run the same import) and check that the factory is a class or function, so that a typo
     is one line here rather than a traceback on every rank after the job started."""
+    if is_hf_model(name):
+        check_hf_model(name)
+        return
     if ":" not in name:
         return
     import importlib
@@ -120,6 +123,22 @@ def check_model_importable(name: str) -> None:
     if not (inspect.isclass(factory) or inspect.isfunction(factory) or inspect.ismethod(factory)):
         raise UserError(f"model.name: {name} is a {type(factory).__name__}, not a model factory "
                         "(a class or Python function returning an nn.Module)")
+
+
+def check_hf_model(name: str) -> None:
+    """An `hf:` model needs the llm extra and a weights directory with safetensors."""
+    import importlib.util
+
+    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"model.name: {name} needs {' and '.join(missing)}; "
+                        "pip install 'enn_cluster[llm]' (and in the image)")
+    from enn_cluster.models.causal_lm import weights_dir
+
+    path = weights_dir(name)
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"model.name: {path} has no *.safetensors weights; save the model with "
+                        "save_pretrained(..., safe_serialization=True) there")
 
 
 def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
-from enn_cluster.models import BUILTIN_MODELS, build_model, output_size
+from enn_cluster.models import BUILTIN_MODELS, build_run_model, output_size
+from enn_cluster.models.causal_lm import CausalLM, weights_dir
 from enn_cluster.storage.model_structure import FACTORY as STRUCTURE_FACTORY
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes
@@ -47,10 +48,11 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
 
     shape, n_out = tuple(input_shape), output_size(cfg, manifest)
     with torch.device("meta"):
-        model = build_model(cfg.model, shape, n_out)
+        model = build_run_model(cfg, shape, n_out)
     from_checkpoint = cfg.model.name == STRUCTURE_FACTORY
-    how = meta_init.init_plan(model, from_checkpoint, builtin=cfg.model.name in BUILTIN_MODELS)
-    if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT):
+    how = meta_init.META_HF if isinstance(model, CausalLM) else \
+        meta_init.init_plan(model, from_checkpoint, builtin=cfg.model.name in BUILTIN_MODELS)
+    if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT, meta_init.META_HF):
         torch.manual_seed(cfg.training.seed)
     if how == meta_init.FULL_INIT:
         model = build_model(cfg.model, shape, n_out).to(lanes.device)
@@ -58,12 +60,23 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     mesh = build_mesh(plan, lanes.device)
     bf16 = use_bf16(cfg, lanes.device)
     tmpls = meta_init.templates(model) if how == meta_init.META_BUILTIN else {}
+    inner = model
     if how != meta_init.FULL_INIT and plan.strategy == "ddp":  # DDP replicates whole weights
-        meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
-    model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype)
+        _materialize(cfg, inner, how, tmpls, lanes)
+    model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype,
+                       cfg.parallel.activation_checkpointing, cfg.training.compile)
     if how != meta_init.FULL_INIT and plan.strategy != "ddp":  # FSDP/HSDP: local shards only
-        meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+        _materialize(cfg, inner, how, tmpls, lanes)
     return ShardedModel(model, plan, mesh, bf16, from_checkpoint)
+
+
+def _materialize(cfg: RunConfig, model, how: str, tmpls: dict, lanes: Lanes) -> None:
+    from enn_cluster.worker import lm_weights, meta_init
+
+    meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+    if how == meta_init.META_HF:
+        lm_weights.initialize(model, weights_dir(cfg.model.name), cfg.training.seed,
+                              lanes.control)
 
 
 def gradient_sync(sm: ShardedModel, sync: bool):
