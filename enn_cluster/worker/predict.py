@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from enn_cluster.config.run_config import is_hf_model
 from enn_cluster.errors import UserError
 from enn_cluster.storage import prediction_collapse
 from enn_cluster.storage import prediction_manifest as pm
@@ -79,7 +80,7 @@ class ChunkWriter:
     def committed(self, spec: pm.ChunkSpec) -> bool:
         return committed(self.pdir, spec)
 
-    def _forward(self, xb: torch.Tensor) -> torch.Tensor:
+    def _forward(self, xb: torch.Tensor, first_row: int) -> torch.Tensor:
         return self.model(xb.to(self.dtype)).float()
 
     def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None, float]:
@@ -97,7 +98,7 @@ class ChunkWriter:
                 spread = max(spread, float(np.nanmax(np.maximum(hi - first, first - lo),
                                                      initial=0.0)))
                 xb = torch.from_numpy(rows).to(self.lanes.device, non_blocking=True)
-                yb = self._forward(xb)
+                yb = self._forward(xb, start)
                 if spec.index == 0 and start == spec.start:
                     check = self._precision_check(yb)
                 out[start - spec.start:stop - spec.start] = \
@@ -146,6 +147,25 @@ class ChunkWriter:
         return rec
 
 
+class LMChunkWriter(ChunkWriter):
+    """A causal LM's chunks: per-row scores, or generated tokens (see worker/lm_predict)."""
+
+    def _forward(self, xb: torch.Tensor, first_row: int) -> torch.Tensor:
+        from enn_cluster.worker import lm_predict
+
+        gen = self.request.get("generate")
+        if gen:
+            return lm_predict.generate(self.model, xb, int(gen["max_new_tokens"]), gen.get("seed"),
+                                       first_row, gen.get("eos_token_id"))
+        return lm_predict.score(self.model, xb)
+
+    def _precision_check(self, yb: torch.Tensor) -> dict:
+        """Scores in reduced precision are not compared with an fp32 replica (a second whole
+        LM on the rank); the record says which precision made them."""
+        return {"reduced_precision": self.dtype != torch.float32,
+                "dtype": str(self.dtype).replace("torch.", "")}
+
+
 def _maybe_inject_fault(run: RunDir, name: str, rank: int, written: int) -> None:
     after = int(os.environ.get(FAULT_AFTER_CHUNKS, "0") or 0)
     if not after or written != after or rank != int(os.environ.get("ENN_FAULT_PREDICT_RANK", "0")):
@@ -179,9 +199,16 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         committed(pdir, chunks[0])  # checksummed once: the loop below trusts this answer
     if dtype != torch.float32 and lanes.rank == 0 and chunks and not first_done:
         check_rows = np.array(x[:min(int(request["batch_size"]), chunks[0].rows)], np.float32)
-    model, first_fp32 = load_replica(run, cfg, chosen, x.shape[1:], lanes, env.node_rank,
-                                     dtype, check_rows)
-    writer = ChunkWriter(pdir, model, x, request, lanes, first_fp32)
+    if is_hf_model(cfg.model.name):
+        from enn_cluster.worker.lm_predict import lm_replica
+
+        writer = LMChunkWriter(pdir, lm_replica(cfg, run.checkpoints, chosen, lanes, dtype), x,
+                               request, lanes)
+        first_done = False
+    else:
+        model, first_fp32 = load_replica(run, cfg, chosen, x.shape[1:], lanes, env.node_rank,
+                                         dtype, check_rows)
+        writer = ChunkWriter(pdir, model, x, request, lanes, first_fp32)
     mine = pm.chunks_for_rank(chunks, lanes.rank, lanes.world_size)
     started, written, skipped = time.perf_counter(), 0, 0
     for spec in mine:
