@@ -14,7 +14,8 @@ from pathlib import Path
 
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
-from enn_cluster.models.causal_lm import CausalLM, weights_dir
+from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.models.causal_lm import CausalLM
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import safe_load
 
@@ -56,7 +57,7 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
 
 
 def _check_base(path: Path, step_dir: Path) -> None:
-    from enn_cluster.worker.lm_weights import check_same_base, identity
+    from enn_cluster.storage.base_weights import check_same_base, identity
 
     record = store.read_commit(step_dir) or {}
     check_same_base(record.get("base_weights"), identity(path), int(record.get("step", -1)))

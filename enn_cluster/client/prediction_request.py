@@ -64,7 +64,8 @@ def generation_request(cfg, new_tokens: Optional[int], seed: Optional[int]) -> O
         raise UserError(f"--generate: {new_tokens} must be between 1 and {MAX_NEW_TOKENS}")
     if seed is not None and not 0 <= seed < 2**31:
         raise UserError(f"--seed: {seed} must be between 0 and {2**31 - 1}")
-    from enn_cluster.models.causal_lm import hf_config, weights_dir
+    from enn_cluster.config.hf_name import weights_dir
+    from enn_cluster.models.causal_lm import hf_config
 
     eos = hf_config(weights_dir(cfg.model.name)).eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos

@@ -133,7 +133,7 @@ def check_hf_model(name: str) -> None:
     if missing:
         raise UserError(f"model.name: {name} needs {' and '.join(missing)}; "
                         "pip install 'enn_cluster[llm]' (and in the image)")
-    from enn_cluster.models.causal_lm import weights_dir
+    from enn_cluster.config.hf_name import weights_dir
 
     path = weights_dir(name)
     if not any(path.glob("*.safetensors")):

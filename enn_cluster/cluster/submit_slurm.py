@@ -117,12 +117,37 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
         time=opts["time"], partition=opts["partition"], account=opts["account"],
         qos=opts["qos"], exclusive=bool(req.exclusive), signal_grace_s=opts["signal_grace_s"],
         container_image=None if bare else opts["image"],
-        container_mounts=() if bare else tuple(opts["mounts"]),
+        container_mounts=() if bare else (*opts["mounts"], *model_mounts(cfg, opts["mounts"])),
         nccl_profile=opts["nccl_profile"],
         # bare metal: the tasks run this very interpreter (same venv on a shared filesystem)
         python=req.python or (sys.executable if bare else opts["python"]),
         setup_lines=tuple(opts["setup_lines"]), extra_sbatch_args=tuple(opts["extra_sbatch_args"]),
         extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
+
+
+def model_mounts(cfg, mounts) -> tuple[str, ...]:
+    """A Hugging Face run reads its weights and tokenizer inside the container at the paths the
+    config names: each directory is mounted read-only at its own path, unless a mount already
+    covers it. A model in the local HF cache mounts its whole cache entry (the snapshot's
+    files are links into its blobs)."""
+    from enn_cluster.cluster import pyxis
+    from enn_cluster.config.run_config import is_hf_model
+
+    if not is_hf_model(cfg.model.name):
+        return ()
+    from enn_cluster.config.hf_name import weights_dir
+
+    wanted = [weights_dir(cfg.model.name)]
+    if cfg.data.tokenizer:
+        wanted.append(Path(cfg.data.tokenizer).expanduser().resolve())
+    covered = [m.dst for m in pyxis.parse_mounts(tuple(mounts))]
+    out: list[str] = []
+    for path in wanted:
+        entry = next((p for p in (path, *path.parents) if p.name.startswith("models--")), path)
+        text = pyxis.check_path(str(entry), "model.name", "weights directory")
+        if not any(text == c or text.startswith(c.rstrip("/") + "/") for c in [*covered, *out]):
+            out.append(text)
+    return tuple(f"{p}:{p}:ro" for p in out)
 
 
 def sized_for_nodes(spec):

@@ -18,31 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enn_cluster.config.run_config import HF_PREFIX, LoraConfig, RunConfig
+from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.config.run_config import LoraConfig, RunConfig
 from enn_cluster.errors import UserError
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # peft's adapter name
-
-
-def weights_dir(name: str) -> Path:
-    """`hf:/dir` -> the directory; `hf:org/name` -> its snapshot in the local HF cache. One
-    line naming the fix when neither holds a config.json."""
-    ref = name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name
-    path = Path(ref).expanduser()
-    if not path.is_dir() and not ref.startswith(("/", ".", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            path = Path(snapshot_download(ref, local_files_only=True))
-        except Exception:  # not cached (or not a repo id): the message below says what to do
-            pass
-    if not (path / "config.json").is_file():
-        raise UserError(f"model.name: {name!r} names no directory with a config.json (and no "
-                        "model in the local Hugging Face cache); give hf:/path/to/weights, the "
-                        "directory save_pretrained wrote (the network is never used)")
-    return path.resolve()
 
 
 def hf_config(path: Path):

@@ -16,7 +16,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from enn_cluster.models.causal_lm import CausalLM, build_causal_lm, weights_dir
+from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.models.causal_lm import CausalLM, build_causal_lm
+from enn_cluster.storage import base_weights
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import safe_load
 from enn_cluster.storage.model_structure import with_storage
@@ -36,8 +38,8 @@ def lm_replica(cfg, checkpoints, step: int, lanes, dtype: torch.dtype) -> Causal
     path = store.step_dir(checkpoints, step)
     lm_weights.initialize(model, weights_dir(cfg.model.name), cfg.training.seed, lanes.control)
     if model.has_lora:
-        saved = lm_weights.identity(weights_dir(cfg.model.name))
-        lm_weights.check_same_base(store.read_commit(path).get("base_weights"), saved, step)
+        saved = base_weights.identity(weights_dir(cfg.model.name))
+        base_weights.check_same_base(store.read_commit(path).get("base_weights"), saved, step)
     held = {k.removeprefix("model.") for k in FileSystemReader(str(path)).read_metadata()
             .state_dict_metadata if k.startswith("model.")}
     state = {k: v for k, v in model.state_dict().items() if k in held}

@@ -6,10 +6,6 @@ as they are read), so no rank ever holds a whole copy. What the files do not hol
 here: non-persistent buffers (rotary frequencies) by the model's own init, LoRA adapters
 from a generator seeded by the run seed and the parameter's name (A uniform in
 +-1/sqrt(fan_in), as peft's default; B zero), so they are the same at every world size.
-
-The base weights' identity (a checksum of the safetensors files) is recorded in every
-checkpoint of a LoRA run, whose checkpoints hold the adapters only: a resume over other
-base weights would silently train another model, so it is refused.
 """
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ from torch import nn
 
 from enn_cluster.errors import UserError
 from enn_cluster.models.causal_lm import CausalLM, hf_name, is_adapter
-from enn_cluster.storage.checksum import RunningChecksum, file_checksum
 from enn_cluster.worker.meta_init import copy_local, name_generator
 
 log = logging.getLogger("enn_cluster.worker.lm_weights")
@@ -75,22 +70,3 @@ def load_base(model: nn.Module, weights: Path, group) -> None:
                         f"config.json describes ({first[:200]}); point hf: at the directory "
                         "save_pretrained wrote") from None
     log.info("base weights: %d tensors read from %s (this rank's shards)", len(targets), weights)
-
-
-def identity(weights: Path) -> dict:
-    """{"path", "checksum"} of the safetensors files (names and bytes, sorted by name)."""
-    running = RunningChecksum()
-    for file in sorted(Path(weights).glob("*.safetensors")):
-        size, digest = file_checksum(file)
-        running.update(f"{file.name}:{size}:{digest}\n".encode())
-    return {"path": str(weights), "checksum": running.hexdigest()}
-
-
-def check_same_base(saved: dict | None, current: dict, step: int) -> None:
-    """A LoRA checkpoint's adapters belong to the base weights it was trained on."""
-    if saved and saved.get("checksum") != current["checksum"]:
-        raise UserError(
-            f"model.name: checkpoint step-{step} holds LoRA adapters trained on the base weights "
-            f"in {saved.get('path')} (checksum {saved.get('checksum')}), but {current['path']} "
-            f"now holds other weights (checksum {current['checksum']}); restore those weights "
-            "or start a new run")

@@ -13,7 +13,8 @@ from torch import nn
 
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
 from enn_cluster.models import BUILTIN_MODELS, build_run_model, output_size
-from enn_cluster.models.causal_lm import CausalLM, weights_dir
+from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.models.causal_lm import CausalLM
 from enn_cluster.storage.model_structure import FACTORY as STRUCTURE_FACTORY
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes

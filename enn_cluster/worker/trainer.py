@@ -35,7 +35,7 @@ from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.evaluation import eval_arrays, mean_eval_loss
 from enn_cluster.worker.fault_injection import maybe_inject_fault, maybe_inject_oom
 from enn_cluster.worker.lanes import Lanes
-from enn_cluster.worker.lm_weights import check_same_base
+from enn_cluster.storage.base_weights import check_same_base
 from enn_cluster.worker.loader import BatchLoader, gather_rows
 from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradient_sync
 from enn_cluster.worker import oom_governor
@@ -68,8 +68,8 @@ def frozen_base_identity(cfg: RunConfig, model, lanes: Lanes):
     rank gets it); None when every weight trains (the checkpoints hold them all)."""
     if all(p.requires_grad for p in model.parameters()):
         return None
-    from enn_cluster.models.causal_lm import weights_dir
-    from enn_cluster.worker.lm_weights import identity
+    from enn_cluster.config.hf_name import weights_dir
+    from enn_cluster.storage.base_weights import identity
 
     return lanes.broadcast_object(identity(weights_dir(cfg.model.name)) if lanes.rank == 0
                                   else None)
