@@ -86,7 +86,7 @@ class ChunkWriter:
     def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None, float]:
         """The chunk's raw outputs, the precision check (first batch of chunk 0) and the
         largest spread of any input feature over the chunk's rows (0: identical rows)."""
-        out = np.empty((spec.rows,) + self.out_shape, dtype=np.float32)
+        out = None  # shaped by the first batch's outputs (see below)
         batch, check, spread, first = int(self.request["batch_size"]), None, 0.0, None
         with torch.inference_mode():
             for start in range(spec.start, spec.stop, batch):
@@ -101,9 +101,22 @@ class ChunkWriter:
                 yb = self._forward(xb, start)
                 if spec.index == 0 and start == spec.start:
                     check = self._precision_check(yb)
+                if out is None:
+                    out = np.empty((spec.rows,) + self._row_shape(yb), dtype=np.float32)
                 out[start - spec.start:stop - spec.start] = \
-                    yb.reshape((stop - start,) + self.out_shape).cpu().numpy()
+                    yb.reshape((stop - start,) + out.shape[1:]).cpu().numpy()
         return out, check, spread
+
+    def _row_shape(self, yb: torch.Tensor) -> tuple:
+        """A row's output shape: the request's (shaped like the targets) when the outputs have
+        that many values per row, else the model's own (a language model's logits are
+        [tokens, vocab] where its targets are [tokens]): outputs are written as they are."""
+        own = tuple(yb.shape[1:])
+        if int(np.prod(own, dtype=np.int64)) == int(np.prod(self.out_shape, dtype=np.int64)):
+            return self.out_shape
+        log.warning("outputs have shape %s per row, not the targets' %s: written as they are",
+                    own, self.out_shape)
+        return own
 
     def _precision_check(self, yb: torch.Tensor) -> dict | None:
         """How far reduced precision is from the fp32 forward pass on the same batch, and
@@ -239,7 +252,8 @@ def write_manifest(pdir: Path, request: dict, n_rows: int, world_size: int) -> d
     reduced = [c for c in checks if c.get("reduced_precision")]
     manifest = {
         "name": request["name"], "step": request["step"], "n_rows": n_rows,
-        "output_shape": request["output_shape"], "dtype": records[0]["dtype"] if records else "<f4",
+        "output_shape": list(records[0]["shape"][1:]) if records else request["output_shape"],
+        "dtype": records[0]["dtype"] if records else "<f4",
         "chunk_rows": request["chunk_rows"], "scaler": request.get("scaler"),
         "input": request["input"], "world_size": world_size, "time": time.time(),
         "chunks": records, "stats": pm.merge_stats([r["stats"] for r in records]),
