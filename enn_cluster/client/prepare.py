@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
-from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
+from enn_cluster.config.run_config import LM_TASK, MeshPlan, RunConfig, is_hf_model, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
 from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
@@ -93,7 +93,7 @@ def check_model_importable(name: str) -> None:
     """A `module:factory` model must import in the workers: import it now (the workers would
     run the same import) and check that the factory is a class or function, so that a typo
     is one line here rather than a traceback on every rank after the job started."""
-    if ":" not in name:
+    if ":" not in name or is_hf_model(name):  # hf: weights are checked with the tokenizer
         return
     import importlib
     import importlib.util
@@ -143,7 +143,11 @@ def prepare_run_and_config(cfg: RunConfig, shape: LaunchShape, arrays: Optional[
     cfg = freeze_global_batch(cfg, meshes)
     check_shape(cfg, shape, meshes)
     check_model_importable(cfg.model.name)
-    if not arrays:
+    if cfg.model.task == LM_TASK and not arrays:
+        from enn_cluster.storage.text_sources import check_text_sources
+
+        check_text_sources(cfg.data, cfg.model)
+    elif not arrays:
         check_data_sources(cfg.data)
 
     def populate(run: RunDir) -> None:
