@@ -108,6 +108,8 @@ def _parquet_columns(key: str, path: str, data: DataConfig) -> list[str]:
     import pyarrow as pa
 
     pf = _parquet_file(key, path)
+    if pf.metadata.num_rows == 0:
+        raise UserError(f"{key}: {path} is empty (0 rows); give a file with at least one document")
     schema = pf.schema_arrow
     columns = [data.text_field] + ([data.prompt_field] if data.prompt_field else [])
     for field_key, name in zip(("data.text_field", "data.prompt_field"), columns):
@@ -120,8 +122,6 @@ def _parquet_columns(key: str, path: str, data: DataConfig) -> list[str]:
                 or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
             raise UserError(f"{field_key}: column {name!r} of {path} holds {kind}, not text; "
                             f"set {field_key} to a string column")
-    if pf.metadata.num_rows == 0:
-        raise UserError(f"{key}: {path} is empty (0 rows); give a file with at least one document")
     return columns
 
 
