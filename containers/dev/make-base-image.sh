@@ -74,7 +74,7 @@ download_wheels() {
     rm -rf "$dir" && mkdir -p "$dir"
     log "pip download ${requirements[*]} into $dir"
     python3 -m pip download -q --only-binary=:all: --python-version 3.11 \
-        --platform manylinux_2_28_x86_64 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --implementation cp \
         -c "${repo_root}/constraints-dev.txt" -d "$dir" "${requirements[@]}" >&2
     compgen -G "$dir/torch-*+cpu-*.whl" >/dev/null \
         || { log "pip found no CPU torch wheel (a CUDA build is too big): $(ls "$dir")"; exit 1; }

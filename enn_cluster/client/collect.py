@@ -28,7 +28,7 @@ from enn_cluster.storage.npy_header import read_npy_header
 from enn_cluster.storage.output_target import check_local_target
 from enn_cluster.storage.prediction_collapse import recorded_verdict
 from enn_cluster.storage.rundir import RunDir, fsync_dir
-from enn_cluster.storage.staging import progress_bar
+from enn_cluster.storage.memmap_writer import progress_bar
 
 
 @dataclass

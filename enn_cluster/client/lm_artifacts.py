@@ -18,6 +18,7 @@ from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.models.causal_lm import CausalLM
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import safe_load
+from enn_cluster.storage.text_sources import tokenizer_dir
 
 LM_FORMATS = ("hf", "peft")
 
@@ -63,11 +64,6 @@ def _check_base(path: Path, step_dir: Path) -> None:
     check_same_base(record.get("base_weights"), identity(path), int(record.get("step", -1)))
 
 
-def tokenizer_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.data.tokenizer).expanduser() if cfg.data.tokenizer else \
-        weights_dir(cfg.model.name)
-
-
 def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str) -> None:
     """Write `fmt` ("hf" or "peft") into the new directory `out`."""
     from transformers import AutoTokenizer
@@ -77,5 +73,6 @@ def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str) -> None:
                         "weight (lora.r: 0); use --format hf")
     model = load_lm(cfg, step_dir, merge=fmt == "hf")
     model.lm.save_pretrained(str(out))
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir(cfg)), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir(cfg.data, cfg.model)[1]),
+                                        local_files_only=True)
     tok.save_pretrained(str(out))

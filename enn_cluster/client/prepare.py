@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
-from enn_cluster.config.run_config import MeshPlan, RunConfig, is_hf_model, plan_mesh
+from enn_cluster.config.run_config import LM_TASK, MeshPlan, RunConfig, is_hf_model, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
 from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
+from enn_cluster.storage.text_sources import check_text_sources, is_text_data
 from enn_cluster.storage.rundir import (
     RunDir,
     acquire_lock,
@@ -162,7 +163,9 @@ def prepare_run_and_config(cfg: RunConfig, shape: LaunchShape, arrays: Optional[
     cfg = freeze_global_batch(cfg, meshes)
     check_shape(cfg, shape, meshes)
     check_model_importable(cfg.model.name)
-    if not arrays:
+    if cfg.model.task == LM_TASK and not arrays and is_text_data(cfg.data):
+        check_text_sources(cfg.data, cfg.model)
+    elif not arrays:
         check_data_sources(cfg.data)
 
     def populate(run: RunDir) -> None:
