@@ -249,7 +249,7 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
                 except OSError:
                     break
     scale = manifest["scaler"]["std"] if manifest.get("scaler") else None
-    warnings = pm.collapse_warnings(manifest.get("stats"), scale)
+    warnings = [] if manifest.get("generate") else pm.collapse_warnings(manifest.get("stats"), scale)
     return CollectResult(str(out), name, (manifest["n_rows"], *manifest["output_shape"]),
                          manifest["step"], warnings, pm.summary_lines(manifest),
                          recorded_verdict(manifest.get("collapse")))

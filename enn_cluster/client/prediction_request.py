@@ -34,6 +34,8 @@ from enn_cluster.storage.rundir import (
     sigterm_unwinds,
 )
 from enn_cluster.storage.staging import read_manifest, stage_array
+from enn_cluster.storage.text_sources import TEXT_SUFFIXES, check_text_file
+from enn_cluster.storage.text_staging import text_rows
 
 DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_BATCH_SIZE = 1024
@@ -118,6 +120,12 @@ def _choose_step(run: RunDir, step: Optional[int]) -> int:
                     f"run 'enn-submit verify {run.path}'")
 
 
+def _is_text(cfg, source: Any) -> bool:
+    """A causal LM's input given as a text file (tokenized here, like its training data)."""
+    return cfg.model.task == LM_TASK and isinstance(source, (str, os.PathLike)) and \
+        str(source).endswith(TEXT_SUFFIXES)
+
+
 def _check_input(entry: dict, run: RunDir) -> None:
     features = read_manifest(run.data_dir)["entries"]["train_x"]["shape"][1:]
     if entry["shape"][1:] != features:
@@ -136,7 +144,9 @@ def check_prediction_inputs(run: RunDir, cfg, source: Any) -> None:
 
     check_control_files(run)
     check_model_importable(cfg.model.name)
-    if isinstance(source, str):
+    if isinstance(source, str) and _is_text(cfg, source):
+        check_text_file("--input", source, cfg.data)
+    elif isinstance(source, str):
         check_source("--input", source)
 
 
@@ -164,10 +174,17 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     if source is None:
         raise UserError(f"--input: required (no prediction named {name!r} to continue in "
                         f"{run.predictions})")
-    _check_input_array(source, cfg.data.x_key)
+    text = _is_text(cfg, source)
+    if text:
+        check_text_file("--input", str(source), cfg.data)
+    else:
+        _check_input_array(source, cfg.data.x_key)
     if existing is not None and step is None:
         step = existing["step"]
     step = _choose_step(run, step)
+    if text:  # tokenized here, staged as the array of token ids it makes
+        name = name or default_name(source, step, "")
+        source = text_rows("--input", str(source), cfg.data, cfg.model)
     with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
         return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size, generate)
 

@@ -236,3 +236,19 @@ def stage_text_data(data: DataConfig, model: ModelConfig, data_dir: Path,
         manifest["text"]["eval"] = asdict(counts["eval"])
     write_manifest(data_dir, manifest)
     return manifest
+
+
+def text_rows(key: str, path: str, data: DataConfig, model: ModelConfig) -> np.ndarray:
+    """Prediction input from text: one row per document (its prompt, then its text, as staged
+    for training but with no EOS appended), truncated to data.max_length and right-padded
+    with -1 (int32), in file order."""
+    _, tok = load_tokenizer(data, model)
+    encoder, rows = _Encoder(tok), []
+    for texts, prompts in iter_documents(key, path, data, BATCH_DOCS):
+        prompt_ids, text_ids = encoder(texts, prompts)
+        for i, ids in enumerate(text_ids):
+            rows.append(((prompt_ids[i] if prompt_ids else []) + ids)[:data.max_length])
+    out = np.full((len(rows), data.max_length), -1, dtype=TOKEN_DTYPE)
+    for i, ids in enumerate(rows):
+        out[i, :len(ids)] = ids
+    return out

@@ -262,7 +262,10 @@ def write_manifest(pdir: Path, request: dict, n_rows: int, world_size: int) -> d
         "raw_stats": pm.merge_stats([r.get("raw_stats") for r in records]),
         "input_spread": max((r.get("input_spread", 0.0) for r in records), default=0.0),
     }
-    manifest["collapse"] = prediction_collapse.verdict(manifest)
+    if request.get("generate"):  # token ids, not values: a spread means nothing here
+        manifest["generate"] = request["generate"]
+    manifest["collapse"] = None if request.get("generate") else \
+        prediction_collapse.verdict(manifest)
     if manifest["collapse"]:
         log.warning("prediction %s is near-constant: %s", request["name"],
                     manifest["collapse"]["message"])
