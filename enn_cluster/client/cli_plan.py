@@ -38,7 +38,8 @@ def cmd_plan(args) -> int:
     cfg = load_flagged_config(args.config, args.overrides, args.site, read_site=lambda: site)
     gpus = args.gpus_per_node if args.gpus_per_node is not None else site.gpus_per_node
     shape = shape_from_flags(cfg, args.nodes, gpus, None if gpus else cfg.parallel.procs_per_node)
-    mem = args.gpu_mem_gb if args.gpu_mem_gb is not None else (site.gpu_mem_gb or DEFAULT_GPU_MEM_GB)
+    mem = args.gpu_mem_gb if args.gpu_mem_gb is not None else \
+        (site.gpu_mem_gb or DEFAULT_GPU_MEM_GB)
     if not 0 < mem <= 2**20:
         raise UserError(f"--gpu-mem-gb: {mem:g} must be the GB of memory of one GPU, e.g. 80")
     model = model_shape(cfg)

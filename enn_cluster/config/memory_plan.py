@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from enn_cluster.config.run_config import RunConfig, is_hf_model, plan_mesh
-from enn_cluster.config.schedule import plan_batch
+from enn_cluster.config.schedule import plan_batch, requested_global_batch
 
 GB = 1e9
 HEADROOM_FRACTION = 0.10  # of the GPU's memory, kept free for fragmentation and buffers
@@ -138,9 +138,9 @@ def memory_plan(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: in
                       seq_len=seq, trainable_params=trainable)
 
 
-def fix_candidates(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
-    """Each fix a plan that does not fit can take alone, as the `--set` that makes it:
-    more shards, activation checkpointing, LoRA, a smaller micro-batch."""
+def fix_candidates(cfg: RunConfig, world: int) -> list[tuple[str, RunConfig]]:
+    """Each fix a plan that does not fit can take alone, as the `--set`s that make it: more
+    shards, activation checkpointing, LoRA, a smaller micro-batch (the global batch kept)."""
     out = []
     par, train = cfg.parallel, cfg.training
     if par.strategy != "fsdp":
@@ -152,8 +152,11 @@ def fix_candidates(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
         out.append((f"lora.r={SUGGESTED_LORA_RANK}",
                     replace(cfg, lora=replace(cfg.lora, r=SUGGESTED_LORA_RANK))))
     if train.per_device_train_batch_size > 1:
-        out.append(("training.per_device_train_batch_size=1",
-                    replace(cfg, training=replace(train, per_device_train_batch_size=1))))
+        rows = requested_global_batch(train, world)
+        out.append((f"training.per_device_train_batch_size=1 --set "
+                    f"training.global_batch_size={rows}",
+                    replace(cfg, training=replace(train, per_device_train_batch_size=1,
+                                                  global_batch_size=rows))))
     return out
 
 
@@ -164,7 +167,7 @@ def refusal(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: int,
     if plan.fits:
         return ""
     tried = [(key, memory_plan(fixed, model, nodes, gpus_per_node, gpu_mem_gb))
-             for key, fixed in fix_candidates(cfg)]
+             for key, fixed in fix_candidates(cfg, nodes * gpus_per_node)]
     fixes = ", ".join(f"--set {key} ({p.total / GB:.1f} GB{', fits' if p.fits else ''})"
                       for key, p in sorted(tried, key=lambda kp: kp[1].total))
     return (f"plan: {nodes} x {gpus_per_node} GPUs need {plan.total / GB:.1f} GB per GPU "
