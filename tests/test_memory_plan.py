@@ -87,6 +87,44 @@ def test_the_parameter_count_is_the_hand_calculation():
     shape = model_shape(cfg)
     assert shape.params == hand and shape.layers == n and shape.hidden == h and shape.vocab == v
     assert shape.largest_layer == layer and shape.largest_unit == 2 * v * h + h
+    assert (shape.intermediate, shape.gated) == (i, True)
+
+
+def test_the_activation_estimate_is_what_autograd_saves_for_a_llama_layer(tmp_path):
+    """One Llama-shaped layer (i = 3.5 h, 4 query heads per KV head) in bf16 with SDPA on the
+    CPU: the bytes autograd saves for backward (counted by saved_tensors_hooks, each storage
+    once, parameters left out), from a 2-layer model less a 1-layer one, are within 15 % of
+    the plan's per-layer figure; the plan's logits term covers what the rest saves."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from enn_cluster.client.model_shape import model_shape
+    from enn_cluster.config.memory_plan import LOGIT_BYTES, layer_bytes_per_token
+
+    s, h, vocab = 128, 256, 512
+    shape = dict(hidden_size=h, intermediate_size=7 * h // 2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=vocab, attn_implementation="sdpa")
+
+    def saved(layers: int) -> int:
+        config = AutoConfig.for_model("llama", num_hidden_layers=layers, **shape)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        ids = torch.randint(0, vocab, (1, s))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, labels=ids)
+        return sum(n for ptr, n in seen.items() if ptr not in params)
+
+    one, two = saved(1), saved(2)
+    AutoConfig.for_model("llama", num_hidden_layers=1, **shape).save_pretrained(str(tmp_path))
+    ours = model_shape(config_from_dict(small_config(tmp_path, model={"name": f"hf:{tmp_path}"})))
+    assert ours.gated and ours.intermediate == 7 * h // 2
+    assert (two - one) == pytest.approx(layer_bytes_per_token(ours) * s, rel=0.15)
+    assert one - (two - one) <= LOGIT_BYTES * s * vocab
 
 
 def test_the_lora_count_is_peft_s(tmp_path):
@@ -131,13 +169,15 @@ def test_the_arithmetic_per_strategy_and_checkpointing():
     logits = 16 * 10 * 2 * 10
     assert hsdp.activations == hsdp.activations_none == 4 * 34 * 16 * 8 * 2 + logits
     assert hsdp.activations_full == 4 * 2 * 16 * 8 * 2 + 34 * 16 * 8 * 2 + logits
+    swiglu = memory_plan(base, _shape(intermediate=28, gated=True), 2, 4)  # i = 3.5 h
+    assert swiglu.activations_none == 4 * 45 * 16 * 8 * 2 + logits
     fsdp = memory_plan(replace(base, parallel=replace(base.parallel, strategy="fsdp")), shape, 2, 4)
     assert fsdp.shard_group == 8 and fsdp.optimizer == 1000
     ddp = memory_plan(replace(base, parallel=replace(base.parallel, strategy="ddp")), shape, 2, 4)
     assert ddp.shard_group == 1 and ddp.params == 4000  # whole, nothing gathered
     fp32 = memory_plan(replace(base, training=replace(base.training, bf16="false")), shape, 2, 4)
     assert fp32.activations - logits == 2 * (hsdp.activations - logits)
-    assert activation_bytes(4, 1.0, "selective") == 2 * 34 + 2 * 2 + 34
+    assert activation_bytes(4, 34.0, 1.0, 1, "selective") == 2 * 34 + 2 * 2 + 34
     assert usable_bytes(80) == pytest.approx(71 * GB)
     assert hsdp.fits and not memory_plan(base, _shape(params=10**12), 2, 4).fits
 

@@ -94,9 +94,22 @@ def _measure(model, blocks: list, hidden: int, tokens: int, vocab: int) -> Model
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     linears = tuple((name, m.in_features, m.out_features) for name, m in model.named_modules()
                     if isinstance(m, nn.Linear))
+    intermediate, gated = _mlp_width(blocks[0] if blocks else model, hidden)
     return ModelShape(params=params, layers=max(len(blocks), 1), hidden=hidden, tokens=tokens,
                       vocab=vocab, largest_unit=max(block_params + [params - sum(block_params)]),
-                      largest_layer=max(block_params, default=0), linears=linears)
+                      largest_layer=max(block_params, default=0), linears=linears,
+                      intermediate=intermediate, gated=gated)
+
+
+def _mlp_width(block, hidden: int) -> tuple[int, bool]:
+    """The MLP of a layer: the widest Linear hidden -> i that a Linear i -> hidden brings
+    back; gated (SwiGLU) when two such Linears feed it. (0, False) when none is found."""
+    from torch import nn
+
+    shapes = [(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)]
+    wide = [o for i, o in shapes if i == hidden and o > hidden and (o, hidden) in shapes]
+    width = max(wide, default=0)
+    return width, wide.count(width) >= 2
 
 
 def _data_shape(cfg: RunConfig) -> tuple[tuple, int]:

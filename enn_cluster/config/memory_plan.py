@@ -15,12 +15,17 @@ the world, DDP: 1; `plan_mesh` decides it as the run will):
   decoder layer, or what the root keeps: embeddings, head) and the largest layer; none when
   S = 1 (the parameters are whole already);
 - activations at micro-batch b and sequence length s (data.max_length; a built-in model's
-  tokens per row otherwise), for L layers of width h, in bf16 (doubled in fp32):
-  without checkpointing 34 x s x h x b bytes per layer (Korthikanti et al. 2022, with a
-  fused attention that keeps no s x s scores); a checkpointed layer keeps only its input,
-  2 x s x h x b, and one layer at a time recomputes its 34 x s x h x b during backward;
-  `selective` checkpoints every other layer; plus the logits of a language model, s x vocab
-  x b x 10 bytes (bf16 logits, their fp32 copy and fp32 log-softmax for the loss).
+  tokens per row otherwise), for L layers of width h and MLP width i, in bf16 (doubled in
+  fp32): without checkpointing (18 h + 4 i) x s x b bytes per layer, 34 x s x h x b for the
+  GPT layer (i = 4 h) of Korthikanti et al. 2022 with a fused attention that keeps no
+  s x s scores (attention 11 h, norms 4 h, MLP input 2 h, dropout mask 1 h, and 2 i for
+  each of the MLP's two wide tensors); a gated MLP (SwiGLU: gate, up, activation, product)
+  keeps four wide tensors and no dropout mask, (17 h + 8 i) x s x b: 45 x s x h x b for
+  Llama-3 (i = 3.5 h), where autograd saves 49 in transformers' Llama (its RMSNorm works in
+  fp32); a checkpointed layer keeps only its input, 2 x s x h x b, and one layer at a time
+  recomputes its activations during backward; `selective` checkpoints every other layer;
+  plus the logits of a language model, s x vocab x b x 10 bytes (bf16 logits, their fp32
+  copy and fp32 log-softmax for the loss).
 
 A run fits when the total is at most the usable memory: `gpu_mem_gb` less 10 % (allocator
 fragmentation, temporary buffers) and 1 GB (CUDA context, NCCL buffers). GB are 10**9 bytes.
@@ -36,7 +41,6 @@ GB = 1e9
 HEADROOM_FRACTION = 0.10  # of the GPU's memory, kept free for fragmentation and buffers
 CONTEXT_GB = 1.0  # CUDA context and NCCL buffers per process
 DEFAULT_GPU_MEM_GB = 80.0  # an H100 / A100 80 GB
-ACT_BYTES_PER_LAYER = 34  # x seq x hidden x micro-batch, bf16, no checkpointing
 CKPT_BYTES_PER_LAYER = 2  # a checkpointed layer keeps its bf16 input only
 LOGIT_BYTES = 10  # bf16 logits + fp32 copy + fp32 log-softmax, per token per vocab entry
 SUGGESTED_LORA_RANK = 16
@@ -54,6 +58,8 @@ class ModelShape:
     largest_unit: int  # parameters of the largest FSDP unit (a layer, or the root's rest)
     largest_layer: int  # parameters of the largest layer
     linears: tuple = ()  # (qualified name, in_features, out_features) of every nn.Linear
+    intermediate: int = 0  # the MLP's width (0: 4 x hidden)
+    gated: bool = False  # a gated MLP (SwiGLU: gate_proj and up_proj)
 
 
 @dataclass(frozen=True)
@@ -98,9 +104,17 @@ def lora_params(linears, target_modules, r: int) -> int:
                if any(name == t or name.endswith("." + t) for t in target_modules))
 
 
-def activation_bytes(layers: int, per_layer_tokens: float, mode: str) -> float:
-    """Saved activations of `layers` layers, `per_layer_tokens` = s x h x b (x 2 in fp32)."""
-    full, kept = ACT_BYTES_PER_LAYER * per_layer_tokens, CKPT_BYTES_PER_LAYER * per_layer_tokens
+def layer_bytes_per_token(model: ModelShape) -> float:
+    """Bytes one layer saves for backward per token in bf16, without checkpointing."""
+    h, i = model.hidden, model.intermediate or 4 * model.hidden
+    return 17 * h + 8 * i if model.gated else 18 * h + 4 * i
+
+
+def activation_bytes(layers: int, per_token: float, tokens: float, hidden: int,
+                     mode: str) -> float:
+    """Saved activations of `layers` layers of `per_token` bytes per token for `tokens`
+    tokens (s x b; doubled in fp32); a checkpointed layer keeps its input of `hidden`."""
+    full, kept = per_token * tokens, CKPT_BYTES_PER_LAYER * hidden * tokens
     checkpointed = {"none": 0, "selective": layers // 2, "full": layers}[mode]
     recompute = full if checkpointed else 0.0  # one layer's activations rebuilt at a time
     return (layers - checkpointed) * full + checkpointed * kept + recompute
@@ -126,9 +140,10 @@ def memory_plan(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: in
         stored = model.params * 4
     gathered = (model.largest_unit + model.largest_layer) * compute if shard > 1 else 0
     seq = cfg.data.max_length if is_hf_model(cfg.model.name) else max(model.tokens, 1)
-    per_layer = seq * model.hidden * micro * (compute / 2)
+    tokens = seq * micro * (compute / 2)
     logits = seq * model.vocab * micro * LOGIT_BYTES
-    acts = {mode: activation_bytes(model.layers, per_layer, mode) + logits
+    acts = {mode: activation_bytes(model.layers, layer_bytes_per_token(model), tokens,
+                                   model.hidden, mode) + logits
             for mode in ("none", "selective", "full")}
     return MemoryPlan(params=stored / shard + gathered, grads=trainable * 4 / shard,
                       optimizer=trainable * 8 / shard,
