@@ -21,10 +21,11 @@ def check_fits(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gb: Optio
     in one line naming the fixes, before anything is written. Left to the run: a module
     given to the API as an object, and a built-in model or factory fed arrays by the API
     (their shapes are known at staging)."""
-    from enn_cluster.storage.model_structure import FACTORY
+    if gpus_per_node <= 0 or (arrays_given and not is_hf_model(cfg.model.name)):
+        return
+    from enn_cluster.storage.model_structure import FACTORY  # imports torch
 
-    hf = is_hf_model(cfg.model.name)
-    if gpus_per_node <= 0 or cfg.model.name == FACTORY or (arrays_given and not hf):
+    if cfg.model.name == FACTORY:
         return
     why = refusal(cfg, model_shape(cfg), nodes, gpus_per_node, gpu_mem_gb or DEFAULT_GPU_MEM_GB)
     if why:
