@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     from enn_cluster.client.cli_export import register as register_export
 
     register_export(sub, COMMANDS)
+    from enn_cluster.client.cli_plan import register as register_plan
+
+    register_plan(sub, COMMANDS)
 
     p = sub.add_parser("build", help="build containers/Dockerfile into an Enroot squashfs (cached)")
     p.add_argument("--dockerfile", default="containers/Dockerfile")
@@ -173,7 +176,8 @@ def cmd_train(args) -> int:
     shape = launch_shape(args, cfg)
     restarts = max_restarts(args.max_restarts, cfg)
     slurm = slurm_request(args) if args.cluster == "slurm" else None
-    run, cfg, spec = create_train_run(cfg, shape, restarts, slurm)
+    run, cfg, spec = create_train_run(cfg, shape, restarts, slurm,
+                                      gpu_mem_gb=site_config(args).gpu_mem_gb)
     if slurm is None:
         print(f"run directory: {run.path}", file=sys.stderr)
         return launch(run, "train", shape, restarts, cfg=cfg)
@@ -188,10 +192,12 @@ def cmd_prepare(args) -> int:
     here fixes the run's global batch, as a first launch would."""
     import shlex
 
+    from enn_cluster.client.model_shape import check_fits
     from enn_cluster.client.prepare import prepare_run, shape_from_flags
 
     cfg = _load_train_config(args)
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    check_fits(cfg, shape.nodes, shape.gpus_per_node, site_config(args).gpu_mem_gb)
     run = prepare_run(cfg, shape)
     path = shlex.quote(str(run.path))
     print(run.path)

@@ -71,13 +71,19 @@ def checked_shape(cfg, nodes, gpus_per_node: Optional[int], procs_per_node: Opti
 
 
 def create_train_run(cfg, shape: "LaunchShape", restarts: int, slurm: Optional[SlurmRequest],
-                     arrays: Optional[dict] = None, populate_extra=None):
-    """A new run for `train`: a job Slurm cannot take is refused before anything is written,
-    then the run directory with its staged data. Returns (run, the config frozen into it,
+                     arrays: Optional[dict] = None, populate_extra=None,
+                     gpu_mem_gb: Optional[float] = None):
+    """A new run for `train`: a job Slurm cannot take and a plan that cannot fit the GPUs
+    (`gpu_mem_gb` each; default: the site's, else 80) are refused before anything is
+    written, then the run directory with its staged data. Returns (run, the config frozen into it,
     the JobSpec built for Slurm or None)."""
+    from enn_cluster.client.model_shape import check_fits
     from enn_cluster.client.prepare import prepare_run_and_config
 
     spec = check_slurm_spec(slurm, cfg, "train", shape, restarts) if slurm is not None else None
+    if gpu_mem_gb is None and slurm is not None:
+        gpu_mem_gb = slurm.site_config.gpu_mem_gb
+    check_fits(cfg, shape.nodes, shape.gpus_per_node, gpu_mem_gb, arrays_given=bool(arrays))
     run, frozen = prepare_run_and_config(cfg, shape, arrays=arrays, populate_extra=populate_extra)
     return run, frozen, spec
 

@@ -35,7 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
     "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
     "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
-    "mem_gb": None, "gpu_request": "gpus-per-node",
+    "mem_gb": None, "gpu_request": "gpus-per-node", "gpu_mem_gb": None,
 }
 
 _LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
@@ -65,6 +65,7 @@ class SiteConfig:
     socket_ifname: Optional[str] = None  # control-plane NIC (gloo + NCCL bootstrap)
     mem_gb: Optional[float] = None  # memory per node in GB (--mem); 0: all of it
     gpu_request: Optional[str] = None  # gpus-per-node | gres | gres:TYPE (no select/cons_tres)
+    gpu_mem_gb: Optional[float] = None  # memory of one GPU, for the memory plan (default 80)
     source: Optional[str] = field(default=None, compare=False)  # the file it came from
 
     def overrides(self) -> dict[str, Any]:
@@ -92,9 +93,9 @@ def _typed(key: str, value: Any, source: Optional[str]) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"site.{key}: expected a whole number, got {value!r}{where}")
         return value
-    if key == "mem_gb":
+    if key in ("mem_gb", "gpu_mem_gb"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"site.mem_gb: expected GB per node as a number, got {value!r}{where}")
+            raise UserError(f"site.{key}: expected a number of GB, got {value!r}{where}")
         return value
     if key == "time":
         if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -137,6 +138,9 @@ def _check_values(site: SiteConfig) -> None:
                                         not 0 <= site.mem_gb <= 2**20):
             raise UserError(f"site.mem_gb: {site.mem_gb!r} must be a number of GB per node "
                             "(0: all of each node's memory)")
+        if site.gpu_mem_gb is not None and not 1 <= site.gpu_mem_gb <= 2**20:
+            raise UserError(f"site.gpu_mem_gb: {site.gpu_mem_gb!r} must be the GB of memory "
+                            "of one GPU, e.g. 80")
         if site.gpu_request is not None:
             slurm_values.check_gpu_request(site.gpu_request, "site.gpu_request")
         if site.gpus_per_node is not None and site.gpus_per_node < 0:
