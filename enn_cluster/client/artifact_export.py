@@ -23,12 +23,12 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.client.lm_artifacts import LM_FORMATS
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
 
-FORMATS = ("torch", "export", "hf", "peft")
+LM_FORMATS = ("hf", "peft")  # a causal LM's Hugging Face forms (client/lm_artifacts)
+FORMATS = ("torch", "export", *LM_FORMATS)
 STATE_FILE, PROGRAM_FILE, RECORD_FILE = "model.pt", "model.pt2", "export.json"
 
 

@@ -20,8 +20,6 @@ from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import safe_load
 from enn_cluster.storage.text_sources import tokenizer_dir
 
-LM_FORMATS = ("hf", "peft")
-
 
 def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
     """The model of a checkpoint, whole, fp32, on the CPU, in eval mode; LoRA merged into the
