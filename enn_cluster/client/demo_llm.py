@@ -52,7 +52,8 @@ def main() -> None:
     sets = ("--set", f"model.name=hf:{model}", "--set", f"data.train_path={train}",
             "--set", f"data.eval_path={evals}")
     _cli("train", "--config", str(CONFIG), "--run-name", run.name, "--runs-root", str(runs_root),
-         *sets, "--set", "training.max_steps=12", *LOCAL, "--procs-per-node", "2")
+         *sets, "--set", "training.max_steps=12", "--set", "training.lr=0.01", *LOCAL,
+         "--procs-per-node", "2")
     _cli("resume", str(run), *LOCAL, "--procs-per-node", "1", "--set", "training.max_steps=24")
     _cli("status", str(run))
     prompts = runs_root / f"llm-assets-{stamp}" / "prompts.jsonl"
