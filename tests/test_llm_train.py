@@ -108,3 +108,21 @@ def test_a_lora_checkpoint_is_a_small_fraction_of_a_full_one(tmp_path):
         step = tmp_path / "runs" / name / "checkpoints" / "step-1"
         sizes[name] = sum(v["size"] for v in json.loads((step / "commit.json").read_text())["files"].values())
     assert sizes["lora"] <= 0.05 * sizes["full"], sizes
+
+
+@pytest.mark.slow  # inductor compiles the decoder layer on the CPU: about a minute
+def test_compiled_blocks_stay_within_tolerance_of_eager(model_dir, tmp_path):
+    """training.compile: inductor's fused kernels reorder float sums, so losses are close,
+    not identical: within 1e-4 relative over 3 full fine-tuning steps."""
+    losses = {}
+    for compiled in (False, True):
+        name = f"compile-{compiled}".lower()
+        cfg = lm_config(tmp_path, model_dir, name, lora={"r": 0},
+                        training={"max_steps": 3, "compile": compiled},
+                        parallel={"nodes": 1, "procs_per_node": 1})
+        res = cli("train", "--config", write_config(tmp_path / f"{name}.yaml", **cfg), timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        losses[compiled] = [r["loss"] for r in metrics(tmp_path / "runs" / name, "train")]
+    assert len(losses[True]) == 3
+    for eager, compiled in zip(losses[False], losses[True]):
+        assert math.isclose(eager, compiled, rel_tol=1e-4), losses
