@@ -98,3 +98,11 @@ def test_greedy_generation_equals_transformers_generate(trained):
         keep = int(eos[0]) + 1 if len(eos) else len(theirs)
         assert ours[:keep].tolist() == theirs[:keep].float().tolist()
         assert (ours[keep:] == -1).all()
+
+
+def test_doctor_reads_an_lm_run(trained):
+    res = cli("doctor", trained["run"])
+    lines = {ln.split()[0]: ln for ln in res.stdout.splitlines() if ln.strip()}
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert " ok " in lines["model"] and "LoRA r=4" in lines["model"], lines["model"]
+    assert "--format hf" in lines["export"], lines["export"]

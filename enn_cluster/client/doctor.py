@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.config.run_config import is_hf_model
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
@@ -92,6 +93,8 @@ def check_model(run: RunDir, cfg, manifest: Optional[dict]):
     from enn_cluster.models import build_model, output_size
 
     shape = tuple(manifest["entries"]["train_x"]["shape"][1:])
+    if is_hf_model(cfg.model.name):
+        return _check_lm(cfg, more), None, shape
     try:
         model = build_model(cfg.model, shape, output_size(cfg, manifest))
     except UserError as exc:
@@ -102,6 +105,30 @@ def check_model(run: RunDir, cfg, manifest: Optional[dict]):
     n = sum(p.numel() for p in model.parameters())
     return Finding("model", "ok", f"{cfg.model.name} builds ({n} parameters, input {shape})",
                    more), model, shape
+
+
+def _check_lm(cfg, more: str) -> Finding:
+    """A causal LM: its weights directory usable and the model built on the meta device
+    (no weights read; those are what the workers load)."""
+    import torch
+
+    from enn_cluster.client.prepare import check_hf_model
+    from enn_cluster.models import build_run_model
+
+    more = f"ls -l {shlex.quote(cfg.model.name[len('hf:'):])}"
+    try:
+        check_hf_model(cfg.model.name)
+        with torch.device("meta"):
+            model = build_run_model(cfg, (), 0)
+    except UserError as exc:
+        return Finding("model", "problem", str(exc), more)
+    except Exception as exc:  # transformers could not build its config: say so, never crash
+        return Finding("model", "problem", f"model.name: {cfg.model.name} does not build "
+                       f"({type(exc).__name__}: {str(exc)[:200]})", more)
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return Finding("model", "ok", f"{cfg.model.name} builds ({total} parameters, {trained} "
+                   f"trained{', LoRA r=%d' % cfg.lora.r if cfg.lora.enabled else ''})", more)
 
 
 def _warnings(reports: list[dict], layer: str) -> list[str]:
@@ -227,6 +254,10 @@ def check_checkpoints(run: RunDir, q: str) -> Finding:
 
 def check_export(model, shape, name: str, q: str) -> Finding:
     more = f"enn-submit export {q} --out DIR --format export"
+    if is_hf_model(name):
+        return Finding("export", "ok", "a causal LM exports as a Hugging Face directory "
+                       "(--format hf) or its LoRA adapters (--format peft)",
+                       f"enn-submit export {q} --out DIR --format hf")
     if model is None:
         return Finding("export", "warning", "not checked: the model does not build", more)
     from enn_cluster.client.artifact_export import export_problem
