@@ -263,26 +263,35 @@ def cancel_run(run: RunDir) -> int:
 
 
 def _cancel_slurm(run: RunDir, job_id: str, jobs: list) -> int:
+    from enn_cluster.storage.rundir import clear_lock_of_job
     from enn_cluster.storage.slurm_jobs import cancel, job_belongs_to_run, job_fields
 
     fields = job_fields(job_id)
-    names = {str(j["job_name"]) for j in jobs if str(j.get("job_id")) == job_id
-             and j.get("job_name")}
-    if not job_belongs_to_run(fields, str(run.path), names):
-        raise UserError(f"jobs.jsonl: Slurm job {job_id} (name {fields.get('JobName')!r}) is not "
-                        f"this run's (neither its name nor its paths match {run.path}); "
-                        "not cancelling it: use scancel yourself if you mean it")
+    tokens = [j.get("submission") for j in jobs if str(j.get("job_id")) == job_id]
+    if not any(job_belongs_to_run(fields, run.path, t) for t in tokens):
+        raise UserError(f"jobs.jsonl: Slurm job {job_id} is not proven this run's (its comment "
+                        "is not the one enn-submit gave it for this run); not cancelling it: "
+                        f"use scancel {job_id} yourself if you mean it")
     cancel(job_id)
-    print(f"cancelled Slurm job {job_id}")
+    cleared = clear_lock_of_job(run, job_id)
+    print(f"cancelled Slurm job {job_id}" + (f"; removed its {run.lock_path.name}" if cleared else ""))
     return 0
 
 
 def _stop_launcher(run: RunDir, owner: dict) -> int:
     import socket
 
-    from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem
+    from enn_cluster.storage.process_identity import (
+        boot_id,
+        holds_open,
+        identity,
+        launcher_problem,
+    )
 
     why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
+    if why is None and not holds_open(owner["pid"], run.lock_path):
+        why = (f"pid {owner['pid']} does not hold {run.lock_path.name} open, so it is not this "
+               "run's launcher (a lock copied from another process?)")
     if why == "not running":
         print(f"{run.path}: nothing is running (the lock's launcher has exited)")
         return 0

@@ -34,6 +34,7 @@ from enn_cluster.cluster.slurm_values import (
 from enn_cluster.config import nccl
 from enn_cluster.config.checks import node_range
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
+from enn_cluster.storage.slurm_jobs import LIVE_STATES
 
 TASKS = ("train", "predict")
 WORKER_MODULE = "enn_cluster.worker"
@@ -214,7 +215,9 @@ def _template(name: str) -> str:
 HOST_SETUP_VALUES = {"MASTER_PORT_BASE": MASTER_PORT_BASE,
                      "MASTER_PORT_BASE_LESS_1": MASTER_PORT_BASE - 1,
                      "MASTER_PORT_LAST": MASTER_PORT_BASE + MASTER_PORT_SPAN - 1,
-                     "MASTER_PORT_SPAN": MASTER_PORT_SPAN}
+                     "MASTER_PORT_SPAN": MASTER_PORT_SPAN,
+                     "LIVE_STATE_PATTERNS": "|".join(f'*" JobState={state} "*'
+                                                     for state in sorted(LIVE_STATES))}
 
 
 def host_setup_lines() -> list[str]:

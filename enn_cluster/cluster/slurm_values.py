@@ -13,7 +13,9 @@ from enn_cluster.errors import UserError
 MANAGED_SBATCH = frozenset({
     "job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem",
     "time", "partition", "account", "qos", "exclusive", "signal", "requeue", "no-requeue",
-    "open-mode", "output", "error"})
+    "open-mode", "output", "error", "wrap"})
+# real sbatch options that are also the start of a managed one (sbatch takes exact names first)
+_EXACT_OPTIONS = frozenset({"gpus", "ntasks"})
 MANAGED_SRUN = ("--container-", "--no-container-", "--output", "--error", "--kill-on-bad-exit")
 
 _NAME = re.compile(r"^\w[\w.+-]*\Z")  # job / prediction names (unicode letters allowed)
@@ -64,7 +66,8 @@ def parse_sbatch_arg(arg: str, flag: str = "--sbatch-arg") -> tuple[str, Union[s
     if not _SBATCH_KEY.match(key) or (eq and not value):
         raise _fail(flag, f"{arg!r} is not a long sbatch option",
                     "write --option=value, e.g. --constraint=a100")
-    if key in MANAGED_SBATCH:
+    if key in MANAGED_SBATCH or (key not in _EXACT_OPTIONS and any(
+            m.startswith(key) for m in MANAGED_SBATCH)):  # sbatch reads --out as --output
         raise _fail(flag, f"--{key} is set by enn_cluster", "use its own flag or site key")
     if _SBATCH_UNSAFE.search(value):
         raise _fail(flag, f"{arg!r} has spaces, quotes, '#', '$' or '\\'",

@@ -191,7 +191,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     import secrets
     import shutil
 
-    from enn_cluster.storage.slurm_jobs import job_alive
+    from enn_cluster.storage.slurm_jobs import job_alive, submission_comment
     from enn_cluster.storage.tracking import ensure_run
 
     if shutil.which("sbatch") is None:
@@ -200,10 +200,11 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     _check_lock(run, job_alive)
     spec, warning = sized_for_nodes(spec)
     token = secrets.token_hex(8)
-    claim = acquire_lock(run, {**lock_owner(), "submission": token})
+    claim = acquire_lock(run, {**lock_owner(), "submission": token}, slurm_job_alive=job_alive)
     try:
         ensure_run(run, cfg)  # exported to the job with the environment
         executor = slurm_executor(spec, submitit_folder(run.path))
+        executor.update_parameters(slurm_comment=submission_comment(run.path, token))
         with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
             job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
                                   step)
@@ -226,7 +227,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
                        "submitted_by": "enn-submit", "submission": token})
     run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,
                    nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
-                   image=spec.container_image)
+                   image=spec.container_image, submission=token)
     return job_id
 
 
@@ -273,4 +274,5 @@ def _check_lock(run: RunDir, job_alive) -> None:
         if owner_alive(owner):
             raise UserError(f"run directory {run.path} is in use by pid {owner['pid']} on "
                             f"{owner['host']}; wait for it or 'enn-submit cancel {run.path}'")
-    run.lock_path.unlink(missing_ok=True)
+    # a stale lock is left for acquire_lock, which takes it over by renaming it aside
+

@@ -85,15 +85,22 @@ def job_fields(job_id: str) -> dict:
     return parse_scontrol(res.stdout) if ok else {}
 
 
-def job_belongs_to_run(fields: dict, run_path: str, job_names: set) -> bool:
-    """Is this Slurm job one of the run's? Its script, output, workdir or comment lies in
-    the run directory, or its name is the one recorded when the run submitted it."""
-    run_path = str(run_path).rstrip("/")
-    for key in ("Command", "StdOut", "StdErr", "WorkDir", "Comment"):
-        value = fields.get(key) or ""
-        if value == run_path or value.startswith(run_path + "/"):
-            return True
-    return bool(fields.get("JobName")) and fields.get("JobName") in job_names
+def submission_comment(run_path, token: str) -> str:
+    """The `--comment` enn-submit gives a job it submits: a digest of the run's real path
+    and the submission's token (kept in jobs.jsonl). No other job carries it, and a record
+    copied from another run does not match this run's path."""
+    import hashlib
+    import os
+
+    digest = hashlib.sha256(f"{os.path.realpath(run_path)}\n{token}".encode()).hexdigest()
+    return f"enn-cluster:{digest[:40]}"
+
+
+def job_belongs_to_run(fields: dict, run_path, token) -> bool:
+    """Is this Slurm job one of the run's? Only its comment says so: names are public in
+    squeue and paths can be anyone's, but the comment is set by our submission alone."""
+    return isinstance(token, str) and bool(token) and \
+        fields.get("Comment") == submission_comment(run_path, token)
 
 
 def cancel(job_id: str) -> None:
