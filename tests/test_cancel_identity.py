@@ -61,13 +61,11 @@ def _stub_slurm(bin_dir, scontrol_line: str):
 
 
 @pytest.mark.parametrize("record, comment_of, cancelled", [
-    # a record copied from squeue: the job's real id and name, but nothing of ours
+    # a record copied from squeue: the job's real id and name, paths in the run, no comment
     ({"job_id": "77", "job_name": "enn-r"}, None, False),
-    ({"job_id": "77", "job_name": "enn-r", "submission": "t0"}, None, False),
-    # another run's genuine record and job (its comment binds the other run's path)
-    ({"job_id": "77", "job_name": "enn-r", "submission": "t0"}, ("other", "t0"), False),
-    ({"job_id": "77", "job_name": "enn-r", "submission": "t1"}, ("run", "t0"), False),
-    ({"job_id": "77", "job_name": "enn-r", "submission": "t0"}, ("run", "t0"), True),
+    # another run's genuine record and job: its comment binds the other run's path
+    ({"job_id": "77", "job_name": "enn-r"}, "other", False),
+    ({"job_id": "77", "job_name": "enn-r"}, "run", True),
 ])
 def test_cancel_scancels_only_a_job_our_submission_marked(tmp_path, record, comment_of,
                                                           cancelled):
@@ -75,8 +73,7 @@ def test_cancel_scancels_only_a_job_our_submission_marked(tmp_path, record, comm
     run.path.mkdir()
     run.config_path.write_text("run_name: r\n")
     (tmp_path / "other").mkdir()
-    comment = submission_comment(tmp_path / comment_of[0], comment_of[1]) if comment_of \
-        else "(null)"
+    comment = submission_comment(tmp_path / comment_of) if comment_of else "(null)"
     called = _stub_slurm(tmp_path / "bin", f"JobId=77 JobName=enn-r JobState=PENDING "
                          f"WorkDir={run.path} StdOut={run.path}/o Comment={comment}")
     run.record_job(kind="slurm", **record)
@@ -94,18 +91,21 @@ def test_cancel_scancels_only_a_job_our_submission_marked(tmp_path, record, comm
         assert run.lock_path.exists()
 
 
-def test_submission_comment_binds_path_and_token(tmp_path):
+def test_submission_comment_binds_the_runs_real_path(tmp_path):
+    from enn_cluster.cluster.job_spec import JobSpec, submitit_parameters
+
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "l").symlink_to(tmp_path / "a")
-    c = submission_comment(tmp_path / "a", "t")
-    assert c == submission_comment(tmp_path / "l", "t")  # the real path counts
-    assert c != submission_comment(tmp_path / "b", "t") != submission_comment(tmp_path / "a", "u")
+    c = submission_comment(tmp_path / "a")
+    assert c == submission_comment(tmp_path / "l")  # the real path counts
+    assert c != submission_comment(tmp_path / "b")
     assert " " not in c and len(c) < 80  # one token in `scontrol -o` output
-    assert job_belongs_to_run({"Comment": c}, tmp_path / "a", "t")
-    for token in (None, "", 5, "u"):
-        assert not job_belongs_to_run({"Comment": c}, tmp_path / "a", token)
-    assert not job_belongs_to_run({}, tmp_path / "a", "t")
+    assert job_belongs_to_run({"Comment": c}, tmp_path / "a")
+    assert not job_belongs_to_run({"Comment": c}, tmp_path / "b")
+    assert not job_belongs_to_run({}, tmp_path / "a")
+    params = submitit_parameters(JobSpec(job_name="j", run_dir=str(tmp_path / "a")))
+    assert params["slurm_additional_parameters"]["comment"] == c  # what sbatch gets
 
 
 @pytest.mark.parametrize("text", ["", "{", "[1, 2]", '"pid"', '{"pid": -1, "host": "h"}',

@@ -255,20 +255,18 @@ def cancel_run(run: RunDir) -> int:
     owner = read_lock(run)
     jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
     if jobs and job_alive(str(jobs[-1]["job_id"])):
-        return _cancel_slurm(run, str(jobs[-1]["job_id"]), jobs)
+        return _cancel_slurm(run, str(jobs[-1]["job_id"]))
     if owner and not owner.get("slurm_job_id"):
         return _stop_launcher(run, owner)
     print(f"{run.path}: nothing is running")
     return 0
 
 
-def _cancel_slurm(run: RunDir, job_id: str, jobs: list) -> int:
+def _cancel_slurm(run: RunDir, job_id: str) -> int:
     from enn_cluster.storage.rundir import clear_lock_of_job
     from enn_cluster.storage.slurm_jobs import cancel, job_belongs_to_run, job_fields
 
-    fields = job_fields(job_id)
-    tokens = [j.get("submission") for j in jobs if str(j.get("job_id")) == job_id]
-    if not any(job_belongs_to_run(fields, run.path, t) for t in tokens):
+    if not job_belongs_to_run(job_fields(job_id), run.path):
         raise UserError(f"jobs.jsonl: Slurm job {job_id} is not proven this run's (its comment "
                         "is not the one enn-submit gave it for this run); not cancelling it: "
                         f"use scancel {job_id} yourself if you mean it")

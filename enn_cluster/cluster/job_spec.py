@@ -34,7 +34,7 @@ from enn_cluster.cluster.slurm_values import (
 from enn_cluster.config import nccl
 from enn_cluster.config.checks import node_range
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
-from enn_cluster.storage.slurm_jobs import LIVE_STATES
+from enn_cluster.storage.slurm_jobs import LIVE_STATES, submission_comment
 
 TASKS = ("train", "predict")
 WORKER_MODULE = "enn_cluster.worker"
@@ -304,6 +304,7 @@ def submitit_parameters(spec: JobSpec) -> dict:
         extra["nodes"] = f"{lo}-{hi}"
     if spec.mem_gb == 0:
         extra["mem"] = "0"  # submitit would write 0GB
+    extra["comment"] = submission_comment(spec.run_dir)  # cancel's proof that a job is ours
     extra.update(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)
     params = {
         "name": spec.job_name, "nodes": lo, "tasks_per_node": spec.tasks_per_node,

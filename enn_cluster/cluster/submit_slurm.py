@@ -191,7 +191,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     import secrets
     import shutil
 
-    from enn_cluster.storage.slurm_jobs import job_alive, submission_comment
+    from enn_cluster.storage.slurm_jobs import job_alive
     from enn_cluster.storage.tracking import ensure_run
 
     if shutil.which("sbatch") is None:
@@ -204,7 +204,6 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     try:
         ensure_run(run, cfg)  # exported to the job with the environment
         executor = slurm_executor(spec, submitit_folder(run.path))
-        executor.update_parameters(slurm_comment=submission_comment(run.path, token))
         with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
             job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
                                   step)
@@ -227,7 +226,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
                        "submitted_by": "enn-submit", "submission": token})
     run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,
                    nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
-                   image=spec.container_image, submission=token)
+                   image=spec.container_image)
     return job_id
 
 

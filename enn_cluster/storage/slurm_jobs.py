@@ -85,22 +85,21 @@ def job_fields(job_id: str) -> dict:
     return parse_scontrol(res.stdout) if ok else {}
 
 
-def submission_comment(run_path, token: str) -> str:
-    """The `--comment` enn-submit gives a job it submits: a digest of the run's real path
-    and the submission's token (kept in jobs.jsonl). No other job carries it, and a record
-    copied from another run does not match this run's path."""
+def submission_comment(run_path) -> str:
+    """The `--comment` enn-submit gives every job it submits for a run: a digest of the
+    run's real path (rendered, so `render` shows it). Only a submission sets a job's
+    comment, and a record copied from another run names a job whose comment is that run's."""
     import hashlib
     import os
 
-    digest = hashlib.sha256(f"{os.path.realpath(run_path)}\n{token}".encode()).hexdigest()
-    return f"enn-cluster:{digest[:40]}"
+    return "enn-cluster:" + hashlib.sha256(os.path.realpath(run_path).encode()).hexdigest()[:40]
 
 
-def job_belongs_to_run(fields: dict, run_path, token) -> bool:
+def job_belongs_to_run(fields: dict, run_path) -> bool:
     """Is this Slurm job one of the run's? Only its comment says so: names are public in
-    squeue and paths can be anyone's, but the comment is set by our submission alone."""
-    return isinstance(token, str) and bool(token) and \
-        fields.get("Comment") == submission_comment(run_path, token)
+    squeue and jobs.jsonl is writable by whoever can write the run, but a job's comment is
+    set by its submitter alone."""
+    return fields.get("Comment") == submission_comment(run_path)
 
 
 def cancel(job_id: str) -> None:
