@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
-from enn_cluster.config.checks import _check_tree
+from enn_cluster.config.checks import _check_tree, no_secret_values
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
@@ -131,7 +131,10 @@ def _fix_yaml_floats(data: Any) -> Any:
 
 def config_from_dict(data: Any) -> RunConfig:
     _check_tree(data, "config")
-    return _build(RunConfig, data, "").validate()
+    cfg = _build(RunConfig, data, "").validate()
+    for key, value in data.items():  # after the fields' own checks, with their wording
+        no_secret_values(str(key), value)
+    return cfg
 
 
 def load_config(path: Optional[str], overrides: list[str] = (),
