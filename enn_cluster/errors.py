@@ -7,8 +7,11 @@ prefixes). The config checks refuse such values by the same patterns (`looks_sec
 """
 import re
 
-_SECRET_PARAM = (r"[\w.-]*(?:token|secret|passw|passphrase|pwd|api[-_]?key|private[-_]?key|"
-                 r"access[-_]?key|credential|auth|sig|signature|session|cookie)[\w.-]*|key|code")
+# a query/fragment parameter that carries a credential: a name holding one of the first
+# words anywhere, or one of the second as a whole part (X-Amz-Signature, api-key, not design)
+_SECRET_PARAM = (r"[\w.-]*(?:token|secret|passw|passphrase|credential|apikey|authori[sz]ation)"
+                 r"[\w.-]*|(?:[\w.-]*[-_.])?(?:sig|signature|key|code|auth|pwd|pass|session"
+                 r"|cookie)(?:[-_.][\w.-]*)?")
 _CREDENTIAL_PATTERNS = (
     # scheme://user:password@ or scheme://TOKEN@
     (re.compile(r"(\b[A-Za-z][\w+.-]*://)[^/\s@'\"]+@"), r"\1***@"),

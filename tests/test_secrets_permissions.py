@@ -355,7 +355,8 @@ def test_an_error_line_never_carries_a_credential(text):
 @pytest.mark.parametrize("text", [
     "nvcr.io#nvidia/pytorch:24.05-py3", "user@registry#img", "img@sha256:0123abcd",
     "/shared/images/enn.sqsh", "https://h/x.npz?version=3&monkey=1", "04:00:00",
-    "s3://bucket/x.npz", "model.kwargs.author", "Basic", "1-12:00:00"])
+    "s3://bucket/x.npz", "model.kwargs.author", "Basic", "1-12:00:00",
+    "https://h/x?design=1&signal=2&author=x"])
 def test_ordinary_values_are_not_taken_for_credentials(text):
     from enn_cluster.errors import looks_secret
 

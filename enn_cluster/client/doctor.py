@@ -268,6 +268,34 @@ def check_predictions(run: RunDir, q: str) -> Finding:
                    f"{shlex.quote(names[-1])} --out OUT.npy")
 
 
+def check_run_files(run: RunDir, q: str) -> Finding:
+    """The control files other commands refuse when damaged: doctor says so too (binary
+    metrics, a jobs.jsonl or request.json that is not JSON; a lock that does not parse is
+    refused before any finding, as every command refuses it)."""
+    from enn_cluster.storage.metrics import scan_metrics
+
+    problems = []
+    _, unreadable = scan_metrics(run.metrics)
+    if unreadable:
+        problems.append(f"{run.metrics.name}: {unreadable} line(s) are not JSON records "
+                        "(damaged or binary)")
+    try:
+        run.jobs()
+    except UserError as exc:
+        problems.append(str(exc).split(";")[0])
+    for request in sorted(run.predictions.glob(f"*/{pm.REQUEST}")):
+        try:
+            ok = isinstance(json.loads(request.read_text(encoding="utf-8")), dict)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            problems.append(f"predictions/{request.parent.name}/{pm.REQUEST} is not a JSON "
+                            "object; predict again with another --name")
+    if problems:
+        return Finding("files", "problem", "; ".join(problems), f"ls -la {q}")
+    return Finding("files", "ok", "metrics, jobs and prediction requests parse", f"ls -la {q}")
+
+
 def diagnose(path: Path) -> list[Finding]:
     """Every layer's finding, in order."""
     from enn_cluster.client.status import live_lock
@@ -279,7 +307,7 @@ def diagnose(path: Path) -> list[Finding]:
     attempt, reports = backend_report.newest_reports(attempt_dirs(run))
     data, manifest = check_data(run, q)
     model_finding, model, shape = check_model(run, cfg, manifest)
-    return [data, model_finding, check_kernels(reports, attempt, q),
+    return [check_run_files(run, q), data, model_finding, check_kernels(reports, attempt, q),
             check_precision(run, reports, q), check_logs(run, live_lock(run) is not None, q),
             check_distributed(reports, attempt, q), check_checkpoints(run, q),
             check_export(model, shape, cfg.model.name, q), check_predictions(run, q)]

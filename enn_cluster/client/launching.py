@@ -37,8 +37,8 @@ def load_flagged_config(config: Optional[str], overrides: list, site: Optional[s
 
     verbatim = {k: v for k, v in (("run_name", run_name), ("runs_root", runs_root))
                 if v is not None}
-    return resolved_config(read_yaml(config) if config else {}, list(overrides), verbatim,
-                           read_site or (lambda: load_site(site)))
+    data = read_yaml(config) if config is not None else {}  # "" is refused, not the defaults
+    return resolved_config(data, list(overrides), verbatim, read_site or (lambda: load_site(site)))
 
 
 def resolved_config(data: dict, overrides: list, verbatim: dict, read_site):

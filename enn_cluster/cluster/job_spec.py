@@ -21,9 +21,12 @@ from enn_cluster.cluster import pyxis
 # the tests read time_minutes and _NAME from here too
 from enn_cluster.cluster.slurm_values import (
     _NAME,
+    MAX_CPUS_PER_TASK,
+    MAX_GPUS_PER_NODE,
     _fail,
     _int,
     check_gpu_request,
+    check_mem_gb,
     check_line,
     check_srun_arg,
     check_word,
@@ -133,14 +136,13 @@ def _validate(s: JobSpec) -> None:
             raise _fail("--name", "predict needs a prediction name", "pass --name NAME")
         check_word(s.predict_name, "--name", _NAME)
     time_minutes(s.time)
-    _int(s.gpus_per_node, "--gpus-per-node", 0)
+    _int(s.gpus_per_node, "--gpus-per-node", 0, MAX_GPUS_PER_NODE)
     check_gpu_request(s.gpu_request, "site.gpu_request")
-    _int(s.procs_per_node, "--procs-per-node", 1)
+    _int(s.procs_per_node, "--procs-per-node", 1, MAX_GPUS_PER_NODE)
     if s.cpus_per_task is not None:
-        _int(s.cpus_per_task, "--cpus-per-task", 1)
-    if s.mem_gb is not None and (isinstance(s.mem_gb, bool) or
-                                 not isinstance(s.mem_gb, (int, float)) or s.mem_gb < 0):
-        raise _fail("--mem-gb", f"{s.mem_gb!r} is not a size", "give GB per node, 0 for all")
+        _int(s.cpus_per_task, "--cpus-per-task", 1, MAX_CPUS_PER_TASK)
+    if s.mem_gb is not None:
+        check_mem_gb(s.mem_gb)
     for flag in ("partition", "account", "qos"):
         check_word(getattr(s, flag), f"--{flag}")
     _int(s.signal_grace_s, "--signal-grace", 1)

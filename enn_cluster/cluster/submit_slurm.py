@@ -107,6 +107,9 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
     if opts["image"] is None:
         opts["image"] = str(default_image(opts["image_cache"]))
     bare = opts["image"] == "none"
+    if bare and req.mounts:  # the site's mounts are for its images; a flag's are meant
+        raise UserError(f"--mount: {len(req.mounts)} mount(s) given with --container none "
+                        "(bare metal mounts nothing); drop --mount or name an image")
     return JobSpec(
         job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
         run_dir=str(run.path),

@@ -33,6 +33,8 @@ MAX_BATCH_ROWS = 2**24  # rows per device per micro-batch, and accumulation step
 MAX_GLOBAL_BATCH = 2**31  # rows per optimizer step
 MAX_NODES = 2**16  # beyond the largest Slurm allocation anyone has
 MAX_PROCS_PER_NODE = 1024  # processes (GPUs) per node
+MAX_WIDTH = 2**20  # units of one layer: a square layer this wide is 2**40 weights already
+MAX_LAYERS = 4096
 
 
 def _bounded(key: str, value: Any, most: int) -> None:
@@ -158,9 +160,12 @@ def _path_text(key: str, value: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise UserError(f"{key}: {value!r} is not valid UTF-8 text; use plain characters")
-    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    # Cc: controls; Cf: invisible format marks (bidi overrides); Zl/Zp: U+2028/U+2029, line
+    # and paragraph separators that end a line in editors, logs and JSON-reading tools
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
     if bad is not None:
-        raise UserError(f"{key}: {value!r} contains the control character {bad!r}; remove it")
+        raise UserError(f"{key}: {ascii(value)} contains the control character {ascii(bad)}; "
+                        "remove it")
 
 
 def _check_tree(data: Any, where: str) -> None:

@@ -69,6 +69,9 @@ DESCRIPTIONS = {
                           "evaluation when there is no `data.eval_path`, in [0, 1).",
     "data.normalize_targets": "Regression only: train on per-output standardised targets "
                               "(mean/std of the training rows, stored in the data manifest).",
+    "data.allow_nonfinite": "Stage NaN and inf values as they are; by default staging "
+                            "refuses them, naming the array, the first column and the row "
+                            "count.",
     "data.synthetic.n_samples": "Rows to generate (> 0).",
     "data.synthetic.n_features": "Input features per row (> 0).",
     "data.synthetic.n_outputs": "Target columns (> 0); for classification, the class count "

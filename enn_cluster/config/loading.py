@@ -15,7 +15,7 @@ import yaml
 
 from enn_cluster.config.checks import _check_tree, no_secret_values
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.config.yaml_file import read_yaml
+from enn_cluster.config.yaml_file import PlainLoader, read_yaml
 from enn_cluster.errors import UserError
 
 
@@ -77,7 +77,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=PlainLoader) if raw.strip() else ""  # noqa: S506
     except (yaml.YAMLError, ValueError):  # ValueError: a bad date or a 5000-digit number
         value = raw
     _check_tree(value, f"--set {key}")

@@ -15,8 +15,10 @@ from enn_cluster.config.checks import (
     MAX_BATCH_ROWS,
     MAX_COUNT,
     MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
     MAX_NODES,
     MAX_PROCS_PER_NODE,
+    MAX_WIDTH,
     _bounded,
     _choice,
     _no_secret_keys,
@@ -46,15 +48,18 @@ class ModelConfig:
     kwargs: dict = field(default_factory=dict)  # passed to a user factory
 
     def validate(self) -> None:
-        _positive("model.d_model", self.d_model)
-        _positive("model.n_layers", self.n_layers)
-        _positive("model.n_heads", self.n_heads)
+        _bounded("model.d_model", self.d_model, MAX_WIDTH)
+        _bounded("model.n_layers", self.n_layers, MAX_LAYERS)
+        _bounded("model.n_heads", self.n_heads, MAX_WIDTH)
         _choice("model.task", self.task, ("regression", "classification"))
         if self.name not in ("mlp", "transformer") and ":" not in self.name:
             raise UserError(f"model.name: {self.name!r} is not a built-in model; "
                             "use mlp, transformer or 'package.module:factory'")
         if not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden_sizes):
             raise UserError("model.hidden_sizes: must be a list of positive integers, e.g. [64, 64]")
+        if len(self.hidden_sizes) > MAX_LAYERS or any(h > MAX_WIDTH for h in self.hidden_sizes):
+            raise UserError(f"model.hidden_sizes: a layer wider than {MAX_WIDTH} units, or more "
+                            f"than {MAX_LAYERS} layers, cannot be built; give real sizes")
         if self.d_model % self.n_heads:
             raise UserError(f"model.d_model: {self.d_model} is not divisible by model.n_heads "
                             f"{self.n_heads}; pick sizes that divide")
@@ -95,6 +100,7 @@ class DataConfig:
     y_key: str = "y"
     eval_fraction: float = 0.0  # held out from train when no eval_path
     normalize_targets: bool = False
+    allow_nonfinite: bool = False  # stage NaN/inf values as they are (refused otherwise)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def validate(self) -> None:

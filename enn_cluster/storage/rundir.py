@@ -31,8 +31,10 @@ import yaml
 
 from enn_cluster.config.loading import config_from_dict, dump_config
 from enn_cluster.config.run_config import RunConfig
+from enn_cluster.config.yaml_file import PlainLoader
 from enn_cluster.errors import UserError
 from enn_cluster.storage.lock_files import close_held, hold, take_aside
+from enn_cluster.storage.output_target import missing_parents, remove_empty
 
 DIR_MODE = 0o2750  # group-readable, never world-writable
 RUN_UMASK = 0o027  # files 0640, directories 0750: the same for whatever the run writes
@@ -144,7 +146,7 @@ class RunDir:
                             "is it a run directory made by enn-submit train?")
         try:
             with open(self.config_path, encoding="utf-8") as fh:
-                data = yaml.safe_load(fh)
+                data = yaml.load(fh, Loader=PlainLoader)  # noqa: S506 - a SafeLoader
         except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
             raise UserError(f"config.yaml: {self.config_path} does not parse "
                             f"({type(exc).__name__}); restore it from config-history/") from None
@@ -192,6 +194,7 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
         raise UserError(f"run_name: {run.path} already exists; use "
                         f"'enn-submit resume {run.path}' or pick another --set run_name=...")
     tmp = RunDir(run.path.with_name(f".{run.path.name}.creating-{os.getpid()}"))
+    made = missing_parents(run.path)  # runs_root and its parents this call creates
     with run_umask(), sigterm_unwinds():
         try:
             run.path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,6 +212,7 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
             os.rename(tmp.path, run.path)
         except BaseException:
             shutil.rmtree(tmp.path, ignore_errors=True)
+            remove_empty(made)  # a refused run leaves the tree as it found it
             raise
     fsync_dir(run.path.parent)
     return run
