@@ -10,6 +10,7 @@ oom.json is checked on the OOM governor's own runs (test_resume_exact), which me
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -71,6 +72,33 @@ def test_damaged_control_files_are_a_problem_not_ok(healthy, tmp_path, rel, cont
     line = next(line for line in done.stdout.splitlines() if line.startswith("files "))
     assert done.returncode == 1 and line.split()[1] == "problem" and needle in line, line
     assert "\x1b" not in done.stdout
+
+
+def _object_dtype(run):
+    path = run / "predictions/p/manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["chunks"][0]["dtype"] = "|O"
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda run: (run / "predictions/p/chunk-000000.npy").write_bytes(b"\x93NUMPY"),
+     "does not match its record"),
+    (_object_dtype, "holds Python objects"),
+    (lambda run: ((run / "predictions/p/chunk-000000.npy").unlink(),
+                  os.mkfifo(run / "predictions/p/chunk-000000.npy")), "not a regular file"),
+])
+def test_damaged_prediction_chunks_are_a_problem(healthy, tmp_path, damage, needle):
+    """A truncated chunk, an object dtype, a FIFO in a chunk's place: collect refuses each,
+    and doctor says so (without opening the FIFO)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(healthy, run, symlinks=True)
+    damage(run)
+    done = cli("doctor", run, cwd=ROOT / "tests", timeout=120)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("predictions "))
+    assert done.returncode == 1 and line.split()[1] == "problem" and needle in line, line
 
 
 def test_healthy_run_is_ok_on_every_layer(healthy):

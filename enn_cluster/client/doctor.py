@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +238,38 @@ def check_export(model, shape, name: str, q: str) -> Finding:
     return Finding("export", "ok", "torch.export traces the forward (dynamic batch)", more)
 
 
+def _chunk_damage(pdir: Path, manifest) -> Optional[str]:
+    """What collect would refuse in a committed prediction: a manifest that is not one, a
+    chunk of object dtype, a chunk that is not a regular file (never opened: a FIFO would
+    hang), or bytes that do not match their record (truncated, rewritten)."""
+    import stat
+
+    import numpy as np
+
+    from enn_cluster.client.collect import manifest_problem
+
+    problem = manifest_problem(manifest)
+    if problem:
+        return problem
+    for rec in manifest["chunks"]:
+        try:
+            if np.dtype(rec.get("dtype", "<f4")).hasobject:
+                return f"{rec['file']}: dtype {rec.get('dtype')!r} holds Python objects"
+        except TypeError:
+            return f"{rec['file']}: dtype {str(rec.get('dtype'))[:40]!r} is not a dtype"
+        try:
+            regular = stat.S_ISREG(os.lstat(pdir / rec["file"]).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            return f"{rec['file']}: missing or not a regular file"
+    try:
+        problems = pm.verify_chunks(pdir, manifest)
+    except (KeyError, TypeError):
+        return "a chunk record lacks its size or checksum"
+    return "; ".join(problems[:2]) if problems else None
+
+
 def _prediction_finding(run: RunDir, name: str) -> Optional[tuple[str, str, str]]:
     """(level, detail, more) for one committed prediction, or None when it looks sound."""
     path = run.predictions / name / pm.MANIFEST
@@ -245,6 +278,10 @@ def _prediction_finding(run: RunDir, name: str) -> Optional[tuple[str, str, str]
     except (OSError, ValueError) as exc:
         return "problem", f"{name}: {pm.MANIFEST} is unreadable ({exc}); predict again " \
             "with another --name", f"ls -l {shlex.quote(str(path.parent))}"
+    damage = _chunk_damage(path.parent, manifest)
+    if damage:
+        return "problem", f"{name}: {damage}; predict again with another --name", \
+            f"enn-submit collect {shlex.quote(str(run.path))} --name {shlex.quote(name)} --out OUT.npy"
     verdict = recorded_verdict(manifest.get("collapse") if isinstance(manifest, dict) else None)
     if verdict:
         return "warning", f"{name}: collapse verdict ({verdict['verdict']}): " \

@@ -149,14 +149,19 @@ class RunDir:
                 data = yaml.load(fh, Loader=PlainLoader)  # noqa: S506 - a SafeLoader
         except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
             raise UserError(f"config.yaml: {self.config_path} does not parse "
-                            f"({type(exc).__name__}); restore it from config-history/") from None
+                            f"({type(exc).__name__}); {self._restore_hint()}") from None
         if not isinstance(data, dict):
-            raise UserError(f"config.yaml: {self.config_path} is not a mapping; restore it "
-                            "from config-history/")
+            raise UserError(f"config.yaml: {self.config_path} is not a mapping; "
+                            f"{self._restore_hint()}")
         try:
             return config_from_dict(data)
         except UserError as exc:
             raise UserError(f"config.yaml: {exc}") from None
+
+    def _restore_hint(self) -> str:  # config-history/ is named only where it exists
+        kept = any((self.path / "config-history").glob("config-*.yaml"))
+        return "restore it from the newest file in config-history/" if kept else \
+            "restore it from the YAML the run was made with (it has no config-history/)"
 
     def record_job(self, **fields) -> None:
         """Append one launch record (job id, kind, shape); appends of one line are atomic."""
@@ -359,9 +364,8 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
 
 
 def _who(owner: dict) -> str:
-    if owner.get("slurm_job_id"):
-        return f"Slurm job {owner['slurm_job_id']}"
-    return f"pid {owner.get('pid')} on {owner.get('host')}"
+    job = owner.get("slurm_job_id")
+    return f"Slurm job {job}" if job else f"pid {owner.get('pid')} on {owner.get('host')}"
 
 
 def clear_lock_of_job(run: RunDir, job_id: str) -> bool:
