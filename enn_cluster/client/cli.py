@@ -35,8 +35,8 @@ def one_line(text: str) -> str:
     (newlines, vertical tabs, NEL, U+2028, terminal escapes) shown as escapes."""
     import unicodedata
 
-    return "".join(repr(c)[1:-1] if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp")
-                   else c for c in text)
+    return "".join(ascii(c)[1:-1] if c != "\t" and unicodedata.category(c) in (
+        "Cc", "Cf", "Zl", "Zp") else c for c in text)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -280,7 +280,8 @@ def cmd_status(args) -> int:
     RunDir(path).load_config()  # a damaged config.yaml is a damaged run: one line, exit 2
     if args.follow:
         return _follow_status(path, max(args.interval, 0.1))
-    print(format_status(run_status(path)))
+    # every line may quote run files (metrics.jsonl, run.lock): escape what a terminal obeys
+    print("\n".join(one_line(line) for line in format_status(run_status(path)).split("\n")))
     return 0
 
 
@@ -293,7 +294,7 @@ def _follow_status(path: Path, interval: float) -> int:
     tty, previous, verified = sys.stdout.isatty(), None, {}
     while True:
         st = run_status(path, verified)  # a checkpoint's bytes are read once
-        line = progress_line(st)
+        line = one_line(progress_line(st))
         if line != previous:
             sys.stdout.write(f"\r\033[K{line}" if tty else line + "\n")
             sys.stdout.flush()
@@ -319,9 +320,11 @@ def cmd_plot(args) -> int:
     from enn_cluster.storage.rundir import run_umask
 
     if args.out:
-        from enn_cluster.storage.output_target import check_local_target
+        from enn_cluster.storage.output_target import check_local_target, expanded
 
-        check_local_target("--out", args.out, overwrite=True)
+        args.out = expanded("--out", args.out)
+        check_local_target("--out", args.out, overwrite=True, run_dir=run.path,
+                           own=("metrics.png",))
     with run_umask():  # 0640 like the rest of the run, whatever the caller's umask
         out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
                          title=run.path.name)

@@ -107,6 +107,9 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
     if opts["image"] is None:
         opts["image"] = str(default_image(opts["image_cache"]))
     bare = opts["image"] == "none"
+    if bare and req.mounts:  # the site's mounts are for its images; a flag's are meant
+        raise UserError(f"--mount: {len(req.mounts)} mount(s) given with --container none "
+                        "(bare metal mounts nothing); drop --mount or name an image")
     return JobSpec(
         job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
         run_dir=str(run.path),
@@ -225,7 +228,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     _check_lock(run, job_alive)
     spec, warning = sized_for_nodes(spec)
     token = secrets.token_hex(8)
-    claim = acquire_lock(run, {**lock_owner(), "submission": token})
+    claim = acquire_lock(run, {**lock_owner(), "submission": token}, slurm_job_alive=job_alive)
     try:
         ensure_run(run, cfg)  # exported to the job with the environment
         executor = slurm_executor(spec, submitit_folder(run.path))
@@ -298,4 +301,5 @@ def _check_lock(run: RunDir, job_alive) -> None:
         if owner_alive(owner):
             raise UserError(f"run directory {run.path} is in use by pid {owner['pid']} on "
                             f"{owner['host']}; wait for it or 'enn-submit cancel {run.path}'")
-    run.lock_path.unlink(missing_ok=True)
+    # a stale lock is left for acquire_lock, which takes it over by renaming it aside
+

@@ -90,6 +90,9 @@ DESCRIPTIONS = {
     "lora.dropout": "Dropout on the adapters' input, in [0, 1).",
     "lora.target_modules": "Names of the linear modules that get adapters (peft's "
                            "`target_modules`), e.g. `[q_proj, k_proj, v_proj, o_proj]`.",
+    "data.allow_nonfinite": "Stage NaN and inf values as they are; by default staging "
+                            "refuses them, naming the array, the first column and the row "
+                            "count.",
     "data.synthetic.n_samples": "Rows to generate (> 0).",
     "data.synthetic.n_features": "Input features per row (> 0).",
     "data.synthetic.n_outputs": "Target columns (> 0); for classification, the class count "

@@ -15,8 +15,10 @@ from enn_cluster.config.checks import (
     MAX_BATCH_ROWS,
     MAX_COUNT,
     MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
     MAX_NODES,
     MAX_PROCS_PER_NODE,
+    MAX_WIDTH,
     _bounded,
     _choice,
     _no_secret_keys,
@@ -54,9 +56,9 @@ class ModelConfig:
     kwargs: dict = field(default_factory=dict)  # passed to a user factory
 
     def validate(self) -> None:
-        _positive("model.d_model", self.d_model)
-        _positive("model.n_layers", self.n_layers)
-        _positive("model.n_heads", self.n_heads)
+        _bounded("model.d_model", self.d_model, MAX_WIDTH)
+        _bounded("model.n_layers", self.n_layers, MAX_LAYERS)
+        _bounded("model.n_heads", self.n_heads, MAX_WIDTH)
         if is_hf_model(self.name):
             if not self.name[len(HF_PREFIX):].strip():
                 raise UserError("model.name: 'hf:' names no model; give hf:/path/to/weights "
@@ -75,6 +77,9 @@ class ModelConfig:
                             "use mlp, transformer, 'package.module:factory' or hf:/weights/dir")
         if not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden_sizes):
             raise UserError("model.hidden_sizes: must be a list of positive integers, e.g. [64, 64]")
+        if len(self.hidden_sizes) > MAX_LAYERS or any(h > MAX_WIDTH for h in self.hidden_sizes):
+            raise UserError(f"model.hidden_sizes: a layer wider than {MAX_WIDTH} units, or more "
+                            f"than {MAX_LAYERS} layers, cannot be built; give real sizes")
         if self.d_model % self.n_heads:
             raise UserError(f"model.d_model: {self.d_model} is not divisible by model.n_heads "
                             f"{self.n_heads}; pick sizes that divide")
@@ -151,6 +156,7 @@ class DataConfig:
     max_length: int = 1024  # causal_lm: tokens per staged row
     packing: bool = True  # causal_lm: many documents per row; false: one per row, padded
     tokenizer: str = ""  # causal_lm: tokenizer directory; "": the model's weights directory
+    allow_nonfinite: bool = False  # stage NaN/inf values as they are (refused otherwise)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def validate(self) -> None:

@@ -186,6 +186,9 @@ def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
                                         progress=progress)
         else:
             entries[name] = stage_array(src, data_dir / f"{name}.npy", progress=progress)
+    if not data.allow_nonfinite:
+        for name in entries:
+            check_finite(name, entries[name], np.load(data_dir / f"{name}.npy", mmap_mode="r"))
     n = entries["train_x"]["shape"][0]
     if entries["train_y"]["shape"][0] != n:
         raise UserError(f"data: train inputs have {n} rows but targets have "
@@ -200,6 +203,25 @@ def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
         manifest["target_scaler"] = _target_scaler(y[: n - n_eval_held])
     write_manifest(data_dir, manifest)
     return manifest
+
+
+def check_finite(name: str, entry: dict, arr: np.ndarray, block_rows: int = 65536) -> None:
+    """Refuse NaN or inf in a staged float array, naming the array, the first column that
+    holds one and how many rows do (a model trains on them without a word: all-NaN inputs
+    end 'training done')."""
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.complexfloating)):
+        return
+    flat = arr.reshape(len(arr), -1) if arr.ndim else arr.reshape(1, 1)
+    rows, column = 0, None
+    for start in range(0, len(flat), block_rows):
+        bad = ~np.isfinite(flat[start:start + block_rows])
+        rows += int(bad.any(axis=1).sum())
+        if column is None and bad.any():
+            column = int(np.flatnonzero(bad.any(axis=0))[0])
+    if rows:
+        raise UserError(f"data: {name} ({entry.get('source')}) has {rows} row(s) holding NaN "
+                        f"or inf (the first in column {column}); clean them, or set "
+                        "data.allow_nonfinite: true to stage them as they are")
 
 
 def _src(path: Optional[str], key: str):
