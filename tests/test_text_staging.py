@@ -150,7 +150,8 @@ def test_packed_prompt_tokens_are_not_learned(tmp_path, bos_tokenizer, model_dir
     assert (y == IGNORE).any() and manifest["text"]["prompt_field"] == "prompt"
 
 
-def test_padded_rows_one_document_each(tmp_path, bos_tokenizer, model_dir):
+def test_padded_rows_one_document_each(tmp_path, bos_tokenizer, model_dir, monkeypatch):
+    monkeypatch.setattr(text_staging, "PADDED_BATCH_BYTES", 2 * 4 * 32 * 5)  # 5 rows a batch
     train = llm_assets.write_texts(tmp_path / "train.jsonl", TEXTS, prompt=PROMPTS)
     cfg = lm_config(tmp_path, model_dir, train, prompt_field="prompt", packing=False,
                     tokenizer=str(bos_tokenizer), eval_fraction=0.25)
@@ -206,10 +207,10 @@ def test_tokenizer_hash_is_the_files_identity(tmp_path, model_dir):
 # The real CLI: a run made once, bad input refused before it exists, resume never re-stages
 
 
-def prepare(tmp_path, cfg: dict):
+def prepare(tmp_path, cfg: dict, env=None):
     path = write_config(tmp_path / "lm.yaml", **cfg)
     return cli("prepare", "--config", path, "--nodes", "1", "--procs-per-node", "1",
-               "--gpus-per-node", "0", timeout=120)
+               "--gpus-per-node", "0", timeout=120, env=env)
 
 
 def test_prepare_stages_once_and_resume_never_tokenizes_again(tmp_path, model_dir):
@@ -237,8 +238,8 @@ def test_prepare_stages_once_and_resume_never_tokenizes_again(tmp_path, model_di
     assert after == before
 
 
-def _file(path: Path, text: str) -> Path:
-    path.write_text(text)
+def _file(path: Path, text) -> Path:
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     return path
 
 
@@ -278,6 +279,8 @@ BAD = {  # name: (write the input under tmp, extra data keys, what the one line 
                            {}, ["c.parquet is not a readable parquet file"]),
     "too short for a row": (lambda t: llm_assets.write_texts(t / "c.jsonl", ["the"]),
                             {}, ["data.max_length:", "fewer than one row of 32"]),
+    "not UTF-8": (lambda t: _file(t / "c.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'),
+                  {}, ["c.jsonl is not UTF-8 text"]),
     "tokenizer without files": (lambda t: llm_assets.write_texts(t / "c.jsonl", TEXTS),
                                 {"tokenizer": "EMPTY"}, ["data.tokenizer:", "has no tokenizer files"]),
 }
@@ -298,3 +301,27 @@ def test_bad_text_input_is_one_line_exit_2_and_no_run(tmp_path, model_dir, case)
         assert needle in lines[0], lines[0]
     runs = tmp_path / "runs"
     assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
+
+
+def test_a_cached_model_name_is_found_offline_and_a_missing_one_refused(tmp_path, model_dir):
+    """hf:ORG/NAME is looked up in the local Hugging Face cache (its real layout: refs/main
+    names the snapshot), never on the network."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--acme--tiny-lm"
+    shutil.copytree(model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    train = llm_assets.write_texts(tmp_path / "train.jsonl", TEXTS)
+    cfg = lm_config(tmp_path, model_dir, train)
+    cfg["model"]["name"] = "hf:acme/tiny-lm"
+    res = prepare(tmp_path, cfg, env)
+    assert res.returncode == 0, res.stderr
+    manifest = json.loads((Path(res.stdout.strip()) / "data" / "manifest.json").read_text())
+    assert manifest["text"]["tokenizer"] == str(repo / "snapshots" / commit)
+    assert manifest["text"]["tokenizer_hash"] == tokenizer_hash(model_dir)
+    cfg["model"]["name"], cfg["run_name"] = "hf:acme/absent", "lm2"
+    res = prepare(tmp_path, cfg, env)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "'acme/absent' is neither a directory nor in the local Hugging Face cache" in res.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["lm"]

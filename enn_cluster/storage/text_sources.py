@@ -135,7 +135,7 @@ def _parquet_columns(key: str, path: str, data: DataConfig) -> list[str]:
 def _parquet_batches(key: str, path: str, data: DataConfig, batch: int):
     columns = _parquet_columns(key, path, data)
     done = 0
-    for record_batch in _parquet_file(key, path).iter_batches(batch_size=batch, columns=columns):
+    for record_batch in _read_batches(key, path, columns, batch):
         text = record_batch.column(0)
         if text.null_count:
             first = done + int(text.is_null().to_numpy(zero_copy_only=False).argmax())
@@ -148,16 +148,35 @@ def _parquet_batches(key: str, path: str, data: DataConfig, batch: int):
         yield text.to_pylist(), prompts
 
 
+def _read_batches(key: str, path: str, columns: list[str], batch: int):
+    """pyarrow record batches; a file damaged past its footer is one line, not a traceback."""
+    import pyarrow as pa
+
+    batches = _parquet_file(key, path).iter_batches(batch_size=batch, columns=columns)
+    while True:
+        try:
+            record_batch = next(batches, None)
+        except (OSError, pa.ArrowException) as exc:
+            raise UserError(f"{key}: {path} cannot be read ({str(exc)[:200]}); write it "
+                            "again") from None
+        if record_batch is None:
+            return
+        yield record_batch
+
+
 def _jsonl_rows(key: str, path: str, data: DataConfig,
                 first_only: bool = False) -> Iterator[tuple[str, str]]:
     """(text, prompt) of each non-blank line, each line checked."""
     with open(os.path.expanduser(path), encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            yield _jsonl_record(key, path, number, line, data)
-            if first_only:
-                return
+        try:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                yield _jsonl_record(key, path, number, line, data)
+                if first_only:
+                    return
+        except UnicodeDecodeError:
+            raise UserError(f"{key}: {path} is not UTF-8 text; save it as UTF-8") from None
 
 
 def _jsonl_record(key: str, path: str, number: int, line: str, data: DataConfig) -> tuple[str, str]:

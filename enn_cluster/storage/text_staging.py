@@ -39,6 +39,7 @@ from enn_cluster.storage.text_sources import (
 
 IGNORE = -100  # the label the loss skips (torch's cross_entropy ignore_index)
 BATCH_DOCS = 2048  # documents per encode_batch call
+PADDED_BATCH_BYTES = 64 << 20  # packing off: the padded rows of one batch, ids and labels
 _COPY_ELEMS = 4 << 20  # int32s per block copied from a token stream into its memmap
 TOKEN_DTYPE = np.dtype(np.int32)
 
@@ -65,19 +66,20 @@ class Layout:
 def document_tokens(layout: Layout, prompt_ids: Optional[list], text_ids: list):
     """One batch of documents as a flat token stream and its labels: each document is its
     prompt's ids, its text's ids and EOS; labels are the ids, IGNORE on prompt tokens.
-    Returns (ids, labels, per-document lengths), int32/int64 numpy arrays."""
+    Returns (ids, labels, per-document lengths), int32/int64 numpy arrays. The id lists
+    given are consumed (extended in place)."""
     n = len(text_ids)
     text_lens = np.fromiter(map(len, text_ids), np.int64, n) + 1  # + EOS
     prompt_lens = (np.fromiter(map(len, prompt_ids), np.int64, n) if prompt_ids is not None
                    else np.zeros(n, np.int64))
     total = int(text_lens.sum() + prompt_lens.sum())
-    eos = (layout.eos_id,)
-    if prompt_ids is None:
-        parts = itertools.chain.from_iterable(itertools.chain(t, eos) for t in text_ids)
-    else:
-        parts = itertools.chain.from_iterable(itertools.chain(p, t, eos)
-                                              for p, t in zip(prompt_ids, text_ids))
-    ids = np.fromiter(parts, TOKEN_DTYPE, total)
+    docs = text_ids if prompt_ids is None else prompt_ids
+    if prompt_ids is not None:
+        for head, text in zip(prompt_ids, text_ids):  # in place: the lists are ours
+            head.extend(text)
+    for doc in docs:
+        doc.append(layout.eos_id)
+    ids = np.fromiter(itertools.chain.from_iterable(docs), TOKEN_DTYPE, total)
     labels = ids.copy()
     if prompt_ids is not None and prompt_lens.any():
         segments = np.empty(2 * n, np.int64)
@@ -126,7 +128,9 @@ def _tokenize_file(key: str, path: str, data: DataConfig, layout: Layout, encode
     """Pass one: every document encoded and appended, laid out, to the two token streams
     (ids, labels); the next batch is read and encoded while this one is laid out."""
     counts = TextCounts()
-    batches = iter_documents(key, path, data, BATCH_DOCS)
+    batch = BATCH_DOCS if layout.packing else \
+        max(1, min(BATCH_DOCS, PADDED_BATCH_BYTES // (2 * TOKEN_DTYPE.itemsize * layout.max_length)))
+    batches = iter_documents(key, path, data, batch)
     with open(streams[0], "wb") as fx, open(streams[1], "wb") as fy, \
             ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
         nxt = pool.submit(_encode_next, batches, encoder)
