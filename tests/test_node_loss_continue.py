@@ -6,7 +6,6 @@ keeps what Slurm does (it waits for the controller, which requeues it). Real dae
 and tasks), so no test here signals a pid of its own; SlurmdTimeout stays at Slurm's 300 s."""
 from __future__ import annotations
 
-import math
 import subprocess
 import time
 
@@ -14,7 +13,8 @@ import pytest
 
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.rundir import RunDir
-from helpers import cli, metrics, small_config, wait_train_step, write_config
+from helpers import (assert_same_steps, cli, metrics, small_config, wait_train_step,
+                     write_config)
 from slurm_fixture import CLUSTER_SH
 
 pytestmark = pytest.mark.slurm
@@ -59,8 +59,8 @@ def _wait_for(predicate, what: str, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def _per_step(run) -> dict:  # the newest record of a step wins (steps redone after a resume)
-    return {r["step"]: r for r in metrics(run, "train")}
+def _steps(run) -> set:
+    return {r["step"] for r in metrics(run, "train")}
 
 
 def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_path):
@@ -79,7 +79,7 @@ def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_p
     assert metrics(run, "start")[0]["world_size"] == 6
     try:
         death = _node_down(slurm_cluster3, "n3")
-        _wait_for(lambda: (run / "metrics.jsonl").exists() and STEPS in _per_step(run)
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and STEPS in _steps(run)
                   and STEPS in store.committed_steps(run / "checkpoints"),
                   f"{run}: no committed step {STEPS}", timeout=240)
         state = slurm_cluster3.wait_job(job, ("COMPLETING", "COMPLETED"), timeout=60)
@@ -127,13 +127,7 @@ def _assert_matches_uninterrupted(run, tmp_path) -> None:
     ref_cfg = write_config(tmp_path / "ref.yaml", **_config(tmp_path, "ref", nodes=1))
     done = cli("train", "--config", ref_cfg, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    ours, theirs = _per_step(run), _per_step(tmp_path / "runs" / "ref")
-    assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
-    for step in theirs:
-        assert ours[step]["lr"] == theirs[step]["lr"], step  # exact: a pure function of the step
-        assert ours[step]["epoch"] == theirs[step]["epoch"], step
-        assert math.isclose(ours[step]["loss"], theirs[step]["loss"], rel_tol=1e-2, abs_tol=1e-5), \
-            (step, ours[step]["loss"], theirs[step]["loss"])
+    assert_same_steps(run, tmp_path / "runs" / "ref", STEPS)
 
 
 def test_a_job_without_a_node_range_keeps_waiting_for_slurm(slurm_cluster3, tmp_path):
@@ -164,3 +158,27 @@ def test_a_job_without_a_node_range_keeps_waiting_for_slurm(slurm_cluster3, tmp_
         up = slurm_cluster3.up()
     assert up.returncode == 0, up.stderr
     assert [s["world_size"] for s in metrics(run, "start")] == [6]
+
+
+def test_fewer_nodes_left_than_the_minimum_ends_the_job_as_a_failure(slurm_cluster3, tmp_path):
+    """--nodes 2-3 loses n2 and n3 at once: one node answers, fewer than 2, so there is no
+    relaunch; srun is abandoned as failed and the EXIT trap decides as for any failure
+    (here --max-restarts 0: stop, with the reason in the batch log)."""
+    cfg = write_config(tmp_path / "run.yaml", **_config(tmp_path, "short"))
+    slurm_cluster3.wait_idle()
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2-3", "--gpus-per-node", "2")
+    run = tmp_path / "runs" / "short"
+    wait_train_step(run, 15, timeout=180)
+    try:
+        _node_down(slurm_cluster3, "n2")
+        _node_down(slurm_cluster3, "n3")
+        _wait_for(lambda: "after 0 retries" in _batch_log(run, job), "the job did not stop",
+                  timeout=120)
+    finally:
+        up = slurm_cluster3.up()
+    assert up.returncode == 0, up.stderr
+    log = _batch_log(run, job)
+    assert "enn: lost node(s) n2,n3; 1 answer, fewer than the job's minimum 2" in log, log[-3000:]
+    assert f"enn: job {job} failed (exit 1) after 0 retries (limit 0)" in log, log[-3000:]
+    assert not metrics(run, "node_lost") and [s["world_size"] for s in metrics(run, "start")] == [6]
+    assert not list(run.glob("requeue/relaunch-*"))
