@@ -128,6 +128,12 @@ enn_watch_step() {  # $1 srun's pid, $2 the decision file; the nodes in enn_node
     done
     rm -f -- "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
     if [ -z "$lost" ]; then gone=-10; continue; fi  # every node answers: not a lost node
+    if [ -n "${SLURMD_NODENAME:-}" ] && [[ ",$lost," == *",$SLURMD_NODENAME,"* ]]; then
+      # this shell's own node did not answer: the probe (the controller) is what is slow
+      echo "enn: the probe did not reach $SLURMD_NODENAME itself; not deciding on it" >&2
+      gone=-10
+      continue
+    fi
     printf 'lost=%s\nnodes=%s\nended=%s\ndetected=%s\n' "$lost" "$alive" "$ended" "$(date +%s.%N)" > "$2"
     kill -KILL "$1" 2>/dev/null
     return 0
