@@ -107,6 +107,9 @@ def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_p
     assert status.returncode == 0, status.stderr
     assert "node lost:       n3 at " in status.stdout, status.stdout
     assert f"(job {job}): went on with 2 node(s), world 4, from step {lost['step']}" in status.stdout
+    doctor = cli("doctor", run, timeout=120)
+    assert f"node n3 lost (job {job}): went on with 2 node(s) from step {lost['step']}" \
+        in doctor.stdout, doctor.stdout
     _report_phases(run, death, lost, state)
     _assert_matches_uninterrupted(run, tmp_path)
 
