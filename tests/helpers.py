@@ -60,11 +60,10 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
     return [r for r in recs if kind is None or r["kind"] == kind]
 
 
-def assert_same_run(run, reference, resumed_at_world: int, final: int = 42) -> None:
-    """`run` was stopped and resumed at `resumed_at_world` ranks; `reference` ran through
-    (small_config: 3 epochs of 448 rows in global batches of 32 = 42 steps). Same steps,
-    exact LR, same epochs, losses and final weights within float tolerance."""
-    def per_step(path) -> dict:  # the newest attempt's record wins (steps redone)
+def assert_same_steps(run, reference, final: int) -> None:
+    """Steps 1..final in both, each with the same LR (exact) and epoch, and losses within
+    float tolerance; the newest attempt's record of a step wins (steps redone)."""
+    def per_step(path) -> dict:
         return {r["step"]: r for r in metrics(path, "train")}
 
     ours, theirs = per_step(run), per_step(reference)
@@ -76,6 +75,13 @@ def assert_same_run(run, reference, resumed_at_world: int, final: int = 42) -> N
         # AdamW's m / sqrt(v) turns that noise into full-size updates where v is near 0
         assert math.isclose(ours[step]["loss"], theirs[step]["loss"], rel_tol=1e-2, abs_tol=1e-5), \
             (step, ours[step]["loss"], theirs[step]["loss"])
+
+
+def assert_same_run(run, reference, resumed_at_world: int, final: int = 42) -> None:
+    """`run` was stopped and resumed at `resumed_at_world` ranks; `reference` ran through
+    (small_config: 3 epochs of 448 rows in global batches of 32 = 42 steps). Same steps,
+    exact LR, same epochs, losses and final weights within float tolerance."""
+    assert_same_steps(run, reference, final)
     assert [r["epoch"] for r in metrics(run, "eval")][-3:] == [0, 1, 2]
     resume = metrics(run, "resume")[-1]
     assert (resume["step"], resume["world_size"], resume["global_batch"]) == (8, resumed_at_world, 32)

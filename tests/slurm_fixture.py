@@ -146,8 +146,9 @@ def _cluster_sh(*args: str, timeout: float, env=None) -> subprocess.CompletedPro
                           timeout=timeout, env=env)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
+def _cluster_up_for(nodes: int):
+    """A cluster of `nodes` nodes in a fresh state dir, SLURM_CONF pointed at it while it is
+    up (the value before it is restored after), taken down at the end (also after failures)."""
     reason = _missing_requirement()
     if reason:
         _cannot_run(reason)
@@ -156,7 +157,7 @@ def slurm_cluster():
     os.chmod(state_dir, 0o755)
     conf = os.path.join(state_dir, "slurm.conf")
     cluster = SlurmCluster(state_dir=state_dir, conf=conf,
-                           nodes=[f"n{i}" for i in range(1, NODES + 1)],
+                           nodes=[f"n{i}" for i in range(1, nodes + 1)],
                            env={**os.environ, "SLURM_CONF": conf})
     old_conf = os.environ.get("SLURM_CONF")
     finished = False
@@ -182,3 +183,15 @@ def slurm_cluster():
     if finished and proc.returncode != 0:
         pytest.fail(f"cluster.sh down failed; state kept in {state_dir}:\n{proc.stderr}",
                     pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    yield from _cluster_up_for(NODES)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster3():
+    """Three nodes, for a module whose jobs must lose one and keep MIN-MAX's minimum of 2
+    (a cluster of its own, in its own network slot, beside the session's)."""
+    yield from _cluster_up_for(3)

@@ -69,16 +69,17 @@ def test_a_requeued_node_range_job_restarts_on_the_nodes_that_are_free(slurm_clu
 
 
 def test_a_lost_node_then_resume_on_the_survivor(slurm_cluster, tmp_path):
-    """n2 loses power at step >= 25 of a --nodes 1-2 job. Once Slurm declares it down
-    (here at once; slurmctld does after SlurmdTimeout) the job ends NODE_FAIL and Slurm
-    requeues it with the node count it had, 2: it waits for n2. `enn-submit cancel` and
-    `resume --nodes 1-2` continue on n1 from the newest commit, at world 2."""
+    """n2 loses power at step >= 25 of a --nodes 2 job (no range: a range job goes on by
+    itself, test_node_loss_continue.py). Once Slurm declares it down (here at once;
+    slurmctld does after SlurmdTimeout) the job ends NODE_FAIL and Slurm requeues it with
+    the node count it had, 2: it waits for n2. `enn-submit cancel` and `resume --nodes 1-2`
+    continue on n1 from the newest commit, at world 2."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "lost", training={"max_steps": 100},
         checkpoint={"every_steps": 10, "keep_last": 100}))
     shape = ("--nodes", "1-2", "--gpus-per-node", "2")
     slurm_cluster.wait_idle()  # both nodes free: the job must span n1 and n2
-    job = _submit("train", "--config", cfg, *SLURM, *shape)
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--gpus-per-node", "2")
     run = tmp_path / "runs" / "lost"
     wait_train_step(run, 25)
     assert metrics(run, "start")[0]["world_size"] == 4

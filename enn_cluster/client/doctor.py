@@ -219,6 +219,12 @@ def check_logs(run: RunDir, live: bool, q: str) -> Finding:
         level = "problem" if oom_record.floor_event(oom) else "warning"
         worst = max(worst, level, key=LEVELS.index)
         more = f"python -m json.tool {q}/{oom_record.NAME}"
+    losses = [f"node {','.join(r.get('lost') or ['?'])} lost (job {r.get('job_id')}): went on "
+              f"with {len(r.get('nodes') or [])} node(s) from step {r.get('step')}"
+              for r in read_metrics(run.metrics, "node_lost")]  # why an attempt's ranks died
+    if losses:
+        lines += losses
+        worst = max(worst, "warning", key=LEVELS.index)
     detail = "; ".join(lines) if lines else f"{len(dirs)} attempt(s), every rank ended cleanly"
     return Finding("logs", worst, detail, more)
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Optional
 
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import node_loss
 from enn_cluster.storage import oom_record
 from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.metrics import scan_metrics
@@ -17,7 +19,7 @@ from enn_cluster.storage.rundir import RunDir, read_lock
 def run_status(path: Path, verified: Optional[dict] = None) -> dict:
     """`verified`: checksum results to reuse between calls (status --follow)."""
     run = RunDir(Path(path))
-    last_train, last_eval, resumes, start = None, None, 0, None
+    last_train, last_eval, resumes, start, lost = None, None, 0, None, []
     found, unreadable = scan_metrics(run.metrics)
     for rec in found:
         kind = rec.get("kind")
@@ -29,6 +31,8 @@ def run_status(path: Path, verified: Optional[dict] = None) -> dict:
             resumes += 1
         elif kind == "start":
             start = rec
+        elif kind == "node_lost":
+            lost.append(rec)
     if not found and unreadable:
         raise UserError(f"{run.metrics}: no readable record in it (a run writes JSON lines "
                         "there); it is damaged: move it aside to see the rest of the status")
@@ -45,6 +49,7 @@ def run_status(path: Path, verified: Optional[dict] = None) -> dict:
         "checkpoints": store.committed_steps(run.checkpoints),
         "jobs": jobs,
         "lock": live_lock(run),
+        "node_losses": lost,
     }
     # "last complete" is a step whose bytes match their checksums, as resume will find it
     status["last_checkpoint"], status["corrupt_checkpoints"] = store.newest_verified(
@@ -59,10 +64,12 @@ def run_status(path: Path, verified: Optional[dict] = None) -> dict:
         from enn_cluster.storage.slurm_jobs import job_state
 
         status["slurm"] = job_state(str(slurm_jobs[-1]["job_id"]))
+        status["probing_since"] = node_loss.probing_since(run.path, str(slurm_jobs[-1]["job_id"]))
     return status
 
 
-_SLURM_ATTEMPT = re.compile(r"^slurm-(\d+)-r\d+$")  # worker log dirs: slurm-<job>-r<restart>
+# worker log dirs: slurm-<job>-r<restart>[-k<relaunch after a lost node>]
+_SLURM_ATTEMPT = re.compile(r"^slurm-(\d+)-r\d+(?:-k\d+)?$")
 
 
 def _slurm_log_dirs(run: RunDir) -> list[tuple[str, float]]:
@@ -151,11 +158,29 @@ def format_status(st: dict) -> str:
         s = st["slurm"]
         lines.append(f"slurm job:       {s.get('job_id')} {s.get('state')} "
                      f"(restarts {s.get('restarts', 0)})")
+    lines += node_loss_lines(st)
     if st["lock"]:
         owner = st["lock"]
         lines.append(f"in use by:       pid {owner.get('pid')} on {owner.get('host')}"
                      + (f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else ""))
     return "\n".join(lines)
+
+
+def node_loss_lines(st: dict) -> list[str]:
+    """Nodes lost inside the allocation and where the run went on; a probe under way."""
+    lines = [f"{'node lost:' if i == 0 else '':<17}{','.join(r.get('lost') or ['?'])} at "
+             f"{_clock(r.get('detected'))} (job {r.get('job_id')}): went on with "
+             f"{len(r.get('nodes') or [])} node(s), world {r.get('world_size')}, "
+             f"from step {r.get('step')}" for i, r in enumerate(st.get("node_losses") or [])]
+    if st.get("probing_since") and live(st):
+        lines.append(f"probing:         since {_clock(st['probing_since'])} the job's ranks "
+                     "on its first node have ended: asking which nodes still answer")
+    return lines
+
+
+def _clock(epoch) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)) \
+        if isinstance(epoch, (int, float)) else "?"
 
 
 def _duration(seconds: float) -> str:

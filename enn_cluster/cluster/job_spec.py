@@ -302,8 +302,8 @@ def submitit_parameters(spec: JobSpec) -> dict:
     # B: the warning goes to the batch shell alone (stop_request.py says why)
     extra: dict = {"requeue": True, "open-mode": "append",
                    "signal": f"B:USR2@{spec.signal_grace_s}"}
-    if lo != hi:
-        extra["nodes"] = f"{lo}-{hi}"
+    if lo != hi:  # a lost node leaves the allocation to the rest (host_setup.sh relaunches)
+        extra.update({"nodes": f"{lo}-{hi}", "no-kill": True})
     if spec.mem_gb == 0:
         extra["mem"] = "0"  # submitit would write 0GB
     extra["comment"] = submission_comment(spec.run_dir)  # cancel's proof that a job is ours
@@ -315,7 +315,7 @@ def submitit_parameters(spec: JobSpec) -> dict:
         "slurm_setup": [
             "# enn_cluster: host-side setup (job_spec.submitit_parameters)",
             f"ENN_RUN_DIR={_q(spec.run_dir)}", f"ENN_MAX_RESTARTS={spec.max_restarts}",
-            *([f"ENN_MIN_NODES={lo}"] if lo != hi else []),  # host_setup.sh: requeue
+            *([f"ENN_MIN_NODES={lo}"] if lo != hi else []),  # host_setup.sh: relaunch, requeue
             *spec.setup_lines, *env_lines(spec), *host_setup_lines()],
     }
     gpus = {}
@@ -349,6 +349,7 @@ def sbatch_lines(spec: JobSpec) -> list[str]:
             ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
             ("account", spec.account), ("qos", spec.qos),
             ("exclusive", True if spec.exclusive else None), ("requeue", True),
+            ("no-kill", True if lo != hi else None),
             ("open-mode", "append"), ("signal", f"B:USR2@{spec.signal_grace_s}"),
             ("output", f"{spec.run_dir}/logs/%x-%j.out"),
             *(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)]
@@ -367,6 +368,9 @@ def parameter_lines(spec: JobSpec) -> list[str]:
                ("ENN_CONTAINER_ENV", ",".join(spec.env_names)), ("ENN_PYTHON", spec.python),
                ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts),
                ("ENN_NCCL_PROFILE", spec.nccl_profile)]
+    lo, hi = spec.node_range
+    if lo != hi:  # host_setup.sh: relaunch on what is left after a lost node, requeue at MIN
+        values.append(("ENN_MIN_NODES", lo))
     lines = [line for k, v in values for line in (*_literal(v), f"{k}={_q(v)}")]
     return lines + _literal(*spec.extra_srun_args) + [
         "enn_srun_extra=(" + " ".join(_q(a, element=True) for a in spec.extra_srun_args) + ")"]

@@ -7,6 +7,7 @@ LOCK_HELD_VAR = "ENN_LOCK_HELD"  # the launcher holds the run lock for its worke
 LAUNCHER_PID_VAR = "ENN_LAUNCHER_PID"  # workers die with the local launcher
 LAUNCH_ID_VAR = "ENN_LAUNCH_ID"  # one id per local launch: names its log directory
 ATTEMPT_VAR = "ENN_LOCAL_ATTEMPT"  # local launcher: its restart count (it restarts, not elastic)
+RELAUNCH_VAR = "ENN_RELAUNCH"  # Slurm: host_setup.sh's relaunch count after a lost node (0: none)
 SUBMISSION_VAR = "ENN_SUBMISSION"  # enn-submit on Slurm: the token its claim on run.lock names
 # the batch script's host side (it has scontrol; the image may not): 'JOBID:alive' or
 # 'JOBID:gone' for the Slurm job that run.lock names, asked before srun

@@ -5,6 +5,7 @@ reorders them; they decide only for folders no recorded launch names (a launcher
 ENN_ATTEMPT_TAG). `logs`, `doctor` and `status` all ask this one question."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from enn_cluster.errors import UserError
@@ -28,9 +29,11 @@ def launch_times(jobs: list[dict]) -> dict[str, float]:
 
 def attempt_order(name: str, folder_time: float, times: dict[str, float]) -> tuple:
     """Sort key of an attempt folder named LAUNCH-rN."""
-    launch, _, restart = name.rpartition("-r")
-    restarts = int(restart) if restart.isdigit() else 0
-    return (times.get(launch, folder_time), restarts, folder_time)
+    m = re.match(r"^(.*)-r(\d+)(?:-k(\d+))?$", name)  # -kK: the K-th relaunch after a lost node
+    if not m:
+        return (times.get(name.rpartition("-r")[0], folder_time), 0, 0, folder_time)
+    launch, restarts, relaunch = m.group(1), int(m.group(2)), int(m.group(3) or 0)
+    return (times.get(launch, folder_time), restarts, relaunch, folder_time)
 
 
 def attempt_dirs(run: RunDir) -> list[Path]:

@@ -50,7 +50,8 @@ def _attempt_tag(env) -> str:
     if os.environ.get(LAUNCH_ID_VAR):
         return f"{os.environ[LAUNCH_ID_VAR]}-r{env.restart_count}"
     if env.launcher == "slurm":
-        return f"slurm-{env.job_id}-r{env.restart_count}"
+        # a relaunch on the nodes left after a lost node: a new folder (-kK), same attempt
+        return f"slurm-{env.job_id}-r{env.restart_count}" + (f"-k{env.relaunch}" if env.relaunch else "")
     return f"{env.launcher}-r{env.restart_count}"
 
 

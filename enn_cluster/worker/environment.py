@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 
 from enn_cluster.config.launch_env import (
     ATTEMPT_VAR,
+    RELAUNCH_VAR,
     MASTER_PORT_BASE,
     MASTER_PORT_SPAN,
     SIM_NODES_VAR,
@@ -38,6 +39,8 @@ class WorkerEnv:
     master_port: int
     job_id: Optional[str] = None
     restart_count: int = 0
+    step_id: Optional[str] = None  # Slurm's step: a relaunch inside the job is a new one
+    relaunch: int = 0  # host_setup.sh's relaunches on the nodes left after a lost node
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -136,7 +139,8 @@ def _from_slurm(environ: Mapping[str, str]) -> WorkerEnv:
         node_rank=node_rank, num_nodes=len(per_node),
         master_addr=environ.get("MASTER_ADDR") or hosts[0],
         master_port=_int(environ, "MASTER_PORT", port_for_job(job_id)),
-        job_id=job_id, restart_count=_int(environ, "SLURM_RESTART_COUNT", 0))
+        job_id=job_id, restart_count=_int(environ, "SLURM_RESTART_COUNT", 0),
+        step_id=environ.get("SLURM_STEP_ID"), relaunch=_int(environ, RELAUNCH_VAR, 0))
 
 
 def clean_environment(environ: Mapping[str, str], env: WorkerEnv,

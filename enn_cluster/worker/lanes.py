@@ -90,7 +90,11 @@ def rendezvous_store(env: WorkerEnv, timeout: timedelta):
         raise
     # The job id in the prefix: peers that reach another job's store on a shared port
     # wait for keys it never writes (a clear rendezvous timeout), never join that job.
-    return dist.PrefixStore(f"enn/job-{env.job_id or 'none'}/attempt-{env.restart_count}", store)
+    # The step id too: a relaunch inside the job (a lost node) meets on the same port, and a
+    # rank of the failed step that still runs must never join it.
+    step = f"/step-{env.step_id}" if env.step_id else ""
+    return dist.PrefixStore(f"enn/job-{env.job_id or 'none'}{step}/attempt-{env.restart_count}",
+                            store)
 
 
 class PortTaken(RuntimeError):

@@ -24,6 +24,7 @@ from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, total_step
 from enn_cluster.errors import UserError
 from enn_cluster.models import compute_loss
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import node_loss
 from enn_cluster.storage import oom_record
 from enn_cluster.storage.metrics import MetricsLog, peak_memory_mb
 from enn_cluster.storage.rundir import RunDir
@@ -325,6 +326,11 @@ class Trainer:
     def fit(self) -> str:
         """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
         self.resume()
+        if self.env.relaunch and self.lanes.rank == 0:  # continuing after a lost node
+            lost = node_loss.record_relaunch(self.run, self.metrics, str(self.env.job_id),
+                                             self.env.relaunch, self.env.world_size, self.step)
+            log.info("relaunch %d after losing %s: world %d from step %d", self.env.relaunch,
+                     ",".join(lost["lost"]) if lost else "?", self.env.world_size, self.step)
         watchdog = Watchdog(self.progress, self.cfg.parallel.watchdog_limit_s,
                             rank_log_stream()).start()
         try:

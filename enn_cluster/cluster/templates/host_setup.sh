@@ -75,7 +75,8 @@ trap enn_requeue_if_asked EXIT
 # What an earlier attempt of this job id left (a Slurm-side requeue kills this shell before
 # its EXIT trap runs) must neither stop this attempt nor decide its requeue.
 enn_stop_file="$ENN_RUN_DIR/requeue/stop-$SLURM_JOB_ID"
-rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID"
+rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID" \
+  "$ENN_RUN_DIR/requeue/relaunch-$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
 enn_request_stop() {
   mkdir -p -- "$ENN_RUN_DIR/requeue" && date +%s > "$enn_stop_file"
   echo "enn: USR2: asked the workers to checkpoint and stop" >&2
@@ -83,15 +84,102 @@ enn_request_stop() {
 trap enn_request_stop USR2
 # srun runs in the background while this shell waits, so that the USR2 trap runs at once
 # (bash runs traps only between commands). A function, so submitit's srun line uses it too.
-srun() {
-  local pid rc
-  command srun "$@" &
-  pid=$!
-  while :; do
-    wait "$pid" && rc=0 || rc=$?
-    kill -0 "$pid" 2>/dev/null || break
+# Lose a node, keep training (--nodes MIN-MAX: ENN_MIN_NODES set, sbatch --no-kill): the
+# ranks on the other nodes fail within seconds, but srun waits for the dead node's tasks
+# until the controller declares it down (SlurmdTimeout, often 300 s). So a watcher looks
+# every second whether the step's tasks on this node are gone while srun still waits; then a
+# short probe step asks every node of the step. If some do not answer and at least
+# ENN_MIN_NODES do, srun is abandoned and the same command starts again, a new step on the
+# nodes that answer (same job: same MASTER_PORT and lock; the rendezvous keys carry the step
+# id, so no rank of the old step joins). The workers resume from the newest complete
+# checkpoint at the new world size and record the loss (RUN_DIR/requeue/relaunch-JOB_ID).
+# Fewer than ENN_MIN_NODES: srun is abandoned as failed and the EXIT trap decides as above.
+enn_name_ok() { [[ "$1" =~ ^[A-Za-z0-9._-]{1,64}$ ]]; }
+enn_step_tasks_here() {  # tasks of a step other than the batch one on this node, or no answer
+  local out
+  out=$(scontrol listpids "$SLURM_JOB_ID" 2>/dev/null) || return 0
+  awk 'NR > 1 && $3 ~ /^[0-9]+$/ && $4 ~ /^[0-9]+$/ {found = 1} END {exit !found}' <<< "$out"
+}
+enn_probe_nodes() {  # the nodes of "$@" that run a trivial step within ENN_PROBE_S, one a line
+  # (timeout runs the srun program, not the function above)
+  local node pids=() names=() i
+  for node in "$@"; do
+    timeout "${ENN_PROBE_S:-15}" srun --overlap --mem=0 --nodes=1 --ntasks=1 --ntasks-per-node=1 \
+      --nodelist="$node" --quiet --output=/dev/null --error=/dev/null true &
+    pids+=("$!") names+=("$node")
   done
-  rm -f -- "$enn_stop_file"
+  for i in "${!pids[@]}"; do
+    if wait "${pids[$i]}"; then echo "${names[$i]}"; fi
+  done
+}
+enn_watch_step() {  # $1 srun's pid, $2 the decision file; the nodes in enn_nodes
+  local seen=0 gone=0 ended="" alive lost node
+  while kill -0 "$1" 2>/dev/null; do
+    sleep 1
+    if enn_step_tasks_here; then seen=1 gone=0 ended=""; continue; fi
+    [ "$seen" = 1 ] && gone=$((gone + 1)) && ended="${ended:-$(date +%s.%N)}"
+    [ "$gone" -ge 2 ] || continue  # gone twice: srun waits on another node
+    mkdir -p -- "$ENN_RUN_DIR/requeue" && date +%s > "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
+    echo "enn: the step's tasks on $(hostname) ended but srun waits: probing ${enn_nodes[*]}" >&2
+    alive=$(enn_probe_nodes "${enn_nodes[@]}" | sort | paste -sd, -)
+    lost=""
+    for node in "${enn_nodes[@]}"; do
+      case ",$alive," in *",$node,"*) ;; *) lost="${lost:+$lost,}$node" ;; esac
+    done
+    rm -f -- "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
+    if [ -z "$lost" ]; then gone=-10; continue; fi  # every node answers: not a lost node
+    if [ -n "${SLURMD_NODENAME:-}" ] && [[ ",$lost," == *",$SLURMD_NODENAME,"* ]]; then
+      # this shell's own node did not answer: the probe (the controller) is what is slow
+      echo "enn: the probe did not reach $SLURMD_NODENAME itself; not deciding on it" >&2
+      gone=-10
+      continue
+    fi
+    printf 'lost=%s\nnodes=%s\nended=%s\ndetected=%s\n' "$lost" "$alive" "$ended" "$(date +%s.%N)" > "$2"
+    kill -KILL "$1" 2>/dev/null
+    return 0
+  done
+}
+srun() {
+  local pid watcher rc decision="$ENN_RUN_DIR/requeue/decision-$SLURM_JOB_ID" lost alive tpn
+  local relaunch=0 step_args=() node watch=0
+  tpn="${ENN_GPUS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-}}"
+  if enn_digits "${ENN_MIN_NODES:-}" && enn_digits "$tpn"; then
+    watch=1
+    read -r -a enn_nodes <<< "$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd' ' -)"
+  fi
+  while :; do
+    rm -f -- "$decision"
+    command srun ${step_args[@]+"${step_args[@]}"} "$@" &
+    pid=$!
+    watcher=""
+    if [ "$watch" = 1 ]; then
+      enn_watch_step "$pid" "$decision" &
+      watcher=$!
+    fi
+    while :; do
+      wait "$pid" && rc=0 || rc=$?
+      kill -0 "$pid" 2>/dev/null || break
+    done
+    [ -z "$watcher" ] || { kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null || true; }
+    rm -f -- "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
+    [ -s "$decision" ] || break
+    lost=$(sed -n 's/^lost=//p' "$decision") alive=$(sed -n 's/^nodes=//p' "$decision")
+    read -r -a enn_nodes <<< "${alive//,/ }"
+    for node in "${enn_nodes[@]}"; do enn_name_ok "$node" || enn_nodes=(); done
+    if [ "${#enn_nodes[@]}" -lt "$((10#$ENN_MIN_NODES))" ]; then
+      echo "enn: lost node(s) $lost; ${#enn_nodes[@]} answer, fewer than the job's minimum $ENN_MIN_NODES" >&2
+      rc=1
+      break
+    fi
+    relaunch=$((relaunch + 1))
+    export ENN_RELAUNCH="$relaunch"
+    { cat -- "$decision"; echo "relaunch=$relaunch"; echo "launched=$(date +%s.%N)"; } \
+      > "$ENN_RUN_DIR/requeue/relaunch-$SLURM_JOB_ID"
+    echo "enn: lost node(s) $lost: relaunching on ${#enn_nodes[@]} nodes ($alive), relaunch $relaunch" >&2
+    step_args=(--overlap --mem=0 "--nodes=${#enn_nodes[@]}" "--ntasks-per-node=$((10#$tpn))"
+      "--ntasks=$((${#enn_nodes[@]} * 10#$tpn))" "--nodelist=$alive")
+  done
+  rm -f -- "$enn_stop_file" "$decision"
   return "$rc"
 }
 # A lock left by another Slurm job (one cancelled while pending never clears its own) is

@@ -1,0 +1,87 @@
+"""A node lost inside a Slurm allocation, as the batch shell (cluster/templates/
+host_setup.sh) leaves it in RUN_DIR/requeue/ for the workers and `status`:
+
+- ``probing-JOB``: the epoch second the shell began asking which nodes still answer (the
+  step's tasks on its node had ended, srun still waited); gone once the probe answered.
+- ``relaunch-JOB``: ``key=value`` lines from the probe that found nodes missing: ``lost``
+  and ``nodes`` (comma-separated host names); epoch seconds: ``ended`` (the step's tasks on
+  the shell's node were first seen gone), ``detected`` (the probe answered), ``launched``;
+  ``relaunch`` (its count in this attempt). Rank 0 of the relaunched step records it once
+  in metrics.jsonl and jobs.jsonl, with the step it resumed from and the new world size.
+
+Both are read as untrusted: regular files of bounded size, every value checked; anything
+else reads as absent (the run goes on, only the record is lost).
+"""
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Optional
+
+MAX_BYTES = 4096
+_HOST = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_NUMBER = re.compile(r"^\d{1,12}(\.\d{1,9})?$")
+
+
+def _read_small(path: Path) -> Optional[str]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:
+        return None
+    return data.decode("ascii", "replace")
+
+
+def _hosts(text: str) -> Optional[list[str]]:
+    hosts = text.split(",") if text else []
+    return hosts if hosts and all(_HOST.match(h) for h in hosts) else None
+
+
+def parse_relaunch(text: str) -> Optional[dict]:
+    """The relaunch record's fields, or None when one is missing or malformed."""
+    fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    lost, nodes = _hosts(fields.get("lost", "")), _hosts(fields.get("nodes", ""))
+    times = [fields.get(k, "") for k in ("ended", "detected", "launched")]
+    count = fields.get("relaunch", "")
+    if lost is None or nodes is None or not all(_NUMBER.match(t) for t in times) \
+            or not count.isdigit() or len(count) > 6:
+        return None
+    return {"lost": lost, "nodes": nodes, "ended": float(times[0]), "detected": float(times[1]),
+            "launched": float(times[2]), "relaunch": int(count)}
+
+
+def read_relaunch(run_path: Path, job_id: str) -> Optional[dict]:
+    text = _read_small(Path(run_path) / "requeue" / f"relaunch-{job_id}")
+    return parse_relaunch(text) if text is not None else None
+
+
+def probing_since(run_path: Path, job_id: str) -> Optional[float]:
+    """When the batch shell of `job_id` began probing its nodes, or None (not probing)."""
+    text = _read_small(Path(run_path) / "requeue" / f"probing-{job_id}")
+    text = (text or "").strip()
+    return float(text) if _NUMBER.match(text) else None
+
+
+def record_relaunch(run, metrics, job_id: str, relaunch: int, world_size: int,
+                    step: int) -> Optional[dict]:
+    """Rank 0 of relaunch `relaunch`: the host's record of the lost node(s), with the step
+    resumed from and the new world size, in metrics.jsonl ("node_lost") and jobs.jsonl
+    (kind "relaunch"). None when the shell left no record for this relaunch."""
+    rec = read_relaunch(run.path, job_id)
+    if rec is None or rec["relaunch"] != relaunch:
+        return None
+    fields = {"job_id": job_id, "relaunch": relaunch, "lost": rec["lost"],
+              "nodes": rec["nodes"], "ended": rec["ended"], "detected": rec["detected"],
+              "launched": rec["launched"], "world_size": world_size, "step": step}
+    metrics.write("node_lost", **fields)
+    run.record_job(kind="relaunch", **fields)
+    return fields

@@ -1,0 +1,187 @@
+"""Issue 29, lose a node and keep training: a --nodes MIN-MAX job (sbatch --no-kill) that
+loses a node goes on, in the same allocation and without a person, on the nodes that still
+answer, from the newest complete checkpoint at the new world size. A job without a range
+keeps what Slurm does (it waits for the controller, which requeues it). Real daemons on a
+3-node dev cluster; the node loses power through cluster.sh node-down (SIGKILL to its slurmd
+and tasks), so no test here signals a pid of its own; SlurmdTimeout stays at Slurm's 300 s."""
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.rundir import RunDir
+from helpers import (assert_same_steps, cli, metrics, small_config, wait_train_step,
+                     write_config)
+from slurm_fixture import CLUSTER_SH
+
+pytestmark = pytest.mark.slurm
+SLURM = ("--cluster", "slurm", "--container", "none", "--time", "10")
+STEPS = 60
+SLURMD_TIMEOUT_S = 300  # Slurm's default, left as it is by cluster.sh
+
+
+def _config(tmp_path, name: str, **parallel) -> dict:
+    """60 steps of a global batch of 48 (6 ranks x 8 rows, or 4 ranks x 6 x 2 accumulation),
+    a checkpoint every 10 steps."""
+    return small_config(tmp_path, name, training={"max_steps": STEPS, "epochs": 30,
+                                                  "global_batch_size": 48},
+                        checkpoint={"every_steps": 10, "keep_last": 100},
+                        parallel={"nodes": 3, "procs_per_node": 2, **parallel})
+
+
+def _submit(*args) -> str:
+    res = cli(*args, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _node_down(cluster, node: str) -> float:
+    when = time.time()
+    down = subprocess.run(["bash", CLUSTER_SH, "node-down", cluster.state_dir, node],
+                          capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    return when
+
+
+def _batch_log(run, job: str) -> str:
+    path = run / "slurm" / job / f"{job}_0_log.err"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _wait_for(predicate, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} within {timeout} s")
+        time.sleep(0.5)
+
+
+def _steps(run) -> set:
+    return {r["step"] for r in metrics(run, "train")}
+
+
+def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_path):
+    """--nodes 2-3 gets n1-n3 (6 ranks); n3 loses power after step 25. The ranks on n1 and
+    n2 fail, the batch shell sees its node's tasks gone while srun still waits for n3, probes
+    the nodes, and starts a new step on n1 and n2 (4 ranks) long before the controller would
+    declare n3 down. It resumes from the newest checkpoint committed before the loss and
+    finishes all 60 steps with the uninterrupted run's learning rate at every step and its
+    losses within float tolerance; metrics.jsonl, jobs.jsonl and `status` name the loss."""
+    cfg = write_config(tmp_path / "run.yaml", **_config(tmp_path, "kept"))
+    slurm_cluster3.wait_idle()  # every node free: the job must span all three
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2-3", "--gpus-per-node", "2")
+    run = tmp_path / "runs" / "kept"
+    assert "#SBATCH --no-kill" in (run / "slurm" / job / f"{job}_submission.sh").read_text()
+    wait_train_step(run, 25, timeout=180)
+    assert metrics(run, "start")[0]["world_size"] == 6
+    try:
+        death = _node_down(slurm_cluster3, "n3")
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and STEPS in _steps(run)
+                  and STEPS in store.committed_steps(run / "checkpoints"),
+                  f"{run}: no committed step {STEPS}", timeout=240)
+        state = slurm_cluster3.wait_job(job, ("COMPLETING", "COMPLETED"), timeout=60)
+    finally:  # n3 comes back (its slurmd restarted; ReturnToService=2 takes it in)
+        up = slurm_cluster3.up()
+    assert up.returncode == 0, up.stderr
+    log = _batch_log(run, job)
+    assert "enn: lost node(s) n3: relaunching on 2 nodes (n1,n2), relaunch 1" in log, log[-3000:]
+    assert "requeueing" not in log, log[-3000:]
+    assert [s["world_size"] for s in metrics(run, "start")] == [6, 4]
+    (lost,) = metrics(run, "node_lost")
+    assert (lost["lost"], lost["nodes"], lost["world_size"], lost["relaunch"]) == \
+        (["n3"], ["n1", "n2"], 4, 1)
+    committed = [s for s in store.committed_steps(run / "checkpoints")
+                 if store.read_commit(store.step_dir(run / "checkpoints", s))["time"] < death]
+    assert lost["step"] == max(committed) >= 20, (lost, committed)
+    # relaunched before SlurmdTimeout could have ended the wait: no one waited for Slurm
+    assert death < lost["ended"] <= lost["detected"] <= lost["launched"] < death + SLURMD_TIMEOUT_S
+    resume = metrics(run, "resume")[-1]
+    assert (resume["step"], resume["from_world"], resume["world_size"]) == (lost["step"], 6, 4)
+    assert resume["global_batch"] == 48
+    (relaunch,) = [j for j in RunDir(run).jobs() if j["kind"] == "relaunch"]
+    assert (relaunch["job_id"], relaunch["lost"], relaunch["step"]) == (job, ["n3"], lost["step"])
+    status = cli("status", run, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "node lost:       n3 at " in status.stdout, status.stdout
+    assert f"(job {job}): went on with 2 node(s), world 4, from step {lost['step']}" in status.stdout
+    doctor = cli("doctor", run, timeout=120)
+    assert f"node n3 lost (job {job}): went on with 2 node(s) from step {lost['step']}" \
+        in doctor.stdout, doctor.stdout
+    _report_phases(run, death, lost, state)
+    _assert_matches_uninterrupted(run, tmp_path)
+
+
+def _report_phases(run, death: float, lost: dict, state: str) -> None:
+    """The issue's measurement: node death to the first training step on the survivors."""
+    after = [r for r in metrics(run) if r["time"] >= lost["launched"]]
+    start = next(r for r in after if r["kind"] == "start")
+    first = next(r for r in after if r["kind"] == "train")
+    print(f"\nnode death -> ranks' tasks on n1 seen gone {lost['ended'] - death:.1f} s, "
+          f"probe answered {lost['detected'] - death:.1f} s, step launched "
+          f"{lost['launched'] - death:.1f} s, workers started {start['time'] - death:.1f} s, "
+          f"first step (step {first['step']}) {first['time'] - death:.1f} s; job {state}")
+
+
+def _assert_matches_uninterrupted(run, tmp_path) -> None:
+    """The same config run through locally, 2 ranks (the global batch is what matters)."""
+    ref_cfg = write_config(tmp_path / "ref.yaml", **_config(tmp_path, "ref", nodes=1))
+    done = cli("train", "--config", ref_cfg, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_steps(run, tmp_path / "runs" / "ref", STEPS)
+
+
+def test_a_job_without_a_node_range_keeps_waiting_for_slurm(slurm_cluster3, tmp_path):
+    """--nodes 3, no range: no --no-kill, no probe, no relaunch. After n3's loss the ranks on
+    n1 and n2 fail and srun waits, as before this change; once the controller declares n3
+    down (here at once, by hand) the job ends NODE_FAIL and Slurm requeues it."""
+    cfg = write_config(tmp_path / "run.yaml", **_config(tmp_path, "fixed"))
+    slurm_cluster3.wait_idle()
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "3", "--gpus-per-node", "2")
+    run = tmp_path / "runs" / "fixed"
+    assert "#SBATCH --no-kill" not in (run / "slurm" / job / f"{job}_submission.sh").read_text()
+    wait_train_step(run, 15, timeout=180)
+    try:
+        _node_down(slurm_cluster3, "n3")
+        _wait_for(lambda: "srun: error: n1: task" in _batch_log(run, job),
+                  "the ranks on n1 did not fail", timeout=90)
+        time.sleep(8)  # longer than the watcher of a range job takes to probe
+        assert slurm_cluster3.job_state(job)[0] == "RUNNING"
+        assert not [*run.glob("requeue/relaunch-*"), *run.glob("requeue/probing-*")]
+        assert "probing" not in _batch_log(run, job) and not metrics(run, "node_lost")
+        res = slurm_cluster3.run(["scontrol", "update", "NodeName=n3", "State=DOWN",
+                                  "Reason=enn-test-power-lost"])
+        assert res.returncode == 0, res.stderr
+        slurm_cluster3.wait_job(job, ("PENDING",), timeout=90)  # requeued by Slurm
+        assert cli("cancel", run, timeout=60).returncode == 0
+        slurm_cluster3.wait_job(job, ("CANCELLED",), timeout=60)
+    finally:
+        up = slurm_cluster3.up()
+    assert up.returncode == 0, up.stderr
+    assert [s["world_size"] for s in metrics(run, "start")] == [6]
+
+
+def test_fewer_nodes_left_than_the_minimum_ends_the_job_as_a_failure(slurm_cluster3, tmp_path):
+    """--nodes 2-3 loses n2 and n3 at once: one node answers, fewer than 2, so there is no
+    relaunch; srun is abandoned as failed and the EXIT trap decides as for any failure
+    (here --max-restarts 0: stop, with the reason in the batch log)."""
+    cfg = write_config(tmp_path / "run.yaml", **_config(tmp_path, "short"))
+    slurm_cluster3.wait_idle()
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2-3", "--gpus-per-node", "2")
+    run = tmp_path / "runs" / "short"
+    wait_train_step(run, 15, timeout=180)
+    try:
+        _node_down(slurm_cluster3, "n2")
+        _node_down(slurm_cluster3, "n3")
+        _wait_for(lambda: "after 0 retries" in _batch_log(run, job), "the job did not stop",
+                  timeout=120)
+    finally:
+        up = slurm_cluster3.up()
+    assert up.returncode == 0, up.stderr
+    log = _batch_log(run, job)
+    assert "enn: lost node(s) n2,n3; 1 answer, fewer than the job's minimum 2" in log, log[-3000:]
+    assert f"enn: job {job} failed (exit 1) after 0 retries (limit 0)" in log, log[-3000:]
+    assert not metrics(run, "node_lost") and [s["world_size"] for s in metrics(run, "start")] == [6]
+    assert not list(run.glob("requeue/relaunch-*"))
