@@ -59,6 +59,7 @@ class JobSpec:
     account: Optional[str] = None
     qos: Optional[str] = None
     exclusive: bool = False
+    wckey: Optional[str] = None  # site.wckey; None: no --wckey (not submitit's "submitit")
     signal_grace_s: int = 90
     container_image: Optional[str] = None  # squashfs path or registry ref; None: bare metal
     container_mounts: tuple[str, ...] = ()
@@ -142,6 +143,7 @@ def _validate(s: JobSpec) -> None:
         raise _fail("--mem-gb", f"{s.mem_gb!r} is not a size", "give GB per node, 0 for all")
     for flag in ("partition", "account", "qos"):
         check_word(getattr(s, flag), f"--{flag}")
+    check_word(s.wckey, "site.wckey")
     _int(s.signal_grace_s, "--signal-grace", 1)
     _int(s.max_restarts, "--max-restarts", 0)
     if s.time_minutes * 60 <= s.signal_grace_s + 60:
@@ -322,7 +324,7 @@ def submitit_parameters(spec: JobSpec) -> dict:
                 "slurm_account": spec.account, "slurm_qos": spec.qos,
                 "slurm_exclusive": True if spec.exclusive else None}
     params.update({k: v for k, v in optional.items() if v is not None})
-    return params
+    return params  # wckey: submit_slurm.slurm_executor (None must reach submitit as None)
 
 
 def submitit_executor_kwargs(spec: JobSpec) -> dict:
@@ -341,7 +343,7 @@ def sbatch_lines(spec: JobSpec) -> list[str]:
             gpu_option(spec.gpu_request, spec.gpus_per_node) if spec.gpus_per_node
             else ("gpus-per-node", None), ("cpus-per-task", spec.cpus_per_task),
             ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
-            ("account", spec.account), ("qos", spec.qos),
+            ("account", spec.account), ("qos", spec.qos), ("wckey", spec.wckey),
             ("exclusive", True if spec.exclusive else None), ("requeue", True),
             ("open-mode", "append"), ("signal", f"B:USR2@{spec.signal_grace_s}"),
             ("output", f"{spec.run_dir}/logs/%x-%j.out"),

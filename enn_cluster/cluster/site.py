@@ -35,11 +35,12 @@ DEFAULTS: dict[str, Any] = {
     "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
     "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
     "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
-    "mem_gb": None, "gpu_request": "gpus-per-node",
+    "mem_gb": None, "gpu_request": "gpus-per-node", "wckey": None,
+    "whole_node_gpus": slurm_values.WHOLE_NODE_GPUS,
 }
 
 _LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
-_INTS = ("signal_grace_s", "gpus_per_node", "cpus_per_task")
+_INTS = ("signal_grace_s", "gpus_per_node", "cpus_per_task", "whole_node_gpus")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class SiteConfig:
     socket_ifname: Optional[str] = None  # control-plane NIC (gloo + NCCL bootstrap)
     mem_gb: Optional[float] = None  # memory per node in GB (--mem); 0: all of it
     gpu_request: Optional[str] = None  # gpus-per-node | gres | gres:TYPE (no select/cons_tres)
+    wckey: Optional[str] = None  # --wckey for every job; none by default
+    whole_node_gpus: Optional[int] = None  # GPUs per node from which a job gets --exclusive --mem=0
     source: Optional[str] = field(default=None, compare=False)  # the file it came from
 
     def overrides(self) -> dict[str, Any]:
@@ -139,6 +142,10 @@ def _check_values(site: SiteConfig) -> None:
                             "(0: all of each node's memory)")
         if site.gpu_request is not None:
             slurm_values.check_gpu_request(site.gpu_request, "site.gpu_request")
+        slurm_values.check_word(site.wckey, "site.wckey")
+        if site.whole_node_gpus is not None and site.whole_node_gpus < 0:
+            raise UserError(f"site.whole_node_gpus: {site.whole_node_gpus} must be >= 0 "
+                            "(the GPUs on one node; 0: never ask for whole nodes)")
         if site.gpus_per_node is not None and site.gpus_per_node < 0:
             raise UserError(f"site.gpus_per_node: {site.gpus_per_node} must be >= 0")
         for i, arg in enumerate(site.extra_sbatch_args or ()):

@@ -93,10 +93,12 @@ class SlurmRequest:
 def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: int,
                name: Optional[str] = None, *, cfg):
     """Flags win over the site config, which wins over defaults (site.merge). `cfg`: the
-    run's config as the command holds it (the default job name is its run_name's). CPUs
+    run's config as the command holds it (the default job name is its run_name's). A job
+    asking for every GPU of a node gets it whole (slurm_values.whole_node_request). CPUs
     per task that neither sets are left to `sized_for_nodes`, when the job is handed over."""
     from enn_cluster.cluster.job_spec import JobSpec
     from enn_cluster.cluster.site import DEFAULTS, merge
+    from enn_cluster.cluster.slurm_values import whole_node_request
 
     flags = {"partition": req.partition, "account": req.account, "qos": req.qos,
              "time": req.time, "image": req.container, "python": req.python,
@@ -107,15 +109,18 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
     if opts["image"] is None:
         opts["image"] = str(default_image(opts["image_cache"]))
     bare = opts["image"] == "none"
+    exclusive, mem_gb = whole_node_request(shape.gpus_per_node, opts["whole_node_gpus"],
+                                           bool(req.exclusive), opts["mem_gb"])
     return JobSpec(
         job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
         run_dir=str(run.path),
         task=task, predict_name=name, nodes=req.nodes_range or shape.nodes,
         gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
-        gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=opts["mem_gb"],
+        gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=mem_gb,
         env={"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {},
         time=opts["time"], partition=opts["partition"], account=opts["account"],
-        qos=opts["qos"], exclusive=bool(req.exclusive), signal_grace_s=opts["signal_grace_s"],
+        qos=opts["qos"], exclusive=exclusive, wckey=opts["wckey"],
+        signal_grace_s=opts["signal_grace_s"],
         container_image=None if bare else opts["image"],
         container_mounts=() if bare else tuple(opts["mounts"]),
         nccl_profile=opts["nccl_profile"],
@@ -129,7 +134,9 @@ def sized_for_nodes(spec):
     """`spec` with CPUs per task from its partition's nodes (partition_shape) when neither
     --cpus-per-task nor the site set them (an --exclusive job has whole nodes: its own
     fallback is right). Asked of Slurm as the job is handed over (submit, render); when
-    Slurm cannot say, the spec as it was and the warning line to print once it is."""
+    Slurm cannot say, the spec as it was and the line that says so: `submit` refuses a GPU
+    job with it (one CPU per task on a shared node starves eight CUDA processes) and
+    prints it as a warning for a CPU job; `render` prints it as a warning."""
     import dataclasses
 
     from enn_cluster.cluster.partition_shape import cpus_from_slurm
@@ -141,9 +148,14 @@ def sized_for_nodes(spec):
     cpus, why = cpus_from_slurm(partition, spec.gpus_per_node, spec.tasks_per_node)
     if cpus is not None:
         return dataclasses.replace(spec, cpus_per_task=cpus), ""
+    fix = "pass --cpus-per-task or set site.cpus_per_task"
+    if spec.gpus_per_node:
+        return spec, (f"--cpus-per-task: CPUs per task not sized from the nodes ({why}), and "
+                      f"a GPU job would get 1 CPU per task on a shared node; {fix} (or "
+                      "--exclusive)")
     return spec, (f"enn-submit: warning: CPUs per task not sized from the nodes ({why}): "
-                  "each task gets its allocation's CPUs on the node / tasks, 1 on a shared "
-                  "node; pass --cpus-per-task or set site.cpus_per_task")
+                  f"each task gets its allocation's CPUs on the node / tasks, 1 on a shared "
+                  f"node; {fix}")
 
 
 def submitit_folder(run_dir: Path) -> Path:
@@ -170,6 +182,10 @@ def slurm_executor(spec, folder: Path):
     finally:
         SlurmExecutor.affinity = original
     executor.update_parameters(**submitit_parameters(spec))
+    # submitit writes --wckey=submitit unless told None, which AutoExecutor drops as "not
+    # set": the site's wckey or none goes to its Slurm executor (sites enforcing wckeys
+    # reject "submitit")
+    executor._executor.update_parameters(wckey=spec.wckey)
     return executor
 
 
@@ -199,6 +215,8 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
                         "login node (`enn-submit render` shows the script from anywhere)")
     _check_lock(run, job_alive)
     spec, warning = sized_for_nodes(spec)
+    if warning and spec.gpus_per_node:
+        raise UserError(warning)
     token = secrets.token_hex(8)
     claim = acquire_lock(run, {**lock_owner(), "submission": token})
     try:
