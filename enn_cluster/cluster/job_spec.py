@@ -228,12 +228,18 @@ def host_setup_lines() -> list[str]:
 
 
 def env_lines(spec: JobSpec) -> list[str]:
-    """Extra variables (always set), then the profile's NCCL defaults, each skipped at run
-    time when the job's environment (the submitter's, a module) already has it."""
+    """Extra variables (always set), then the profile (the submitter's exported one
+    first) and its NCCL defaults, each skipped at run time when the job's environment
+    (the submitter's, a module) already has it."""
     lines = [line for k, v in spec.env for line in (*_literal(v), f"export {k}={_q(v)}")]
-    lines.append(f"export {nccl.PROFILE_VAR}={_q(spec.nccl_profile)}")
-    for name, value in nccl.script_env(spec.nccl_profile).items():
-        lines.append(f'[ -n "${{{name}+x}}" ] || export {name}={_q(value)}')
+    # the submitter's exported ENN_NCCL_PROFILE wins; the worker then sets that profile's
+    # variables on the node, and this profile's defaults are exported only for this one
+    var, profile = nccl.PROFILE_VAR, spec.nccl_profile
+    lines.append(f'export {var}="${{{var}:-{profile}}}"')
+    defaults = [f'  [ -n "${{{name}+x}}" ] || export {name}={_q(value)}'
+                for name, value in nccl.script_env(profile).items()]
+    if defaults:
+        lines += [f'if [ "${var}" = {profile} ]; then', *defaults, "fi"]
     return lines + cpu_lines(spec)
 
 
@@ -361,9 +367,9 @@ def parameter_lines(spec: JobSpec) -> list[str]:
                ("ENN_MOUNTS", ",".join(str(m) for m in pyxis.parse_mounts(spec.container_mounts))),
                ("ENN_WORKDIR", spec.container_workdir or ""),
                ("ENN_CONTAINER_ENV", ",".join(spec.env_names)), ("ENN_PYTHON", spec.python),
-               ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts),
-               ("ENN_NCCL_PROFILE", spec.nccl_profile)]
+               ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts)]
     lines = [line for k, v in values for line in (*_literal(v), f"{k}={_q(v)}")]
+    lines.append(f'ENN_NCCL_PROFILE="${{ENN_NCCL_PROFILE:-{spec.nccl_profile}}}"')  # env_lines
     return lines + _literal(*spec.extra_srun_args) + [
         "enn_srun_extra=(" + " ".join(_q(a, element=True) for a in spec.extra_srun_args) + ")"]
 

@@ -22,7 +22,7 @@ from enn_cluster.storage.rundir import (
     replace_lock,
     run_umask,
 )
-from enn_cluster.worker.slurm_entry import worker_entry
+from enn_cluster.worker.slurm_entry import code_identity, worker_entry
 
 
 def default_job_name(run_name: str) -> str:
@@ -158,6 +158,43 @@ def sized_for_nodes(spec):
                   f"node; {fix}")
 
 
+# Filesystems in this machine's memory: a path on one exists on this node alone.
+MEMORY_FS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: Path, mounts: str) -> Optional[str]:
+    """The type of the filesystem holding `path`, from /proc/self/mounts text (the
+    longest mount point above it; mount points escape spaces as \\040)."""
+    best, kind = "", None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def node_local_problem(run_dir: Path, mounts: str) -> Optional[str]:
+    """A run directory in this login node's memory (tmpfs: /tmp or /dev/shm on many
+    hosts, a relative runs_root resolved there) is not the one the compute nodes see."""
+    kind = filesystem_type(Path(run_dir), mounts)
+    if kind not in MEMORY_FS:
+        return None
+    return (f"runs_root: the run directory {run_dir} is on {kind}, this machine's memory, "
+            "which the compute nodes do not see; set runs_root (config or site) to a path "
+            "on the shared filesystem")
+
+
+def _read_mounts() -> str:
+    try:
+        return Path("/proc/self/mounts").read_text()
+    except OSError:
+        return ""
+
+
 def submitit_folder(run_dir: Path) -> Path:
     """Where submitit keeps a job's pickles and logs; the batch script names it."""
     return Path(run_dir) / "slurm" / "%j"
@@ -214,6 +251,9 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
                         "login node (`enn-submit render` shows the script from anywhere)")
     _check_lock(run, job_alive)
+    problem = node_local_problem(run.path, _read_mounts())
+    if problem:
+        raise UserError(problem)
     spec, warning = sized_for_nodes(spec)
     if warning and spec.gpus_per_node:
         raise UserError(warning)
@@ -224,7 +264,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         executor = slurm_executor(spec, submitit_folder(run.path))
         with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
             job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
-                                  step)
+                                  step, code_identity())  # the job refuses other code
     except unreadable_reply() as exc:
         release_lock(run, claim)
         said = " ".join(str(exc).split('"')[1].split())[:160] if '"' in str(exc) else "?"

@@ -26,7 +26,8 @@ from enn_cluster.storage import backend_report
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import clean_environment, detect_launcher, discover
-from enn_cluster.worker.exec_env import reexec_if_needed
+from enn_cluster.worker.exec_env import process_defaults, reexec_if_needed
+from enn_cluster.worker.code_identity import code_identity, skew_problem
 from enn_cluster.worker.placement import place_task
 from enn_cluster.worker.stop_signals import STOP_SIGNALS
 
@@ -106,15 +107,21 @@ def _configure_nccl(env, timeout_s: float) -> None:
 
 
 def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
-             step: Optional[int] = None) -> int:
-    """Run one task of the job in this process; returns the exit code."""
+             step: Optional[int] = None, submitted: Optional[str] = None) -> int:
+    """Run one task of the job in this process; returns the exit code. `submitted`: the
+    code identity the job was submitted with (Slurm), refused when it is not this one."""
     reexec_if_needed()  # the EFA plugin's library path must be there at exec
+    problem = skew_problem(submitted, code_identity()) if submitted else None
+    if problem:
+        raise UserError(problem)
     run = RunDir(Path(run_dir).resolve())
     cfg = run.load_config()
     env = discover(os.environ)
     cleaned = clean_environment(os.environ, env)
     os.environ.clear()
     os.environ.update(cleaned)
+    os.environ.update(process_defaults(os.environ))  # caches, allocator: before CUDA starts
+    Path(os.environ["HOME"]).mkdir(mode=0o700, parents=True, exist_ok=True)
     code = EXIT_FAILED  # an exception on the way out is a failure (exit 2 for UserError)
     try:
         code = _run(run, cfg, env, task, name, step)
@@ -256,7 +263,7 @@ def die_with_launcher(environ) -> None:
 
 
 def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
-              step: Optional[int] = None) -> int:
+              step: Optional[int] = None, submitted: Optional[str] = None) -> int:
     """Every launcher's way in (the module's main, Slurm's submitit entry): the same
     signal handling and the same exit codes, 2 for bad input (never retried)."""
     install_early_stop_handlers()
@@ -265,7 +272,8 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
 
     slurm_job = os.environ.get("SLURM_JOB_ID") if detect_launcher(os.environ) == "slurm" else None
     try:
-        return slurm_exit_code(run_task(run_dir, task, name, step), slurm_job is not None)
+        return slurm_exit_code(run_task(run_dir, task, name, step, submitted),
+                               slurm_job is not None)
     except UserError as exc:
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
         if slurm_job and slurm_job.isdigit():

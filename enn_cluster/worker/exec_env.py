@@ -113,6 +113,37 @@ def exec_env(environ: Mapping[str, str], fabric: str, pinned: bool, plugin: Opti
     return out
 
 
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+CACHE_VARS = ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def process_defaults(environ: Mapping[str, str], home_usable=None,
+                     uid: Optional[int] = None) -> dict[str, str]:
+    """Variables the worker sets for itself before torch touches the GPU (the user's are
+    kept). PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: fewer fragmentation OOMs at
+    the same peak (unless the allocator is configured either way). Where HOME does not
+    exist or cannot be written (`srun --no-container-mount-home` keeps the host's HOME, which
+    the image lacks), HOME and the XDG, triton and inductor caches go to node-local
+    scratch ($TMPDIR or /tmp, enn-cache-UID): triton, inductor and Hugging Face write
+    under ~/.cache and would fail."""
+    out = {}
+    if not {ALLOC_CONF[0], "PYTORCH_ALLOC_CONF"} & set(environ):
+        out[ALLOC_CONF[0]] = ALLOC_CONF[1]
+    home = environ.get("HOME", "")
+    usable = home_usable or (lambda path: bool(path) and os.path.isdir(path)
+                             and os.access(path, os.W_OK))
+    if not usable(home):
+        scratch = os.path.join(environ.get("TMPDIR") or "/tmp",
+                               f"enn-cache-{os.getuid() if uid is None else uid}")
+        out["HOME"] = scratch
+        for name, sub in zip(CACHE_VARS, ("xdg", "triton", "inductor")):
+            if name not in environ:
+                out[name] = os.path.join(scratch, sub)
+        log.info("HOME %r is not a writable directory here: HOME and caches under %s",
+                 home, scratch)
+    return out
+
+
 def can_reexec(orig_argv: Sequence[str]) -> bool:
     """A multiprocessing 'spawn' child (the local launcher's workers) cannot be re-executed:
     its start-up data came through a pipe that is already read. Its environment is the
