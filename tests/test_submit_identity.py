@@ -123,3 +123,19 @@ def test_worker_defaults_allocator_and_caches_where_home_is_missing(tmp_path):
     assert missing["TORCHINDUCTOR_CACHE_DIR"] == "/scratch/local/enn-cache-7/inductor"
     assert "TRITON_CACHE_DIR" not in missing  # the user's kept
     assert process_defaults({}, uid=3)["HOME"] == "/tmp/enn-cache-3"
+
+
+def test_a_worker_whose_home_is_missing_trains_with_caches_in_scratch(tmp_path):
+    """As under `--no-container-mount-home` with an image that lacks the host's HOME: the
+    worker makes $TMPDIR/enn-cache-UID its HOME, says so in its log, and trains."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "nohome", training={"max_steps": 2}, parallel={"nodes": 1, "procs_per_node": 1}))
+    scratch = tmp_path / "node-scratch"
+    scratch.mkdir()
+    res = cli("train", "--config", cfg,
+              env={"HOME": str(tmp_path / "no-such-home"), "TMPDIR": str(scratch)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    home = scratch / f"enn-cache-{os.getuid()}"
+    assert home.is_dir() and not (tmp_path / "no-such-home").exists()
+    (log,) = (tmp_path / "runs" / "nohome" / "logs").rglob("rank-0.log")
+    assert f"HOME is not a writable directory here: HOME and caches under {home}" in log.read_text()

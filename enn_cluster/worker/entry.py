@@ -44,6 +44,9 @@ def install_early_stop_handlers() -> None:
         signal.signal(sig, lambda signum, frame: _early_signals.append(signum))
 
 
+_process_defaults: dict = {}  # what process_defaults set in this task (logged once logging is up)
+
+
 def _attempt_tag(env) -> str:
     """logs/<attempt>/: one folder per launch and restart, so no attempt appends to another's."""
     if os.environ.get("ENN_ATTEMPT_TAG"):
@@ -73,6 +76,9 @@ def _setup_logging(run: RunDir, env) -> Path:
     log.info("worker rank %d/%d local %d node %d pid %d host %s launcher %s restart %d",
              env.rank, env.world_size, env.local_rank, env.node_rank, os.getpid(),
              socket.gethostname(), env.launcher, env.restart_count)
+    if "HOME" in _process_defaults:  # --no-container-mount-home: a HOME the image lacks
+        log.info("HOME is not a writable directory here: HOME and caches under %s",
+                 _process_defaults["HOME"])
     return log_dir
 
 
@@ -120,7 +126,8 @@ def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
     cleaned = clean_environment(os.environ, env)
     os.environ.clear()
     os.environ.update(cleaned)
-    os.environ.update(process_defaults(os.environ))  # caches, allocator: before CUDA starts
+    _process_defaults.update(process_defaults(os.environ))  # before CUDA starts; logged
+    os.environ.update(_process_defaults)
     Path(os.environ["HOME"]).mkdir(mode=0o700, parents=True, exist_ok=True)
     code = EXIT_FAILED  # an exception on the way out is a failure (exit 2 for UserError)
     try:

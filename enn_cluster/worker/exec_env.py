@@ -139,8 +139,6 @@ def process_defaults(environ: Mapping[str, str], home_usable=None,
         for name, sub in zip(CACHE_VARS, ("xdg", "triton", "inductor")):
             if name not in environ:
                 out[name] = os.path.join(scratch, sub)
-        log.info("HOME %r is not a writable directory here: HOME and caches under %s",
-                 home, scratch)
     return out
 
 
