@@ -284,3 +284,14 @@ def test_submit_refuses_a_gpu_job_whose_cpus_cannot_be_sized(tmp_path):
                            "nodes (Slurm knows no partition 'nope' with nodes)"), line
     assert not called.exists()
     assert not (tmp_path / "runs" / "refused").exists()  # nothing written
+
+
+def test_site_allow_socket_fallback_reaches_every_task(tmp_path):
+    env, _ = _stub_scontrol(tmp_path)
+    (tmp_path / "site.yaml").write_text("allow_socket_fallback: true\n")
+    env["ENN_SITE_CONFIG"] = str(tmp_path / "site.yaml")
+    res = _render(tmp_path, env, "--gpus-per-node", "8", "--container", "/shared/enn.sqsh")
+    assert "export ENN_ALLOW_SOCKET_FALLBACK=1" in res.stdout.splitlines()
+    assert ",ENN_ALLOW_SOCKET_FALLBACK" in res.stdout  # --container-env: over the image's
+    (tmp_path / "site.yaml").write_text("allow_socket_fallback: false\n")
+    assert "ENN_ALLOW_SOCKET_FALLBACK" not in _render(tmp_path, env, "--gpus-per-node", "8").stdout

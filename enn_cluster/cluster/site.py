@@ -36,7 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
     "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
     "mem_gb": None, "gpu_request": "gpus-per-node", "wckey": None,
-    "whole_node_gpus": slurm_values.WHOLE_NODE_GPUS,
+    "whole_node_gpus": slurm_values.WHOLE_NODE_GPUS, "allow_socket_fallback": None,
 }
 
 _LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
@@ -68,6 +68,7 @@ class SiteConfig:
     gpu_request: Optional[str] = None  # gpus-per-node | gres | gres:TYPE (no select/cons_tres)
     wckey: Optional[str] = None  # --wckey for every job; none by default
     whole_node_gpus: Optional[int] = None  # GPUs per node from which a job gets --exclusive --mem=0
+    allow_socket_fallback: Optional[bool] = None  # NCCL over TCP on EFA/IB nodes: run (true) or stop
     source: Optional[str] = field(default=None, compare=False)  # the file it came from
 
     def overrides(self) -> dict[str, Any]:
@@ -94,6 +95,10 @@ def _typed(key: str, value: Any, source: Optional[str]) -> Any:
     if key in _INTS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"site.{key}: expected a whole number, got {value!r}{where}")
+        return value
+    if key == "allow_socket_fallback":
+        if not isinstance(value, bool):
+            raise UserError(f"site.{key}: expected true or false, got {value!r}{where}")
         return value
     if key == "mem_gb":
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -117,7 +117,7 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
         task=task, predict_name=name, nodes=req.nodes_range or shape.nodes,
         gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
         gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=mem_gb,
-        env={"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {},
+        env=site_env(opts),
         time=opts["time"], partition=opts["partition"], account=opts["account"],
         qos=opts["qos"], exclusive=exclusive, wckey=opts["wckey"],
         signal_grace_s=opts["signal_grace_s"],
@@ -128,6 +128,14 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
         python=req.python or (sys.executable if bare else opts["python"]),
         setup_lines=tuple(opts["setup_lines"]), extra_sbatch_args=tuple(opts["extra_sbatch_args"]),
         extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
+
+
+def site_env(opts: dict) -> dict:
+    """Variables the site's keys hand every task (Pyxis passes them into the container)."""
+    env = {"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {}
+    if opts.get("allow_socket_fallback"):
+        env["ENN_ALLOW_SOCKET_FALLBACK"] = "1"
+    return env
 
 
 def sized_for_nodes(spec):

@@ -26,7 +26,7 @@ from enn_cluster.storage import backend_report
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import clean_environment, detect_launcher, discover
-from enn_cluster.worker.exec_env import process_defaults, reexec_if_needed
+from enn_cluster.worker.exec_env import fallback_allowed, process_defaults, reexec_if_needed
 from enn_cluster.worker.code_identity import code_identity, skew_problem
 from enn_cluster.worker.placement import place_task
 from enn_cluster.worker.stop_signals import STOP_SIGNALS
@@ -210,6 +210,9 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
     backend_report.write_report(log_dir, report)
     for line in backend_report.mismatches(report):
         log.warning("backend: %s", line)
+    refusal = backend_report.transport_refusal(report)
+    if refusal and not fallback_allowed(os.environ):
+        raise UserError(refusal)
 
 
 def _train(run: RunDir, cfg, env, lanes) -> int:
