@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from enn_cluster.cluster.job_spec import JobSpec
+from enn_cluster.cluster.slurm_values import WHOLE_NODE_GPUS, whole_node_request
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -46,6 +47,13 @@ def golden_specs():
             container_mounts=("/shared/datasets:/datasets:ro+rprivate", "/scratch:/scratch"),
             env={"HF_HOME": "/shared/hf cache"}, extra_sbatch_args=("--constraint=a100",),
             extra_srun_args=("--cpu-bind=none",), max_restarts=5),
+        # issue 25: 4 x 8 H100 over InfiniBand, every GPU of each node: whole nodes
+        "train_4x8_ib_whole_nodes": JobSpec(
+            job_name="enn-8b", run_dir="/shared/runs/8b", nodes=4, gpus_per_node=8,
+            time="04:00:00", partition="h100", nccl_profile="ib",
+            container_image="/shared/images/enn.sqsh",
+            **dict(zip(("exclusive", "mem_gb"), whole_node_request(8, WHOLE_NODE_GPUS,
+                                                                   False, None)))),
     }
 
 

@@ -213,10 +213,41 @@ def test_the_first_run_checklist_shows_the_lines_workers_write(cpu_run):
         "NCCL profile:": "NCCL profile: %s" % "ib",
         "NCCL environment": nccl.report({"NCCL_IB_TIMEOUT": "22"}, "ib")[0][1],
         "placement: rank": placement.describe(3, 3, range(36, 48), 12, "plan",
-                                              "cuda:3 of [0,1,2,3,4,5,6,7] (0000:9c:00.0)", 0)}
+                                              "cuda:3 of [0,1,2,3,4,5,6,7] (0000:9c:00.0)", 0),
+        # where the image lacks the host's HOME (tests/test_submit_identity.py runs it)
+        "HOME is": "HOME is not a writable directory here: HOME and caches under %s"
+                   % "/tmp/enn-cache-1000"}
+    assert '"HOME is not a writable directory here: HOME and caches under %s"' in \
+        inspect.getsource(entry._setup_logging)
     doc = _checklist()
     assert sorted(doc) == sorted(written), doc  # a new row needs its check here
     for key, line in written.items():
         assert _matches(doc[key], line), (doc[key], line)
     assert not _matches(doc["placement: rank"], placement.describe(0, 0, [0, 1], 1, "none"))
     assert 'log.info("NCCL profile: %s", chosen)' in inspect.getsource(entry._configure_nccl)
+
+
+def test_nccl_over_sockets_on_a_fabric_node_is_refused(tmp_path, cpu_run):
+    """Issue 25 item 1: the report of a GPU rank whose NCCL fell back to sockets on an
+    EFA (or IB) node is a refusal naming the fix; the worker stops with it (exit 2) unless
+    the site allows the fallback. The same reports as status reads (as_gpu_ranks_on_sockets)."""
+    from enn_cluster.storage.backend_report import newest_reports, transport_refusal
+    from enn_cluster.storage.attempts import attempt_dirs
+    from enn_cluster.storage.rundir import RunDir
+    from enn_cluster.worker import entry
+
+    for site, refused in (("efa", True), ("ib", True), ("socket", False)):
+        run = tmp_path / site
+        shutil.copytree(cpu_run, run)
+        as_gpu_ranks_on_sockets(run, site)
+        _, reports = newest_reports(attempt_dirs(RunDir(run)))
+        lines = [transport_refusal(r) for r in reports]
+        if refused:
+            assert all(line.startswith(f"NCCL: this {site} node runs NCCL over TCP sockets")
+                       and "site.allow_socket_fallback: true" in line for line in lines), lines
+        else:
+            assert lines == [None, None]
+    cpu = json.loads(sorted(cpu_run.glob("logs/*/backend-rank-0.json"))[-1].read_text())
+    assert transport_refusal(cpu) is None  # a CPU rank has no NCCL transport to refuse
+    source = inspect.getsource(entry._report_backends)
+    assert "transport_refusal(report)" in source and "fallback_allowed(os.environ)" in source

@@ -54,39 +54,61 @@ LINK = Plugin("/opt/amazon/aws-ofi-nccl/lib", "libnccl-net.so")
 @pytest.mark.parametrize("environ,fabric,pinned,plugin,libfabric,expected", [
     ({}, "ib", False, PLUGIN, (), {}),
     ({}, "socket", True, None, (), {}),
-    ({}, "efa", False, None, (), {}),  # auto-detected EFA, no plugin: nothing to set
+    ({"ENN_ALLOW_SOCKET_FALLBACK": "1"}, "efa", False, None, (), {}),  # TCP, by the site
     # NCCL_NET_PLUGIN names the suffix (older NCCL opens only libnccl-net-<value>.so); the
     # site pins EFA, so NCCL_NET makes a plugin that fails to load an error, not TCP
     ({}, "efa", True, PLUGIN, ("/opt/amazon/efa/lib",),
      {"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib",
       "NCCL_NET_PLUGIN": "ofi", "NCCL_NET": "AWS Libfabric"}),
     ({"LD_LIBRARY_PATH": "/usr/local/cuda/lib64:/opt/amazon/efa/lib"}, "efa", False, PLUGIN,
-     ("/opt/amazon/efa/lib",),  # auto: the plugin's path and name, NCCL_NET left alone
+     ("/opt/amazon/efa/lib",),  # auto on an EFA node: the same, NCCL_NET too (issue 25)
      {"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib:/usr/local/cuda/lib64:/opt/amazon/efa/lib",
-      "NCCL_NET_PLUGIN": "ofi"}),
+      "NCCL_NET_PLUGIN": "ofi", "NCCL_NET": "AWS Libfabric"}),
     ({}, "efa", True, LINK, (),  # libnccl-net.so is what NCCL opens when nothing is named
      {"LD_LIBRARY_PATH": "/opt/amazon/aws-ofi-nccl/lib", "NCCL_NET": "AWS Libfabric"}),
-    ({"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib", "NCCL_NET_PLUGIN": "aws",
+    ({"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib", "NCCL_NET_PLUGIN": "ofi",
       "NCCL_NET": "OFI"}, "efa", True, PLUGIN, (), {}),  # the user's choices win: no re-exec
+    # an image's plugin that is not in the plugin's directory is replaced (or unset, for
+    # libnccl-net.so); a file name that is there is kept
+    ({"NCCL_NET_PLUGIN": "/opt/hpcx/nccl_rdma_sharp_plugin/lib/libnccl-net.so"}, "efa", False,
+     PLUGIN, (), {"LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib", "NCCL_NET_PLUGIN": "ofi",
+                  "NCCL_NET": "AWS Libfabric"}),
+    ({"NCCL_NET_PLUGIN": "sharp", "NCCL_NET": "OFI"}, "efa", False, LINK, (),
+     {"LD_LIBRARY_PATH": "/opt/amazon/aws-ofi-nccl/lib", "NCCL_NET_PLUGIN": None}),
+    ({"NCCL_NET_PLUGIN": "/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so", "NCCL_NET": "OFI",
+      "LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib"}, "efa", False, PLUGIN, (), {}),
 ])
 def test_exec_env_table(environ, fabric, pinned, plugin, libfabric, expected):
-    assert exec_env.exec_env(environ, fabric, pinned, plugin, libfabric) == expected
+    there = {"/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so", "/opt/amazon/aws-ofi-nccl/lib/libnccl-net.so"}
+    assert exec_env.exec_env(environ, fabric, pinned, plugin, libfabric,
+                             exists=there.__contains__) == expected
 
 
 def test_pinned_efa_without_plugin_is_an_error_naming_the_fix():
-    with pytest.raises(UserError, match=r"ENN_NCCL_PROFILE=efa: no NCCL net plugin.*"
+    with pytest.raises(UserError, match=r"ENN_NCCL_PROFILE=efa on an EFA node: no NCCL net plugin.*"
                                         r"install aws-ofi-nccl.*ENN_NCCL_PLUGIN_DIRS"):
         exec_env.exec_env({}, "efa", True, None)
 
 
+def test_auto_efa_without_plugin_is_refused_unless_the_site_allows_tcp():
+    """Issue 25: `auto` on a node showing EFA with no plugin would run over TCP sockets
+    (an 8B all-reduce then takes seconds): refused in one line naming the fix."""
+    with pytest.raises(UserError, match=r"^ENN_NCCL_PROFILE=auto on an EFA node: no NCCL net "
+                                        r"plugin .*EFA_INSTALLER_VERSION.*ENN_NCCL_PLUGIN_DIRS"):
+        exec_env.exec_env({}, "efa", False, None)
+    assert exec_env.exec_env({}, "ib", False, None) == {}  # not EFA: nothing to say
+
+
 def test_auto_efa_without_plugin_says_where_it_looked(caplog, tmp_path):
-    """`auto` on a node showing EFA with no plugin runs over TCP: one warning line names
-    the directories searched and the variable that adds one."""
+    """Where the site allows the fallback (ENN_ALLOW_SOCKET_FALLBACK=1) it runs over TCP:
+    one warning line names the directories searched and the variable that adds one."""
     empty = str(tmp_path / "lib")
+    allow = {"ENN_ALLOW_SOCKET_FALLBACK": "1"}
     with caplog.at_level("WARNING", logger="enn_cluster.worker.exec_env"):
-        assert exec_env.exec_env({exec_env.PLUGIN_DIRS_VAR: empty}, "efa", False, None) == {}
-        assert exec_env.exec_env({}, "efa", False, None) == {}
-        assert exec_env.exec_env({}, "ib", False, None) == {}  # not EFA: nothing to say
+        assert exec_env.exec_env({exec_env.PLUGIN_DIRS_VAR: empty, **allow}, "efa", False,
+                                 None) == {}
+        assert exec_env.exec_env(allow, "efa", False, None) == {}
+        assert exec_env.exec_env(allow, "ib", False, None) == {}
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all("\n" not in line for line in lines)
     assert lines[0].startswith("EFA detected (ENN_NCCL_PROFILE=auto) but no NCCL net plugin")
@@ -187,3 +209,33 @@ def test_worker_refuses_efa_without_the_plugin(tmp_path):
 ])
 def test_spawned_children_are_not_reexecuted(argv, ok):
     assert exec_env.can_reexec(argv) is ok
+
+
+def _efa_step() -> str:
+    """containers/Dockerfile's EFA RUN step, as the shell runs it."""
+    text = (Path(__file__).resolve().parents[1] / "containers" / "Dockerfile").read_text()
+    step = text.split('ARG EFA_INSTALLER_VERSION=""\nRUN ', 1)[1]
+    return step[:step.index("\n    fi\n") + len("\n    fi\n")]
+
+
+def test_the_image_build_installs_efa_only_when_asked_and_checks_the_plugin(tmp_path):
+    """Issue 25 item 1: `--build-arg EFA_INSTALLER_VERSION=...` runs AWS's installer with
+    --skip-kmod (the host's module) and stops the build when no aws-ofi-nccl lands where
+    the worker looks; without it the step does nothing."""
+    step = _efa_step()
+    assert "./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify" in step
+    assert "/opt/amazon/ofi-nccl/lib" in exec_env.EFA_PLUGIN_DIRS
+    assert "/opt/amazon/ofi-nccl/lib/*/libnccl-net*.so" in step
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "curl").write_text("#!/bin/sh\nexit 22\n")  # no network in a test
+    (bin_dir / "curl").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    off = subprocess.run(["sh", "-c", step], env={**env, "EFA_INSTALLER_VERSION": ""},
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert off.returncode == 0 and off.stderr == ""
+    on = subprocess.run(["sh", "-c", step], env={**env, "EFA_INSTALLER_VERSION": "1.43.2"},
+                        capture_output=True, text=True, cwd=tmp_path)
+    assert on.returncode == 1
+    assert on.stderr.strip() == ("efa: installer 1.43.2 failed or left no aws-ofi-nccl in "
+                                 "/opt/amazon/ofi-nccl")

@@ -9,12 +9,19 @@ from enn_cluster.config import nccl
 from enn_cluster.errors import UserError
 
 
-def make_sysfs(root, rdma=(), net=("lo", "eth0"), drivers=None):
-    """A fake /sys: class/infiniband/<dev>/device/driver -> .../drivers/<name>, class/net/*."""
-    drivers = drivers or {}
+def make_sysfs(root, rdma=(), net=("lo", "eth0"), drivers=None, ports=None):
+    """A fake /sys: class/infiniband/<dev>/device/driver -> .../drivers/<name>, class/net/*,
+    class/infiniband/<dev>/ports/<n>/{link_layer,state} (`ports`: dev -> [(layer, state)];
+    a device left out has one ACTIVE InfiniBand port)."""
+    drivers, ports = drivers or {}, ports or {}
     for dev in rdma:
         device = root / "class" / "infiniband" / dev / "device"
         device.mkdir(parents=True)
+        for n, (layer, state) in enumerate(ports.get(dev, [("InfiniBand", "4: ACTIVE")]), 1):
+            port = root / "class" / "infiniband" / dev / "ports" / str(n)
+            port.mkdir(parents=True)
+            (port / "link_layer").write_text(f"{layer}\n")
+            (port / "state").write_text(f"{state}\n")
         if dev in drivers:
             target = root / "bus" / "pci" / "drivers" / drivers[dev]
             target.mkdir(parents=True, exist_ok=True)
@@ -59,9 +66,37 @@ def test_infiniband_lists_mlx5_devices_in_natural_order(tmp_path, libfabric):
     found = nccl.scan_interfaces(root, libfabric)  # libfabric does not make mlx5 EFA
     assert found.fabric == "ib"
     env = nccl.nccl_env("auto", {}, found)
-    assert env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1,mlx5_10"
+    assert env["NCCL_IB_HCA"] == "=mlx5_0:1,mlx5_1:1,mlx5_10:1"
     assert env["NCCL_IB_TIMEOUT"] == "22" and env["NCCL_IB_RETRY_CNT"] == "7"
     assert "FI_PROVIDER" not in env and "NCCL_IB_DISABLE" not in env
+
+
+def test_nccl_ib_hca_keeps_only_active_infiniband_ports(tmp_path, no_libfabric):
+    """Issue 25 item 6: a RoCE (Ethernet) port, a port that is down and a port still
+    initialising are left out; a dual-port HCA keeps its one ACTIVE port."""
+    root = make_sysfs(tmp_path / "sys", rdma=("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_4"),
+                      ports={"mlx5_1": [("Ethernet", "4: ACTIVE")],  # RoCE storage NIC
+                             "mlx5_2": [("InfiniBand", "1: DOWN")],
+                             "mlx5_3": [("InfiniBand", "2: INIT"), ("InfiniBand", "4: ACTIVE")],
+                             "mlx5_4": [("InfiniBand", "4: ACTIVE"), ("InfiniBand", "1: DOWN")]})
+    found = nccl.scan_interfaces(root, no_libfabric)
+    assert found.fabric == "ib" and len(found.ib_devices) == 5
+    assert found.ib_hca == ("mlx5_0:1", "mlx5_3:2", "mlx5_4:1")
+    assert nccl.nccl_env("auto", {}, found)["NCCL_IB_HCA"] == "=mlx5_0:1,mlx5_3:2,mlx5_4:1"
+
+
+def test_no_active_infiniband_port_leaves_nccl_ib_hca_to_nccl(tmp_path, no_libfabric):
+    """Only RoCE or down ports, or no readable port state: NCCL_IB_HCA unset (an
+    environment variable would also override the image's nccl.conf)."""
+    root = make_sysfs(tmp_path / "roce", rdma=("mlx5_0", "mlx5_1"),
+                      ports={"mlx5_0": [("Ethernet", "4: ACTIVE")],
+                             "mlx5_1": [("InfiniBand", "1: DOWN")]})
+    found = nccl.scan_interfaces(root, no_libfabric)
+    assert found.fabric == "ib" and found.ib_hca == ()
+    env = nccl.nccl_env("ib", {}, found)
+    assert "NCCL_IB_HCA" not in env and env["NCCL_IB_TIMEOUT"] == "22"
+    bare = make_sysfs(tmp_path / "bare", rdma=("mlx5_0",), ports={"mlx5_0": []})
+    assert "NCCL_IB_HCA" not in nccl.nccl_env("auto", {}, nccl.scan_interfaces(bare, no_libfabric))
 
 
 def test_socket_when_no_rdma(tmp_path, libfabric):
@@ -113,12 +148,12 @@ def test_efa_profile_values():
 
 @pytest.mark.parametrize("profile", ["efa", "ib", "socket"])
 def test_user_set_variables_are_never_overridden(profile):
-    full = nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",)))
+    full = nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",), ib_hca=("mlx5_0:1",)))
     names = list(full)
     user = {n: "user-value" for n in names}
-    assert not set(nccl.nccl_env(profile, user, nccl.Interfaces(ib_devices=("mlx5_0",)))) & set(names)
+    assert not set(nccl.nccl_env(profile, user, nccl.Interfaces(ib_devices=("mlx5_0",), ib_hca=("mlx5_0:1",)))) & set(names)
     for name in names:  # one at a time, too: only that one disappears
-        env = nccl.nccl_env(profile, {name: ""}, nccl.Interfaces(ib_devices=("mlx5_0",)))
+        env = nccl.nccl_env(profile, {name: ""}, nccl.Interfaces(ib_devices=("mlx5_0",), ib_hca=("mlx5_0:1",)))
         assert name not in env and set(env) == set(full) - {name}
 
 
@@ -131,7 +166,7 @@ def test_none_profile_sets_nothing_and_bad_profile_is_a_user_error():
 def test_every_name_we_may_set_is_listed():
     emitted = set()
     for profile in ("efa", "ib", "socket"):
-        emitted |= set(nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",))))
+        emitted |= set(nccl.nccl_env(profile, {}, nccl.Interfaces(ib_devices=("mlx5_0",), ib_hca=("mlx5_0:1",))))
     assert emitted <= set(nccl.NCCL_ENV_NAMES)
     assert emitted <= set(nccl.CONTAINER_ENV_NAMES)
     assert "LD_LIBRARY_PATH" not in nccl.CONTAINER_ENV_NAMES  # would replace the image's
@@ -148,7 +183,7 @@ def test_configure_applies_the_detected_profile(tmp_path, no_libfabric):
     root = make_sysfs(tmp_path / "sys", rdma=("mlx5_0",))
     environ = {"ENN_NCCL_PROFILE": "auto", "NCCL_IB_TIMEOUT": "30"}
     assert nccl.configure(environ, sysfs_root=root, libfabric_paths=no_libfabric) == "ib"
-    assert environ["NCCL_IB_HCA"] == "=mlx5_0" and environ["NCCL_IB_TIMEOUT"] == "30"
+    assert environ["NCCL_IB_HCA"] == "=mlx5_0:1" and environ["NCCL_IB_TIMEOUT"] == "30"
     environ = {"ENN_NCCL_PROFILE": "none"}
     assert nccl.configure(environ, sysfs_root=root) == "none" and len(environ) == 1
     environ = {}

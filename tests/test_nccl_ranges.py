@@ -98,7 +98,7 @@ DOCUMENTED: dict[str, object] = {
 
 def _emitted() -> list[tuple[str, str, str]]:
     """(where, name, value) for every variable the code sets, from representative inputs."""
-    interfaces = nccl.Interfaces(ib_devices=("mlx5_0", "mlx5_1"))
+    interfaces = nccl.Interfaces(ib_devices=("mlx5_0", "mlx5_1"), ib_hca=("mlx5_0:1", "mlx5_1:1"))
     sources = [(f"nccl_env({p})", nccl.nccl_env(p, {}, interfaces)) for p in nccl.FABRICS]
     sources += [(f"script_env({p})", nccl.script_env(p)) for p in nccl.PROFILES]
     sources += [(f"heartbeat_env({t})", nccl.heartbeat_env(t)) for t in (0, 300, 86400)]

@@ -160,15 +160,20 @@ def test_cli_flag_and_site_reach_the_rendered_job_without_asking_slurm(tmp_path,
     assert not asked.exists()
 
 
-FALLBACK = ('[ -n "${SRUN_CPUS_PER_TASK+x}" ] || export SRUN_CPUS_PER_TASK='
-            '$(( ${SLURM_CPUS_ON_NODE:-8} / 8 > 0 ? ${SLURM_CPUS_ON_NODE:-8} / 8 : 1 ))')
+def fallback(tasks: int) -> str:
+    return ('[ -n "${SRUN_CPUS_PER_TASK+x}" ] || export SRUN_CPUS_PER_TASK='
+            f'$(( ${{SLURM_CPUS_ON_NODE:-{tasks}}} / {tasks} > 0 ? '
+            f'${{SLURM_CPUS_ON_NODE:-{tasks}}} / {tasks} : 1 ))')
+
+
+FALLBACK = fallback(8)
 
 
 def test_exclusive_jobs_keep_the_allocation_fallback_without_asking(tmp_path):
     """--exclusive: the allocation is the whole node, SLURM_CPUS_ON_NODE / tasks is right."""
     env, asked = _stub_scontrol(tmp_path)
-    res = _render(tmp_path, env, "--gpus-per-node", "8", "--exclusive")
-    assert _cpus_lines(res.stdout) == [FALLBACK] and not asked.exists()
+    res = _render(tmp_path, env, "--gpus-per-node", "4", "--exclusive")
+    assert _cpus_lines(res.stdout) == [fallback(4)] and not asked.exists()
     assert "warning" not in res.stderr
 
 
@@ -176,21 +181,32 @@ def test_exclusive_jobs_keep_the_allocation_fallback_without_asking(tmp_path):
     ("nope", "Slurm knows no partition 'nope' with nodes"),
     ("empty", "Slurm knows no partition 'empty' with nodes"),
 ])
-def test_when_slurm_cannot_say_the_fallback_stays_with_one_warning(tmp_path, partition, why):
+def test_when_slurm_cannot_say_render_warns_that_submit_refuses(tmp_path, partition, why):
+    """A GPU job on part of a node whose CPUs per task cannot be sized (issue 25 item 2):
+    render prints the fallback and one warning line; submit refuses (below)."""
     env, _ = _stub_scontrol(tmp_path)
-    res = _render(tmp_path, env, "--gpus-per-node", "8", "--partition", partition)
-    assert _cpus_lines(res.stdout) == [FALLBACK]
+    res = _render(tmp_path, env, "--gpus-per-node", "4", "--partition", partition)
+    assert _cpus_lines(res.stdout) == [fallback(4)]
     (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("enn-submit: warning: submit refuses this job: --cpus-per-task: ")
     assert f"CPUs per task not sized from the nodes ({why})" in line, line
     assert "pass --cpus-per-task or set site.cpus_per_task" in line
+
+
+def test_a_cpu_job_that_cannot_be_sized_keeps_the_fallback_with_a_warning(tmp_path):
+    env, _ = _stub_scontrol(tmp_path)
+    res = _render(tmp_path, env, "--procs-per-node", "2", "--partition", "nope")
+    assert _cpus_lines(res.stdout) == [fallback(2)]
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("enn-submit: warning: CPUs per task not sized from the nodes ("), line
 
 
 def test_no_node_with_the_gpus_asked_for_keeps_the_fallback(tmp_path):
     env, _ = _stub_scontrol(tmp_path, nodes=NODES.replace("gpu:h100:8", "gpu:2").replace(
         "Gres=gpu:8", "Gres=gpu:2"))
-    res = _render(tmp_path, env, "--gpus-per-node", "8")
-    assert _cpus_lines(res.stdout) == [FALLBACK]
-    assert "no node of partition debug has 8 GPUs" in res.stderr
+    res = _render(tmp_path, env, "--gpus-per-node", "4")
+    assert _cpus_lines(res.stdout) == [fallback(4)]
+    assert "no node of partition debug has 4 GPUs" in res.stderr
 
 
 def test_a_slurm_conf_that_names_no_file_is_not_asked(tmp_path):
@@ -202,3 +218,80 @@ def test_a_slurm_conf_that_names_no_file_is_not_asked(tmp_path):
     conf.write_text("ClusterName=x\n")
     assert unreadable_config({"SLURM_CONF": str(conf)}) is None
     assert unreadable_config({}) is None  # the clients' own default: asked
+
+
+# -- whole-node requests (issue 25 item 2) ------------------------------------------------
+
+def _sbatch_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+def test_a_4x8_gpu_job_gets_whole_nodes_and_no_submitit_wckey(tmp_path):
+    """Every GPU of each node: --exclusive and --mem=0 without asking Slurm, CPUs per task
+    from the whole allocation; no --wckey=submitit (sites enforcing wckeys reject it)."""
+    env, asked = _stub_scontrol(tmp_path)
+    res = _render(tmp_path, env, "--gpus-per-node", "8", "--nodes", "4")
+    lines = _sbatch_lines(res.stdout)
+    assert "#SBATCH --exclusive" in lines and "#SBATCH --mem=0" in lines, lines
+    assert "#SBATCH --nodes=4" in lines
+    assert not [line for line in lines if "wckey" in line], lines
+    assert _cpus_lines(res.stdout) == [FALLBACK] and not asked.exists()
+    assert res.stderr == ""
+
+
+@pytest.mark.parametrize("site,flags,expected", [
+    ("whole_node_gpus: 0\n", (), ("#SBATCH --cpus-per-task=23",)),  # the rule off: sized
+    ("whole_node_gpus: 4\n", ("--gpus-per-node", "4"), ("#SBATCH --exclusive", "#SBATCH --mem=0")),
+    ("wckey: ml-prod\n", ("--mem-gb", "400"),  # a size given stays; the site's wckey
+     ("#SBATCH --exclusive", "#SBATCH --mem=400GB", "#SBATCH --wckey=ml-prod")),
+])
+def test_site_keys_shape_the_whole_node_request(tmp_path, site, flags, expected):
+    env, _ = _stub_scontrol(tmp_path)
+    (tmp_path / "site.yaml").write_text(site)
+    env["ENN_SITE_CONFIG"] = str(tmp_path / "site.yaml")
+    res = _render(tmp_path, env, "--gpus-per-node", "8", *flags)
+    lines = _sbatch_lines(res.stdout)
+    assert set(expected) <= set(lines), lines
+    if "whole_node_gpus: 0" in site:
+        assert "#SBATCH --exclusive" not in lines and not any("--mem" in x for x in lines)
+
+
+def test_site_wckey_is_checked(tmp_path):
+    from enn_cluster.cluster.site import parse_site
+    from enn_cluster.errors import UserError
+
+    with pytest.raises(UserError, match=r"^site.wckey: 'a b' has characters"):
+        parse_site({"wckey": "a b"})
+    with pytest.raises(UserError, match=r"^site.whole_node_gpus: -1 must be >= 0"):
+        parse_site({"whole_node_gpus": -1})
+
+
+def test_submit_refuses_a_gpu_job_whose_cpus_cannot_be_sized(tmp_path):
+    """Where render warns, `train --cluster slurm` stops in one line (exit 2) before sbatch
+    and leaves no job and no run behind."""
+    env, _ = _stub_scontrol(tmp_path)
+    called = tmp_path / "sbatch-called"
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text(f"#!/bin/sh\ntouch {called}\nexit 1\n")
+    sbatch.chmod(0o755)
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "refused"))
+    res = cli("train", "--config", cfg, "--cluster", "slurm", "--container", "none",
+              "--time", "10", "--nodes", "1", "--gpus-per-node", "4", "--partition", "nope",
+              env=env)
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("enn-submit: error: --cpus-per-task: CPUs per task not sized from the "
+                           "nodes (Slurm knows no partition 'nope' with nodes)"), line
+    assert not called.exists()
+    assert not (tmp_path / "runs" / "refused").exists()  # nothing written
+
+
+def test_site_allow_socket_fallback_reaches_every_task(tmp_path):
+    env, _ = _stub_scontrol(tmp_path)
+    (tmp_path / "site.yaml").write_text("allow_socket_fallback: true\n")
+    env["ENN_SITE_CONFIG"] = str(tmp_path / "site.yaml")
+    res = _render(tmp_path, env, "--gpus-per-node", "8", "--container", "/shared/enn.sqsh")
+    assert "export ENN_ALLOW_SOCKET_FALLBACK=1" in res.stdout.splitlines()
+    assert ",ENN_ALLOW_SOCKET_FALLBACK" in res.stdout  # --container-env: over the image's
+    (tmp_path / "site.yaml").write_text("allow_socket_fallback: false\n")
+    assert "ENN_ALLOW_SOCKET_FALLBACK" not in _render(tmp_path, env, "--gpus-per-node", "8").stdout

@@ -154,3 +154,29 @@ def test_placement_report_says_what_the_line_says(tmp_path, cpus):
     assert got["report"] == {"cpus": str(cpus[0]), "cpu_count": 1, "threads": 1,
                              "bound_by": "plan", "numa": 0,
                              "device": f"cuda:0 of [0,1] ({BUS[0]})"}
+
+
+def test_launcher_binding_off_the_gpus_node_is_rebound_within_the_jobs_cpus(tmp_path, cpus):
+    """Issue 25 item 4: the job's cgroup allows both CPUs (a fake cpuset at this process's
+    own cgroup path), the launcher bound local rank 1 to node 0's CPU while its GPU is on
+    node 1: the worker rebinds it (every thread) to node 1's CPU and says so."""
+    sysfs = _fake_sysfs(tmp_path, cpus)
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, controllers, path = line.split(":", 2)
+        if hid == "0" and controllers == "":
+            cpuset = sysfs / "fs/cgroup" / path.lstrip("/") / "cpuset.cpus.effective"
+        elif "cpuset" in controllers.split(","):
+            cpuset = sysfs / "fs/cgroup/cpuset" / path.lstrip("/") / "cpuset.effective_cpus"
+        else:
+            continue
+        cpuset.parent.mkdir(parents=True, exist_ok=True)
+        cpuset.write_text(f"{cpus[0]},{cpus[1]}\n")
+    masks: dict = {}
+    got = _place(sysfs, [cpus[0]], local_rank=1, early_threads=True, masks=masks)
+    assert got["affinity"] == [cpus[1]]
+    assert set(map(tuple, masks.values())) == {(cpus[1],)}, masks
+    assert got["line"].endswith(f"numa 1 cpus {cpus[1]} (1) threads 1 bound-by plan")
+    (level, message), = [r for r in got["logged"] if "placement" in r[1]]
+    assert level == "INFO" and message.startswith(
+        f"placement: rank 3 rebound from the launcher's CPUs {cpus[0]} to {cpus[1]}, on its "
+        "GPU's NUMA node 1")

@@ -127,3 +127,86 @@ def test_online_cpus_from_a_fake_sysfs(tmp_path):
     (tmp_path / "devices/system/cpu/online").write_text("0-5,8\n")
     assert placement.online_cpus(str(tmp_path)) == 7
     assert placement.online_cpus(str(tmp_path / "none")) == (os.cpu_count() or 1)
+
+
+# -- rebinding a launcher's binding (issue 25 item 4) --------------------------------------
+
+def _sysfs_topology(root, nodes: dict, gpus: dict, cgroup_cpus: str):
+    """A fake /sys: NUMA nodes -> cpulist, GPU PCI address -> numa_node, and the job's
+    cgroup (v2, at /sys/fs/cgroup/job) allowing `cgroup_cpus`."""
+    for node, cpus in nodes.items():
+        (root / f"devices/system/node/node{node}").mkdir(parents=True)
+        (root / f"devices/system/node/node{node}/cpulist").write_text(cpus + "\n")
+    for bus, node in gpus.items():
+        (root / "bus/pci/devices" / bus).mkdir(parents=True)
+        (root / "bus/pci/devices" / bus / "numa_node").write_text(f"{node}\n")
+    (root / "fs/cgroup/job").mkdir(parents=True)
+    (root / "fs/cgroup/job/cpuset.cpus.effective").write_text(cgroup_cpus + "\n")
+    return str(root)
+
+
+def _plans(root, buses, launcher, environ=None):
+    numa = placement.numa_cpus(root)
+    rank_numa = [placement.pci_numa_node(b, root) for b in buses]
+    job = placement.job_cpus(root, "0::/job\n")
+    return [placement.rebind_plan(r, rank_numa, numa, job, launcher[r], environ or {})
+            for r in range(len(buses))]
+
+
+P5_GPUS = {f"0000:{b}:00.0": n for b, n in (("53", 0), ("64", 0), ("75", 0), ("86", 0),
+                                              ("97", 1), ("a8", 1), ("b9", 1), ("ca", 1))}
+
+
+def test_block_cyclic_binding_on_two_sockets_is_rebound_near_each_gpu(tmp_path):
+    """A p5 (2 sockets of 96 CPUs, GPUs 0-3 on socket 0): Slurm's block:cyclic with
+    --cpus-per-task=24 alternates sockets, so ranks 1, 3, 4 and 6 sit on the far one.
+    Every rank takes its share of its GPU's socket: disjoint, 24 CPUs each."""
+    root = _sysfs_topology(tmp_path, {0: "0-95", 1: "96-191"}, P5_GPUS, "0-191")
+    cyclic = [list(range(s * 96 + (r // 2) * 24, s * 96 + (r // 2) * 24 + 24))
+              for r, s in enumerate([0, 1] * 4)]
+    plans = [p if p is not None else cyclic[r]  # None: the launcher's was already the plan
+             for r, p in enumerate(_plans(root, list(P5_GPUS), cyclic))]
+    assert _plans(root, list(P5_GPUS), cyclic)[0] is None  # rank 0: 0-23 either way
+    assert [p[:1] + p[-1:] for p in plans] == [
+        [0, 23], [24, 47], [48, 71], [72, 95], [96, 119], [120, 143], [144, 167], [168, 191]]
+    taken = [c for p in plans for c in p]
+    assert len(taken) == len(set(taken)) == 192
+    assert _plans(root, list(P5_GPUS), cyclic, {"ENN_CPU_BIND": "launcher"}) == [None] * 8
+
+
+def test_eight_numa_nodes_one_gpu_each(tmp_path):
+    """8 NUMA nodes of 12 CPUs (NPS4 on two sockets), one GPU on each, the job allowed
+    half of every node: each rank gets the allowed CPUs of its own GPU's node."""
+    nodes = {n: f"{n * 12}-{n * 12 + 11}" for n in range(8)}
+    gpus = {f"0000:{0x10 + n:02x}:00.0": (7 - n) for n in range(8)}  # GPUs in reverse order
+    allowed = ",".join(f"{n * 12}-{n * 12 + 5}" for n in range(8))
+    root = _sysfs_topology(tmp_path, nodes, gpus, allowed)
+    launcher = [list(range(r * 6, r * 6 + 6)) for r in range(8)]  # in CPU order, off node
+    plans = _plans(root, list(gpus), launcher)
+    for r, plan in enumerate(plans):
+        node = 7 - r
+        assert plan == list(range(node * 12, node * 12 + 6)), (r, plan)
+
+
+def test_what_is_not_rebound(tmp_path):
+    root = _sysfs_topology(tmp_path, {0: "0-95", 1: "96-191"}, P5_GPUS, "0-191")
+    plan = [list(range(r * 24, r * 24 + 24)) for r in range(8)]
+    assert _plans(root, list(P5_GPUS), plan) == [None] * 8  # already the plan
+    # the job's CPUs all on the far socket: no local share to give, the launcher's stays
+    far = _sysfs_topology(tmp_path / "far", {0: "0-95", 1: "96-191"}, P5_GPUS, "96-191")
+    assert _plans(far, list(P5_GPUS)[:1], [[96]]) == [None]
+    # a GPU whose node the kernel does not know (-1)
+    unknown = _sysfs_topology(tmp_path / "unknown", {0: "0-3", 1: "4-7"},
+                              {"0000:01:00.0": -1, "0000:02:00.0": 1}, "0-7")
+    assert _plans(unknown, ["0000:01:00.0", "0000:02:00.0"], [[4], [0]]) == [None, None]
+
+
+def test_the_jobs_cpus_from_its_cgroup(tmp_path):
+    (tmp_path / "fs/cgroup/slurm/job_7/step_0").mkdir(parents=True)
+    (tmp_path / "fs/cgroup/slurm/job_7/step_0/cpuset.cpus.effective").write_text("0-3,8\n")
+    assert placement.job_cpus(str(tmp_path), "0::/slurm/job_7/step_0\n") == [0, 1, 2, 3, 8]
+    (tmp_path / "fs/cgroup/cpuset/slurm/uid_1/job_8").mkdir(parents=True)
+    (tmp_path / "fs/cgroup/cpuset/slurm/uid_1/job_8/cpuset.effective_cpus").write_text("4-5\n")
+    v1 = "12:memory:/slurm/uid_1/job_8\n5:cpuset:/slurm/uid_1/job_8\n"
+    assert placement.job_cpus(str(tmp_path), v1) == [4, 5]
+    assert placement.job_cpus(str(tmp_path), "0::/elsewhere\n") is None

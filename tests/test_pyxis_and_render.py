@@ -141,7 +141,7 @@ def test_spec_normalises():
 
 
 @pytest.mark.parametrize("name", ["train_2x2_container", "predict_bare_metal_cpu",
-                                  "train_elastic_registry_ib"])
+                                  "train_elastic_registry_ib", "train_4x8_ib_whole_nodes"])
 def test_golden_render(name):
     text = job_spec.render_batch_script(golden_specs()[name])
     path = GOLDEN / f"{name}.sbatch"

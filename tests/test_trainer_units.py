@@ -85,6 +85,16 @@ def counting(name):
 for name in ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"):
     counting(name)
 
+# A tensor made from host numbers on the device is a host-to-device copy that the host
+# waits for (pageable memory): torch.tensor(x, device=...) in a step is counted too.
+original_tensor = torch.tensor
+def tensor(*a, **k):
+    if k.get("device") is not None:
+        caller = inspect.currentframe().f_back.f_code.co_filename
+        conversions.append(f"tensor(device=) {os.path.basename(caller)}")
+    return original_tensor(*a, **k)
+torch.tensor = tensor
+
 # A step's window runs from its train_step to the next one's: the loop's own body counts.
 starts, log_steps = [], []
 original_step = tr.Trainer.train_step
@@ -110,7 +120,10 @@ os._exit(0)  # as the worker leaves (worker.exit_now): no finalisation race with
 def test_no_device_to_host_read_in_steps_that_do_not_log(tmp_path):
     """Loss, gradient norm and the non-finite decision stay on the device between log
     steps: a step that does not log converts no tensor to a Python value or a host copy,
-    neither in train_step nor in the loop around it (checkpoint saves aside)."""
+    and makes no device tensor from host numbers (issue 25: the non-finite watch's step
+    and lr did, twice a step), neither in train_step nor in the loop around it
+    (checkpoint saves aside). Log steps: every logging.every_steps, each checkpoint
+    (checkpoint.every_steps 8 here) and the last."""
     import json
     import os
     import subprocess
@@ -129,9 +142,10 @@ def test_no_device_to_host_read_in_steps_that_do_not_log(tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["code"] == 0 and len(out["per_step"]) == 10
     quiet = [len(c) for log_step, c in out["per_step"] if not log_step]
-    loud = [len(c) for log_step, c in out["per_step"] if log_step]
-    assert quiet == [0] * 8, out["per_step"]
-    assert len(loud) == 2 and all(0 < n <= 4 for n in loud), out["per_step"]
+    loud = [step for step, (log_step, c) in enumerate(out["per_step"], 1) if log_step]
+    assert quiet == [0] * 7, out["per_step"]
+    assert loud == [5, 8, 10], out["per_step"]
+    assert all(0 < len(out["per_step"][s - 1][1]) <= 4 for s in loud), out["per_step"]
 
 
 def _free_port() -> int:
@@ -140,3 +154,102 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- cadence and GPU defaults (issue 25 items 3 and 5) ------------------------------------
+
+def test_cadence_reads_at_log_steps_checkpoints_and_the_end():
+    from enn_cluster.worker.step_math import Cadence
+
+    c = Cadence(log_every=10, every_steps=25, every_minutes=0)
+    reads = [s for s in range(1, 56) if c.log_step(s, total_steps=55)]
+    assert reads == [10, 20, 25, 30, 40, 50, 55]
+    assert [s for s in range(1, 56) if c.step_due(s)] == [25, 50]
+    assert Cadence(log_every=1).log_step(3, 9) and not Cadence(log_every=4).step_due(4)
+
+
+def test_cadence_votes_for_a_time_based_save_once_the_minutes_have_passed():
+    """checkpoint.every_minutes: a test's clock, no sleeping."""
+    from enn_cluster.worker.step_math import Cadence
+
+    now = [1000.0]
+    c = Cadence(log_every=10, every_minutes=30, clock=lambda: now[0])
+    assert c.time_due() == 0
+    now[0] += 30 * 60 - 1
+    assert c.time_due() == 0
+    now[0] += 1
+    assert c.time_due() == 1
+    c.saved()  # any save restarts the count
+    assert c.time_due() == 0
+    now[0] += 10**6
+    assert Cadence(log_every=1, every_minutes=0, clock=lambda: now[0]).time_due() == 0
+
+
+def test_defaults_differ_on_gpu_and_cpu_and_explicit_values_win():
+    from enn_cluster.config.run_config import CheckpointConfig, LoggingConfig
+
+    log_cfg, ckpt_cfg = LoggingConfig(), CheckpointConfig()
+    assert (log_cfg.steps_on("cuda"), log_cfg.steps_on("cpu")) == (10, 1)
+    assert LoggingConfig(every_steps=3).steps_on("cuda") == 3
+    assert (ckpt_cfg.async_on("cuda"), ckpt_cfg.async_on("cpu")) == (True, False)
+    assert CheckpointConfig(async_save="false").async_on("cuda") is False
+    assert CheckpointConfig(async_save="true").async_on("cpu") is True
+    assert (ckpt_cfg.threads_on("cuda"), ckpt_cfg.threads_on("cpu")) == (4, 1)
+    assert CheckpointConfig(writer_threads=8).threads_on("cpu") == 8
+    assert ckpt_cfg.every_minutes == 30
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["checkpoint.every_minutes=-1"], "checkpoint.every_minutes: -1.0 must be >= 0"),
+    (["checkpoint.writer_threads=17"], "checkpoint.writer_threads: 17 must be 0 (auto) to 16"),
+    (["checkpoint.async_save=sometimes"], "checkpoint.async_save"),
+    (["logging.every_steps=-2"], "logging.every_steps: -2 must be >= 0"),
+])
+def test_bad_cadence_settings_name_the_key(tmp_path, overrides, message):
+    from enn_cluster.config.loading import load_config
+    from enn_cluster.errors import UserError
+    from helpers import small_config, write_config
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path))
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(str(cfg), overrides)
+
+
+def test_a_boolean_async_save_still_loads(tmp_path):
+    """Run directories written before `auto` hold async_save: true/false."""
+    from enn_cluster.config.loading import load_config
+    from helpers import small_config, write_config
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, checkpoint={"async_save": True}))
+    assert load_config(str(cfg)).checkpoint.async_save == "true"
+
+
+def test_a_save_longer_than_the_stop_grace_is_named():
+    from enn_cluster.worker.checkpoint import slow_save_warning
+
+    assert slow_save_warning(59.0, 100, 60.0) is None
+    line = slow_save_warning(140.2, 100, 60.0)
+    assert line.startswith("checkpoint step-100 took 140 s, longer than the stop grace (60 s)")
+    assert "parallel.stop_grace_s" in line and "--signal-grace" in line
+
+
+def test_time_based_checkpoints_are_agreed_and_carry_their_metrics(tmp_path):
+    """checkpoint.every_minutes alone (no every_steps), tiny (60 us): the first step is
+    due (setting up takes longer), and a step is due again once 60 us have passed since a
+    save; both ranks agree on each one, and each checkpoint's step, and only those, has
+    its `train` record (logging.every_steps=100 reads no step by itself)."""
+    from helpers import cli, metrics, small_config, write_config
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "timed", training={"max_steps": 4},
+        checkpoint={"every_steps": 0, "every_minutes": 1e-6, "keep_last": 10},
+        logging={"every_steps": 100}, parallel={"nodes": 1, "procs_per_node": 2}))
+    res = cli("train", "--config", cfg)
+    assert res.returncode == 0, res.stderr[-2000:]
+    run = tmp_path / "runs" / "timed"
+    saved = [r["step"] for r in metrics(run, "checkpoint")]
+    assert saved[0] == 1 and saved[-1] == 4 and len(saved) >= 2, saved
+    assert [r["step"] for r in metrics(run, "train")] == saved
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        f"step-{s}" for s in saved]

@@ -93,8 +93,9 @@ def cmd_render(args) -> int:
     spec, warning = sized_for_nodes(
         slurm_spec(slurm_request(args), spec_run, args.task, shape, restarts, args.name))
     sys.stdout.write(batch_script(slurm_executor(spec, submitit_folder(run.path))))
-    if warning:
-        print(warning, file=sys.stderr)
+    if warning:  # submit refuses a GPU job that this line names
+        print(f"enn-submit: warning: submit refuses this job: {warning}"
+              if spec.gpus_per_node else warning, file=sys.stderr)
     return 0
 
 

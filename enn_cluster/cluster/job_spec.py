@@ -63,6 +63,7 @@ class JobSpec:
     account: Optional[str] = None
     qos: Optional[str] = None
     exclusive: bool = False
+    wckey: Optional[str] = None  # site.wckey; None: no --wckey (not submitit's "submitit")
     signal_grace_s: int = 90
     container_image: Optional[str] = None  # squashfs path or registry ref; None: bare metal
     container_mounts: tuple[str, ...] = ()
@@ -145,6 +146,7 @@ def _validate(s: JobSpec) -> None:
         check_mem_gb(s.mem_gb)
     for flag in ("partition", "account", "qos"):
         check_word(getattr(s, flag), f"--{flag}")
+    check_word(s.wckey, "site.wckey")
     _int(s.signal_grace_s, "--signal-grace", 1)
     _int(s.max_restarts, "--max-restarts", 0)
     if s.time_minutes * 60 <= s.signal_grace_s + 60:
@@ -231,12 +233,18 @@ def host_setup_lines() -> list[str]:
 
 
 def env_lines(spec: JobSpec) -> list[str]:
-    """Extra variables (always set), then the profile's NCCL defaults, each skipped at run
-    time when the job's environment (the submitter's, a module) already has it."""
+    """Extra variables (always set), then the profile (the submitter's exported one
+    first) and its NCCL defaults, each skipped at run time when the job's environment
+    (the submitter's, a module) already has it."""
     lines = [line for k, v in spec.env for line in (*_literal(v), f"export {k}={_q(v)}")]
-    lines.append(f"export {nccl.PROFILE_VAR}={_q(spec.nccl_profile)}")
-    for name, value in nccl.script_env(spec.nccl_profile).items():
-        lines.append(f'[ -n "${{{name}+x}}" ] || export {name}={_q(value)}')
+    # the submitter's exported ENN_NCCL_PROFILE wins; the worker then sets that profile's
+    # variables on the node, and this profile's defaults are exported only for this one
+    var, profile = nccl.PROFILE_VAR, spec.nccl_profile
+    lines.append(f'export {var}="${{{var}:-{profile}}}"')
+    defaults = [f'  [ -n "${{{name}+x}}" ] || export {name}={_q(value)}'
+                for name, value in nccl.script_env(profile).items()]
+    if defaults:
+        lines += [f'if [ "${var}" = {profile} ]; then', *defaults, "fi"]
     return lines + cpu_lines(spec)
 
 
@@ -328,7 +336,7 @@ def submitit_parameters(spec: JobSpec) -> dict:
                 "slurm_account": spec.account, "slurm_qos": spec.qos,
                 "slurm_exclusive": True if spec.exclusive else None}
     params.update({k: v for k, v in optional.items() if v is not None})
-    return params
+    return params  # wckey: submit_slurm.slurm_executor (None must reach submitit as None)
 
 
 def submitit_executor_kwargs(spec: JobSpec) -> dict:
@@ -347,7 +355,7 @@ def sbatch_lines(spec: JobSpec) -> list[str]:
             gpu_option(spec.gpu_request, spec.gpus_per_node) if spec.gpus_per_node
             else ("gpus-per-node", None), ("cpus-per-task", spec.cpus_per_task),
             ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
-            ("account", spec.account), ("qos", spec.qos),
+            ("account", spec.account), ("qos", spec.qos), ("wckey", spec.wckey),
             ("exclusive", True if spec.exclusive else None), ("requeue", True),
             ("no-kill", True if lo != hi else None),
             ("open-mode", "append"), ("signal", f"B:USR2@{spec.signal_grace_s}"),
@@ -366,12 +374,12 @@ def parameter_lines(spec: JobSpec) -> list[str]:
                ("ENN_MOUNTS", ",".join(str(m) for m in pyxis.parse_mounts(spec.container_mounts))),
                ("ENN_WORKDIR", spec.container_workdir or ""),
                ("ENN_CONTAINER_ENV", ",".join(spec.env_names)), ("ENN_PYTHON", spec.python),
-               ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts),
-               ("ENN_NCCL_PROFILE", spec.nccl_profile)]
+               ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts)]
     lo, hi = spec.node_range
     if lo != hi:  # host_setup.sh: relaunch on what is left after a lost node, requeue at MIN
         values.append(("ENN_MIN_NODES", lo))
     lines = [line for k, v in values for line in (*_literal(v), f"{k}={_q(v)}")]
+    lines.append(f'ENN_NCCL_PROFILE="${{ENN_NCCL_PROFILE:-{spec.nccl_profile}}}"')  # env_lines
     return lines + _literal(*spec.extra_srun_args) + [
         "enn_srun_extra=(" + " ".join(_q(a, element=True) for a in spec.extra_srun_args) + ")"]
 

@@ -35,11 +35,12 @@ DEFAULTS: dict[str, Any] = {
     "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
     "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
     "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
-    "mem_gb": None, "gpu_request": "gpus-per-node", "gpu_mem_gb": None,
+    "mem_gb": None, "gpu_request": "gpus-per-node", "gpu_mem_gb": None, "wckey": None,
+    "whole_node_gpus": slurm_values.WHOLE_NODE_GPUS, "allow_socket_fallback": None,
 }
 
 _LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
-_INTS = ("signal_grace_s", "gpus_per_node", "cpus_per_task")
+_INTS = ("signal_grace_s", "gpus_per_node", "cpus_per_task", "whole_node_gpus")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class SiteConfig:
     mem_gb: Optional[float] = None  # memory per node in GB (--mem); 0: all of it
     gpu_request: Optional[str] = None  # gpus-per-node | gres | gres:TYPE (no select/cons_tres)
     gpu_mem_gb: Optional[float] = None  # memory of one GPU, for the memory plan (default 80)
+    wckey: Optional[str] = None  # --wckey for every job; none by default
+    whole_node_gpus: Optional[int] = None  # GPUs per node from which a job gets --exclusive --mem=0
+    allow_socket_fallback: Optional[bool] = None  # NCCL over TCP on EFA/IB nodes: run (true) or stop
     source: Optional[str] = field(default=None, compare=False)  # the file it came from
 
     def overrides(self) -> dict[str, Any]:
@@ -92,6 +96,10 @@ def _typed(key: str, value: Any, source: Optional[str]) -> Any:
     if key in _INTS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"site.{key}: expected a whole number, got {value!r}{where}")
+        return value
+    if key == "allow_socket_fallback":
+        if not isinstance(value, bool):
+            raise UserError(f"site.{key}: expected true or false, got {value!r}{where}")
         return value
     if key in ("mem_gb", "gpu_mem_gb"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -144,6 +152,10 @@ def _check_values(site: SiteConfig) -> None:
                             "of one GPU, e.g. 80")
         if site.gpu_request is not None:
             slurm_values.check_gpu_request(site.gpu_request, "site.gpu_request")
+        slurm_values.check_word(site.wckey, "site.wckey")
+        if site.whole_node_gpus is not None and site.whole_node_gpus < 0:
+            raise UserError(f"site.whole_node_gpus: {site.whole_node_gpus} must be >= 0 "
+                            "(the GPUs on one node; 0: never ask for whole nodes)")
         if site.gpus_per_node is not None and not \
                 0 <= site.gpus_per_node <= slurm_values.MAX_GPUS_PER_NODE:
             raise UserError(f"site.gpus_per_node: {slurm_values.short_value(site.gpus_per_node)} "

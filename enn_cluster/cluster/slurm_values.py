@@ -13,7 +13,7 @@ from enn_cluster.errors import UserError
 MANAGED_SBATCH = frozenset({
     "job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem",
     "time", "partition", "account", "qos", "exclusive", "signal", "requeue", "no-requeue",
-    "open-mode", "output", "error", "wrap"})
+    "open-mode", "output", "error", "wrap", "wckey"})
 # real sbatch options that are also the start of a managed one (sbatch takes exact names first)
 _EXACT_OPTIONS = frozenset({"gpus", "ntasks"})
 MANAGED_SRUN = ("--container-", "--no-container-", "--output", "--error", "--kill-on-bad-exit")
@@ -55,6 +55,23 @@ def time_minutes(value: Union[int, str], field_name: str = "--time") -> int:
         raise UserError(f"{field_name}: {short_value(value)} is more than a year; give a real "
                         "time limit (Slurm's own limits are far below it)")
     return minutes
+
+
+# A job asking for at least this many GPUs per node takes whole nodes (site.whole_node_gpus;
+# 8: DGX/HGX H100, AWS p4d/p5; 0 turns the rule off).
+WHOLE_NODE_GPUS = 8
+
+
+def whole_node_request(gpus_per_node: int, whole_node_gpus: int, exclusive: bool,
+                       mem_gb: Optional[float]) -> tuple[bool, Optional[float]]:
+    """(exclusive, mem_gb) for a job: one that asks for every GPU of a node gets the node,
+    --exclusive (its CPUs, memory bandwidth and NICs unshared; the batch script's CPUs per
+    task are then the node's) and --mem=0 (all its memory: eight CUDA processes with
+    pinned buffers under a site's DefMemPerCPU are killed by the memory cgroup). A memory
+    size given stays; other jobs are as asked."""
+    if whole_node_gpus and gpus_per_node >= whole_node_gpus:
+        return True, 0 if mem_gb is None else mem_gb
+    return exclusive, mem_gb
 
 
 def _fail(flag: str, problem: str, fix: str) -> UserError:

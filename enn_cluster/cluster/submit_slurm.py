@@ -22,7 +22,7 @@ from enn_cluster.storage.rundir import (
     replace_lock,
     run_umask,
 )
-from enn_cluster.worker.slurm_entry import worker_entry
+from enn_cluster.worker.slurm_entry import code_identity, worker_entry
 
 
 def default_job_name(run_name: str) -> str:
@@ -93,10 +93,12 @@ class SlurmRequest:
 def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: int,
                name: Optional[str] = None, *, cfg):
     """Flags win over the site config, which wins over defaults (site.merge). `cfg`: the
-    run's config as the command holds it (the default job name is its run_name's). CPUs
+    run's config as the command holds it (the default job name is its run_name's). A job
+    asking for every GPU of a node gets it whole (slurm_values.whole_node_request). CPUs
     per task that neither sets are left to `sized_for_nodes`, when the job is handed over."""
     from enn_cluster.cluster.job_spec import JobSpec
     from enn_cluster.cluster.site import DEFAULTS, merge
+    from enn_cluster.cluster.slurm_values import whole_node_request
 
     flags = {"partition": req.partition, "account": req.account, "qos": req.qos,
              "time": req.time, "image": req.container, "python": req.python,
@@ -110,15 +112,18 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
     if bare and req.mounts:  # the site's mounts are for its images; a flag's are meant
         raise UserError(f"--mount: {len(req.mounts)} mount(s) given with --container none "
                         "(bare metal mounts nothing); drop --mount or name an image")
+    exclusive, mem_gb = whole_node_request(shape.gpus_per_node, opts["whole_node_gpus"],
+                                           bool(req.exclusive), opts["mem_gb"])
     return JobSpec(
         job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
         run_dir=str(run.path),
         task=task, predict_name=name, nodes=req.nodes_range or shape.nodes,
         gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
-        gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=opts["mem_gb"],
-        env={"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {},
+        gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=mem_gb,
+        env=site_env(opts),
         time=opts["time"], partition=opts["partition"], account=opts["account"],
-        qos=opts["qos"], exclusive=bool(req.exclusive), signal_grace_s=opts["signal_grace_s"],
+        qos=opts["qos"], exclusive=exclusive, wckey=opts["wckey"],
+        signal_grace_s=opts["signal_grace_s"],
         container_image=None if bare else opts["image"],
         container_mounts=() if bare else (*opts["mounts"], *model_mounts(cfg, opts["mounts"])),
         nccl_profile=opts["nccl_profile"],
@@ -151,13 +156,21 @@ def model_mounts(cfg, mounts) -> tuple[str, ...]:
         if not any(text == c or text.startswith(c.rstrip("/") + "/") for c in [*covered, *out]):
             out.append(text)
     return tuple(f"{p}:{p}:ro" for p in out)
+def site_env(opts: dict) -> dict:
+    """Variables the site's keys hand every task (Pyxis passes them into the container)."""
+    env = {"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {}
+    if opts.get("allow_socket_fallback"):
+        env["ENN_ALLOW_SOCKET_FALLBACK"] = "1"
+    return env
 
 
 def sized_for_nodes(spec):
     """`spec` with CPUs per task from its partition's nodes (partition_shape) when neither
     --cpus-per-task nor the site set them (an --exclusive job has whole nodes: its own
     fallback is right). Asked of Slurm as the job is handed over (submit, render); when
-    Slurm cannot say, the spec as it was and the warning line to print once it is."""
+    Slurm cannot say, the spec as it was and the line that says so: `submit` refuses a GPU
+    job with it (one CPU per task on a shared node starves eight CUDA processes) and
+    prints it as a warning for a CPU job; `render` prints it as a warning."""
     import dataclasses
 
     from enn_cluster.cluster.partition_shape import cpus_from_slurm
@@ -169,9 +182,51 @@ def sized_for_nodes(spec):
     cpus, why = cpus_from_slurm(partition, spec.gpus_per_node, spec.tasks_per_node)
     if cpus is not None:
         return dataclasses.replace(spec, cpus_per_task=cpus), ""
+    fix = "pass --cpus-per-task or set site.cpus_per_task"
+    if spec.gpus_per_node:
+        return spec, (f"--cpus-per-task: CPUs per task not sized from the nodes ({why}), and "
+                      f"a GPU job would get 1 CPU per task on a shared node; {fix} (or "
+                      "--exclusive)")
     return spec, (f"enn-submit: warning: CPUs per task not sized from the nodes ({why}): "
-                  "each task gets its allocation's CPUs on the node / tasks, 1 on a shared "
-                  "node; pass --cpus-per-task or set site.cpus_per_task")
+                  f"each task gets its allocation's CPUs on the node / tasks, 1 on a shared "
+                  f"node; {fix}")
+
+
+# Filesystems in this machine's memory: a path on one exists on this node alone.
+MEMORY_FS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: Path, mounts: str) -> Optional[str]:
+    """The type of the filesystem holding `path`, from /proc/self/mounts text (the
+    longest mount point above it; mount points escape spaces as \\040)."""
+    best, kind = "", None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def node_local_problem(run_dir: Path, mounts: str) -> Optional[str]:
+    """A run directory in this login node's memory (tmpfs: /tmp or /dev/shm on many
+    hosts, a relative runs_root resolved there) is not the one the compute nodes see."""
+    kind = filesystem_type(Path(run_dir), mounts)
+    if kind not in MEMORY_FS:
+        return None
+    return (f"runs_root: the run directory {run_dir} is on {kind}, this machine's memory, "
+            "which the compute nodes do not see; set runs_root (config or site) to a path "
+            "on the shared filesystem")
+
+
+def _read_mounts() -> str:
+    try:
+        return Path("/proc/self/mounts").read_text()
+    except OSError:
+        return ""
 
 
 def submitit_folder(run_dir: Path) -> Path:
@@ -198,6 +253,10 @@ def slurm_executor(spec, folder: Path):
     finally:
         SlurmExecutor.affinity = original
     executor.update_parameters(**submitit_parameters(spec))
+    # submitit writes --wckey=submitit unless told None, which AutoExecutor drops as "not
+    # set": the site's wckey or none goes to its Slurm executor (sites enforcing wckeys
+    # reject "submitit")
+    executor._executor.update_parameters(wckey=spec.wckey)
     return executor
 
 
@@ -226,7 +285,12 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
                         "login node (`enn-submit render` shows the script from anywhere)")
     _check_lock(run, job_alive)
+    problem = node_local_problem(run.path, _read_mounts())
+    if problem:
+        raise UserError(problem)
     spec, warning = sized_for_nodes(spec)
+    if warning and spec.gpus_per_node:
+        raise UserError(warning)
     token = secrets.token_hex(8)
     claim = acquire_lock(run, {**lock_owner(), "submission": token}, slurm_job_alive=job_alive)
     try:
@@ -234,7 +298,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         executor = slurm_executor(spec, submitit_folder(run.path))
         with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
             job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
-                                  step)
+                                  step, code_identity())  # the job refuses other code
     except unreadable_reply() as exc:
         release_lock(run, claim)
         said = " ".join(str(exc).split('"')[1].split())[:160] if '"' in str(exc) else "?"

@@ -144,7 +144,13 @@ DESCRIPTIONS = {
                             "OOM governor handles; 0 disables it.",
     # checkpoint
     "checkpoint.every_steps": "Save a checkpoint every N optimizer steps; 0 saves only at "
-                              "the end (and on a requested stop).",
+                              "the end, on a requested stop and every `every_minutes`.",
+    "checkpoint.every_minutes": "Also save when this many minutes have passed since the "
+                                "last save (or the start), so a crash in a first run loses "
+                                "at most that much; every rank agrees on the step through "
+                                "the step's control-lane all-reduce. 0: no time-based saves.",
+    "checkpoint.writer_threads": "Writer threads per rank, each writing its own file of the "
+                                 "rank's shard; 0: 4 on GPU, 1 on CPU.",
     "checkpoint.keep_last": "Committed checkpoints to keep (> 0); older ones, and torn ones "
                             "older than the newest committed, are deleted.",
     "checkpoint.async_save": "Write periodic checkpoints in the background: a thread copies "
@@ -152,7 +158,7 @@ DESCRIPTIONS = {
                              "memory (one extra copy, pinned on GPU nodes), then writes and "
                              "commits on its own gloo group; the next optimizer step waits "
                              "only while that copy runs. The final checkpoint is always "
-                             "synchronous.",
+                             "synchronous. `auto`: on GPU only; `true` or `false`.",
     "checkpoint.barrier_timeout_s": "Timeout in seconds of the checkpoint barriers and of the "
                                     "control lane that carries them (a save waits for the "
                                     "slowest writer; a resume for the slowest load); 0: "
@@ -199,8 +205,10 @@ DESCRIPTIONS = {
     # logging
     "logging.metrics_path": "Metrics file: `metrics.jsonl` or a `.jsonl` file under `metrics/` "
                             "in the run directory (never one of its control files).",
-    "logging.every_steps": "Write a `train` metrics record every N steps (> 0); the only "
-                           "steps whose loss and norm are read back from the device.",
+    "logging.every_steps": "Write a `train` metrics record every N steps, and at every "
+                           "checkpoint and the last step: the only steps whose loss and norm "
+                           "are read back from the device (a host sync on GPU). 0: 10 on "
+                           "GPU, 1 on CPU.",
     "logging.mlflow_tracking_uri": "MLflow tracking URI; empty: no MLflow. Rank 0 logs into "
     "one MLflow run across restarts (needs the `mlflow` extra). No credentials in the URI: "
     "use MLFLOW_TRACKING_TOKEN in the environment.",

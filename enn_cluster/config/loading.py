@@ -35,7 +35,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not math.isfinite(value):
             raise UserError(f"{key}: {value!r} is not a finite number; give a plain value")
         return value
-    if tp is str and key.endswith(".bf16") and isinstance(value, bool):
+    if tp is str and key.endswith((".bf16", ".async_save")) and isinstance(value, bool):
         return str(value).lower()
     if tp is str and key == "profiling.steps" and type(value) is int:  # one step: `=20`
         return str(value)

@@ -98,6 +98,7 @@ class Interfaces:
 
     efa_devices: tuple[str, ...] = ()
     ib_devices: tuple[str, ...] = ()  # verbs devices that are not EFA (mlx5_*, ...)
+    ib_hca: tuple[str, ...] = ()  # DEV:PORT of their ACTIVE InfiniBand ports (NCCL_IB_HCA)
     net: tuple[str, ...] = ()
     libfabric: bool = False
 
@@ -131,6 +132,22 @@ def _is_efa(dev: Path, libfabric: bool) -> bool:
     return libfabric and driver is None and not dev.name.startswith("mlx")
 
 
+def active_ib_ports(dev: Path) -> list[str]:
+    """`DEV:PORT` for each port of a verbs device whose link layer is InfiniBand and whose
+    state is ACTIVE (ports/N/link_layer, ports/N/state "4: ACTIVE"): not RoCE (Ethernet)
+    ports, not ports that are down, so NCCL_IB_HCA never names a port NCCL cannot use."""
+    ports = []
+    for port in _listdir(dev / "ports"):
+        try:
+            layer = (dev / "ports" / port / "link_layer").read_text().strip()
+            state = (dev / "ports" / port / "state").read_text().strip()
+        except OSError:
+            continue
+        if layer == "InfiniBand" and state.split(":")[-1].strip() == "ACTIVE":
+            ports.append(f"{dev.name}:{port}")
+    return ports
+
+
 def scan_interfaces(sysfs_root: str = "/sys",
                     libfabric_paths: Sequence[str] = DEFAULT_LIBFABRIC_PATHS,
                     dev_root: str = "/dev") -> Interfaces:
@@ -145,7 +162,8 @@ def scan_interfaces(sysfs_root: str = "/sys",
     if not efa and not ib and _efa_driver(root):
         efa = [n for n in _listdir(Path(dev_root) / "infiniband") if n.startswith("uverbs")]
     net = tuple(_listdir(root / "class" / "net"))
-    return Interfaces(tuple(efa), tuple(ib), net, libfabric)
+    hca = [p for name in ib for p in active_ib_ports(root / "class" / "infiniband" / name)]
+    return Interfaces(tuple(efa), tuple(ib), tuple(hca), net, libfabric)
 
 
 def _efa_driver(root: Path) -> bool:
@@ -182,8 +200,8 @@ def _profile_values(fabric: str, interfaces: Optional[Interfaces]) -> dict[str, 
         values.update(EFA_ENV)
     elif fabric == "ib":
         values.update(IB_ENV)
-        if interfaces and interfaces.ib_devices:
-            values["NCCL_IB_HCA"] = "=" + ",".join(interfaces.ib_devices)  # '=': exact names
+        if interfaces and interfaces.ib_hca:  # none ACTIVE: unset, NCCL chooses
+            values["NCCL_IB_HCA"] = "=" + ",".join(interfaces.ib_hca)  # '=': exact names
     else:
         values.update(SOCKET_ENV)
     return values

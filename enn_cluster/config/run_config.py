@@ -33,6 +33,9 @@ from enn_cluster.errors import UserError
 
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
 MAX_WAIT_S = 7 * 24 * 3600.0  # timeouts beyond a week overflow gloo/alarm and mean a typo
+MAX_WRITER_THREADS = 16  # DCP writes one file per thread and rank
+GPU_LOG_EVERY_STEPS = 10  # logging.every_steps 0 on GPU (torchtitan's log_freq)
+GPU_WRITER_THREADS = 4
 MAX_NAME_BYTES = 200  # run_name: a path component, with room for '.NAME.creating-PID'
 
 
@@ -224,17 +227,35 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0  # 0: only at the end
+    every_steps: int = 0  # 0: only at the end (and every_minutes)
+    every_minutes: float = 30.0  # also save when this long has passed since the last; 0: off
     keep_last: int = 3
-    async_save: bool = False
+    async_save: str = "auto"  # auto (GPU only) | true | false
+    writer_threads: int = 0  # DCP writer threads (files) per rank; 0: 4 on GPU, 1 on CPU
     barrier_timeout_s: float = 0.0  # checkpoint/control-lane barriers; 0: parallel.timeout_s
 
     def validate(self) -> None:
         _non_negative("checkpoint.every_steps", self.every_steps)
+        if not 0 <= self.every_minutes <= MAX_WAIT_S / 60:
+            raise UserError(f"checkpoint.every_minutes: {self.every_minutes!r} must be >= 0 "
+                            "(0: no time-based checkpoints) and at most a week")
         _positive("checkpoint.keep_last", self.keep_last)
+        _choice("checkpoint.async_save", str(self.async_save).lower(), ("auto", "true", "false"))
+        self.async_save = str(self.async_save).lower()
+        if not 0 <= self.writer_threads <= MAX_WRITER_THREADS:
+            raise UserError(f"checkpoint.writer_threads: {self.writer_threads!r} must be 0 "
+                            f"(auto) to {MAX_WRITER_THREADS}")
         if not 0 <= self.barrier_timeout_s <= MAX_WAIT_S:
             raise UserError(f"checkpoint.barrier_timeout_s: {self.barrier_timeout_s!r} must be "
                             f">= 0 (0: parallel.timeout_s) and at most {MAX_WAIT_S:.0f} seconds")
+
+    def async_on(self, device_type: str) -> bool:
+        """Periodic saves in the background: `auto` means on GPU only (the copy to pinned
+        host memory is what lets the GPU go on; on CPU the copy is the cost)."""
+        return self.async_save == "true" or (self.async_save == "auto" and device_type == "cuda")
+
+    def threads_on(self, device_type: str) -> int:
+        return self.writer_threads or (GPU_WRITER_THREADS if device_type == "cuda" else 1)
 
 
 @dataclass
@@ -285,17 +306,22 @@ class ParallelConfig:
 @dataclass
 class LoggingConfig:
     metrics_path: str = "metrics.jsonl"  # relative to the run directory
-    every_steps: int = 1
+    every_steps: int = 0  # 0: 10 on GPU, 1 on CPU
     mlflow_tracking_uri: str = ""  # "": no MLflow; credentials only through the environment
     mlflow_experiment: str = "enn_cluster"
 
     def validate(self) -> None:
-        _positive("logging.every_steps", self.every_steps)
+        _non_negative("logging.every_steps", self.every_steps)
         check_metrics_path("logging.metrics_path", self.metrics_path)
         no_credentials_in_url("logging.mlflow_tracking_uri", self.mlflow_tracking_uri,
                               "MLFLOW_TRACKING_TOKEN (or _USERNAME/_PASSWORD)")
         if not self.mlflow_experiment.strip():
             raise UserError("logging.mlflow_experiment: must not be empty")
+
+    def steps_on(self, device_type: str) -> int:
+        """Steps between `train` records: each reads loss and norm back from the device,
+        which on a GPU waits for the queued work (a host sync); on CPU there is none."""
+        return self.every_steps or (GPU_LOG_EVERY_STEPS if device_type == "cuda" else 1)
 
 
 @dataclass

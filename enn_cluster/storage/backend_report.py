@@ -87,6 +87,19 @@ def _sdpa_warning(report: Mapping) -> Optional[str]:
             "or the like)")
 
 
+def transport_refusal(report: Mapping) -> Optional[str]:
+    """The line a GPU rank stops with when NCCL fell back to TCP sockets on an EFA or IB
+    node (an 8B all-reduce then takes seconds a step); None otherwise. The worker applies
+    it unless the site allows the fallback (ENN_ALLOW_SOCKET_FALLBACK)."""
+    expected, transport = report.get("expected_fabric"), report.get("nccl_transport")
+    if not str(report.get("device", "cpu")).startswith("cuda") or transport != "socket" \
+            or expected not in ("efa", "ib"):
+        return None
+    return (f"NCCL: this {expected} node runs NCCL over TCP sockets (the net plugin or the "
+            f"verbs devices did not load; see nccl-rank-{report.get('rank')}.log); fix the "
+            "image (docs/admin.md#nccl-profiles) or set site.allow_socket_fallback: true")
+
+
 def layer_warnings(report: Mapping) -> dict[str, list[str]]:
     """One rank's report against what the site and config meant, by doctor layer:
     kernels (device, SDPA), precision (bf16), distributed (NCCL's transport)."""

@@ -111,8 +111,9 @@ class ChecksummingWriter(FileSystemWriter):
     """FileSystemWriter (one fsynced file per rank) that records each file's checksum in
     `checksums` as it writes it; safe from the async checkpoint thread."""
 
-    def __init__(self, path) -> None:
-        super().__init__(str(path), single_file_per_rank=True, sync_files=True)
+    def __init__(self, path, thread_count: int = 1) -> None:
+        super().__init__(str(path), single_file_per_rank=True, sync_files=True,
+                         thread_count=thread_count)  # a file per thread: __RANK_I.distcp
         self.checksums: dict = {}
         self.fs = _HashingFileSystem(self.checksums)
 

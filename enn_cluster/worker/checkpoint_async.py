@@ -59,9 +59,11 @@ class PendingSave:
     """One checkpoint being written in the background."""
 
     def __init__(self, step: int, root: Path, state: dict, snap: ckpt.Snapshot,
-                 lanes: Lanes, stager, keep_last: Optional[int]) -> None:
+                 lanes: Lanes, stager, keep_last: Optional[int], writer_threads: int = 1) -> None:
         self.step = step
         self.error: Optional[BaseException] = None
+        self.seconds = 0.0  # the write's, once done
+        self.writer_threads = writer_threads
         self._staged = threading.Event()
         lanes_bg = dataclasses.replace(lanes, control=lanes.checkpoint)
         ready = None
@@ -81,7 +83,8 @@ class PendingSave:
                 staged = _stage(stager, state, lanes.device, ready)
             finally:
                 self._staged.set()
-            ckpt.write(root, self.step, staged, snap, lanes, keep_last)
+            self.seconds = ckpt.write(root, self.step, staged, snap, lanes, keep_last,
+                                      self.writer_threads)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             self.error = exc
 
@@ -111,8 +114,8 @@ def _stage(stager, state: dict, device, ready) -> dict:
 
 
 def save_async(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: Lanes,
-               stager, keep_last: Optional[int] = None) -> PendingSave:
+               stager, keep_last: Optional[int] = None, writer_threads: int = 1) -> PendingSave:
     """Start writing step-N; the state dict is taken now, between steps, while FSDP's
     parameters are sharded (a forward would swap in the unsharded ones)."""
     return PendingSave(step, root, ckpt.state_of(model, optimizer), ckpt.snapshot(trainer_state),
-                       lanes, stager, keep_last)
+                       lanes, stager, keep_last, writer_threads)

@@ -26,7 +26,8 @@ from enn_cluster.storage import backend_report
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import clean_environment, detect_launcher, discover
-from enn_cluster.worker.exec_env import reexec_if_needed
+from enn_cluster.worker.exec_env import fallback_allowed, process_defaults, reexec_if_needed
+from enn_cluster.worker.code_identity import code_identity, skew_problem
 from enn_cluster.worker.placement import place_task
 from enn_cluster.worker.stop_signals import STOP_SIGNALS
 
@@ -41,6 +42,9 @@ def install_early_stop_handlers() -> None:
     (Python's defaults would end the task with no checkpoint, or a traceback)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _early_signals.append(signum))
+
+
+_process_defaults: dict = {}  # what process_defaults set in this task (logged once logging is up)
 
 
 def _attempt_tag(env) -> str:
@@ -73,6 +77,9 @@ def _setup_logging(run: RunDir, env) -> Path:
     log.info("worker rank %d/%d local %d node %d pid %d host %s launcher %s restart %d",
              env.rank, env.world_size, env.local_rank, env.node_rank, os.getpid(),
              socket.gethostname(), env.launcher, env.restart_count)
+    if "HOME" in _process_defaults:  # --no-container-mount-home: a HOME the image lacks
+        log.info("HOME is not a writable directory here: HOME and caches under %s",
+                 _process_defaults["HOME"])
     return log_dir
 
 
@@ -107,15 +114,22 @@ def _configure_nccl(env, timeout_s: float) -> None:
 
 
 def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
-             step: Optional[int] = None) -> int:
-    """Run one task of the job in this process; returns the exit code."""
+             step: Optional[int] = None, submitted: Optional[str] = None) -> int:
+    """Run one task of the job in this process; returns the exit code. `submitted`: the
+    code identity the job was submitted with (Slurm), refused when it is not this one."""
     reexec_if_needed()  # the EFA plugin's library path must be there at exec
+    problem = skew_problem(submitted, code_identity()) if submitted else None
+    if problem:
+        raise UserError(problem)
     run = RunDir(Path(run_dir).resolve())
     cfg = run.load_config()
     env = discover(os.environ)
     cleaned = clean_environment(os.environ, env)
     os.environ.clear()
     os.environ.update(cleaned)
+    _process_defaults.update(process_defaults(os.environ))  # before CUDA starts; logged
+    os.environ.update(_process_defaults)
+    Path(os.environ["HOME"]).mkdir(mode=0o700, parents=True, exist_ok=True)
     code = EXIT_FAILED  # an exception on the way out is a failure (exit 2 for UserError)
     try:
         code = _run(run, cfg, env, task, name, step)
@@ -200,6 +214,9 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
     backend_report.write_report(log_dir, report)
     for line in backend_report.mismatches(report):
         log.warning("backend: %s", line)
+    refusal = backend_report.transport_refusal(report)
+    if refusal and not fallback_allowed(os.environ):
+        raise UserError(refusal)
 
 
 def _train(run: RunDir, cfg, env, lanes) -> int:
@@ -260,7 +277,7 @@ def die_with_launcher(environ) -> None:
 
 
 def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
-              step: Optional[int] = None) -> int:
+              step: Optional[int] = None, submitted: Optional[str] = None) -> int:
     """Every launcher's way in (the module's main, Slurm's submitit entry): the same
     signal handling and the same exit codes, 2 for bad input (never retried)."""
     install_early_stop_handlers()
@@ -269,7 +286,8 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
 
     slurm_job = os.environ.get("SLURM_JOB_ID") if detect_launcher(os.environ) == "slurm" else None
     try:
-        return slurm_exit_code(run_task(run_dir, task, name, step), slurm_job is not None)
+        return slurm_exit_code(run_task(run_dir, task, name, step, submitted),
+                               slurm_job is not None)
     except UserError as exc:
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
         if slurm_job and slurm_job.isdigit():

@@ -46,7 +46,14 @@ DEFAULT_LIBRARY = "libnccl-net.so"
 # <= 1.11 registers it, later releases register "Libfabric" but take this name back when
 # NCCL_NET asks for it (aws/aws-ofi-nccl#530, src/nccl_ofi_interface_nvidia.c).
 EFA_NET = "AWS Libfabric"
+# A site that accepts NCCL over TCP sockets on a fabric node (e.g. while it installs the
+# plugin) says so here; otherwise such a mismatch stops the job (exit 2).
+FALLBACK_VAR = "ENN_ALLOW_SOCKET_FALLBACK"
 log = logging.getLogger(__name__)
+
+
+def fallback_allowed(environ: Mapping[str, str]) -> bool:
+    return environ.get(FALLBACK_VAR, "") in ("1", "true", "yes")
 
 
 @dataclass(frozen=True)
@@ -86,30 +93,76 @@ def wanted_fabric(environ: Mapping[str, str], sysfs_root: str = "/sys") -> tuple
 
 
 def exec_env(environ: Mapping[str, str], fabric: str, pinned: bool, plugin: Optional[Plugin],
-             libfabric_dirs: Sequence[str] = ()) -> dict[str, str]:
-    """The variables to change before exec (pure but for one warning). EFA: the plugin's
-    directory and the libfabric directories go first in LD_LIBRARY_PATH (the user's entries
-    kept, in order) and NCCL_NET_PLUGIN names the plugin found; where the site pins EFA,
-    NCCL_NET makes a plugin that fails to load an error. The user's values are kept."""
+             libfabric_dirs: Sequence[str] = (), exists=os.path.isfile) -> dict:
+    """The variables to change before exec (pure but for warnings; None: unset it). EFA:
+    the plugin's directory and the libfabric directories go first in LD_LIBRARY_PATH (the
+    user's entries kept, in order), NCCL_NET_PLUGIN names the plugin found, replacing an
+    inherited value that names no library there (newer NVIDIA images set their own plugin:
+    NCCL would load it or none, and run over TCP), and NCCL_NET makes a plugin that fails
+    to load an error in NCCL. No plugin on an EFA node is an error naming the fix, unless
+    ENN_ALLOW_SOCKET_FALLBACK (site.allow_socket_fallback) accepts TCP sockets."""
     if fabric != "efa":
         return {}
     if plugin is None:
         missing = (f"no NCCL net plugin ({', '.join(PLUGIN_LIBRARIES)}) in "
                    f"{', '.join(plugin_search_dirs(environ))}")
-        fix = (f"install aws-ofi-nccl in the image or name its lib directory in "
-               f"{PLUGIN_DIRS_VAR}")
-        if pinned:
-            raise UserError(f"{nccl.PROFILE_VAR}=efa: {missing}; {fix}")
-        log.warning("EFA detected (%s=auto) but %s: NCCL will run over TCP sockets; %s",
-                    nccl.PROFILE_VAR, missing, fix)
+        fix = (f"install aws-ofi-nccl in the image (containers/Dockerfile with --build-arg "
+               f"EFA_INSTALLER_VERSION=...) or name its lib directory in {PLUGIN_DIRS_VAR}")
+        if pinned or not fallback_allowed(environ):
+            raise UserError(f"{nccl.PROFILE_VAR}={'efa' if pinned else 'auto'} on an EFA "
+                            f"node: {missing}; {fix}")
+        log.warning("EFA detected (%s=auto) but %s: NCCL will run over TCP sockets (%s=1); "
+                    "%s", nccl.PROFILE_VAR, missing, FALLBACK_VAR, fix)
         return {}
     parts = [p for p in environ.get("LD_LIBRARY_PATH", "").split(":") if p]
     front = [d for d in (plugin.directory, *libfabric_dirs) if d not in parts]
-    out = {"LD_LIBRARY_PATH": ":".join(front + parts)} if front else {}
-    if "NCCL_NET_PLUGIN" not in environ and plugin.suffix:
+    out: dict = {"LD_LIBRARY_PATH": ":".join(front + parts)} if front else {}
+    named = environ.get("NCCL_NET_PLUGIN")
+    if named is not None and not _names_library(named, plugin.directory, exists):
+        log.warning("NCCL_NET_PLUGIN=%s (from the image or the job) names no library in %s: "
+                    "replaced by aws-ofi-nccl's %s on this EFA node", named, plugin.directory,
+                    plugin.library)
+        out["NCCL_NET_PLUGIN"] = plugin.suffix  # None: unset, NCCL opens libnccl-net.so
+    elif named is None and plugin.suffix:
         out["NCCL_NET_PLUGIN"] = plugin.suffix
-    if pinned and "NCCL_NET" not in environ:
+    if "NCCL_NET" not in environ:
         out["NCCL_NET"] = EFA_NET
+    return out
+
+
+def _names_library(value: str, directory: str, exists) -> bool:
+    """Whether NCCL_NET_PLUGIN=value opens a library in `directory`: a file name (newer
+    NCCL) or the suffix of libnccl-net-<value>.so."""
+    return any(exists(os.path.join(directory, name))
+               for name in (os.path.basename(value), f"libnccl-net-{value}.so"))
+
+
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+CACHE_VARS = ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def process_defaults(environ: Mapping[str, str], home_usable=None,
+                     uid: Optional[int] = None) -> dict[str, str]:
+    """Variables the worker sets for itself before torch touches the GPU (the user's are
+    kept). PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: fewer fragmentation OOMs at
+    the same peak (unless the allocator is configured either way). Where HOME does not
+    exist or cannot be written (`srun --no-container-mount-home` keeps the host's HOME, which
+    the image lacks), HOME and the XDG, triton and inductor caches go to node-local
+    scratch ($TMPDIR or /tmp, enn-cache-UID): triton, inductor and Hugging Face write
+    under ~/.cache and would fail."""
+    out = {}
+    if not {ALLOC_CONF[0], "PYTORCH_ALLOC_CONF"} & set(environ):
+        out[ALLOC_CONF[0]] = ALLOC_CONF[1]
+    home = environ.get("HOME", "")
+    usable = home_usable or (lambda path: bool(path) and os.path.isdir(path)
+                             and os.access(path, os.W_OK))
+    if not usable(home):
+        scratch = os.path.join(environ.get("TMPDIR") or "/tmp",
+                               f"enn-cache-{os.getuid() if uid is None else uid}")
+        out["HOME"] = scratch
+        for name, sub in zip(CACHE_VARS, ("xdg", "triton", "inductor")):
+            if name not in environ:
+                out[name] = os.path.join(scratch, sub)
     return out
 
 
@@ -133,4 +186,5 @@ def reexec_if_needed(environ: Optional[Mapping[str, str]] = None) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, list(sys.orig_argv), {**environ, **changes, READY_VAR: "1"})
+    merged = {k: v for k, v in {**environ, **changes}.items() if v is not None}
+    os.execve(sys.executable, list(sys.orig_argv), {**merged, READY_VAR: "1"})

@@ -37,6 +37,7 @@ class NonFiniteWatch:
         self.replicate, self.history = replicate, max(history, 1)
         self.counts = torch.zeros(len(named), dtype=torch.int64, device=device)
         self.scalars = torch.zeros(4, dtype=torch.float64, device=device)  # step lr norm loss
+        self._slots = torch.arange(4, device=device)  # which slot holds which figure
         self.rows: dict[int, list[int]] = {}  # step -> this rank's rows, the last `history`
 
     def count(self) -> torch.Tensor:
@@ -59,12 +60,14 @@ class NonFiniteWatch:
         for old in [s for s in self.rows if s <= step - self.history]:
             del self.rows[old]
         bad = ~finite
-        dev = self.counts.device
         self.counts = torch.where(bad, counts, self.counts)
-        figures = torch.stack([torch.tensor(float(step), dtype=torch.float64, device=dev),
-                               torch.tensor(lr, dtype=torch.float64, device=dev),
-                               grad_norm.detach().double().reshape(()),
-                               loss.detach().double().reshape(())])
+        # step and lr are host numbers: they enter as kernel arguments of `where` (Python
+        # scalars), never as tensors built from them (a host-to-device copy, and a wait for
+        # it, per step: tests/test_trainer_units.py counts them)
+        figures = torch.where(self._slots == 2, grad_norm.detach().double().reshape(()),
+                              loss.detach().double().reshape(()))
+        figures = torch.where(self._slots == 1, float(lr), figures)  # stays float64
+        figures = torch.where(self._slots == 0, float(step), figures)
         self.scalars = torch.where(bad, figures, self.scalars)
 
     def dump(self, run_path: Path, lanes, extra: dict) -> Optional[Path]:

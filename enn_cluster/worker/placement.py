@@ -96,6 +96,53 @@ def cpu_plan(local_rank: int, rank_numa: Sequence[int], numa: Mapping[int, Seque
     return list(pool[k * share:(k + 1) * share])
 
 
+def job_cpus(sysfs_root: str = "/sys", cgroup_text: Optional[str] = None) -> Optional[list[int]]:
+    """The CPUs this job step may use on the node: its cgroup's cpuset (v2
+    cpuset.cpus.effective, v1 cpuset.effective_cpus), wider than a task's own affinity when
+    a launcher bound each task. None when it cannot be read."""
+    if cgroup_text is None:
+        try:
+            cgroup_text = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    base = Path(sysfs_root) / "fs" / "cgroup"
+    for line in cgroup_text.splitlines():
+        hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and controllers == "":
+            candidate = base / path.lstrip("/") / "cpuset.cpus.effective"
+        elif "cpuset" in controllers.split(","):
+            candidate = base / "cpuset" / path.lstrip("/") / "cpuset.effective_cpus"
+        else:
+            continue
+        try:
+            cpus = parse_cpulist(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return cpus
+    return None
+
+
+def rebind_plan(local_rank: int, rank_numa: Sequence[int], numa: Mapping[int, Sequence[int]],
+                job: Optional[Sequence[int]], launcher_cpus: Sequence[int],
+                environ: Mapping[str, str]) -> Optional[list[int]]:
+    """CPUs for a task a launcher bound (Slurm's default block:cyclic with --cpus-per-task
+    puts every other rank on the far socket from its GPU): the plan over the job's allowed
+    CPUs (`job`, its cgroup), which every rank of the node computes alike, so the ranks'
+    shares stay disjoint; a rank whose binding was already local takes its share too, for
+    that reason. None: keep the launcher's (the job's CPUs or a GPU's node unknown, a
+    share that would not be on the GPU's node, the launcher's binding already the plan's,
+    or ENN_CPU_BIND=launcher asks to keep it)."""
+    node = rank_numa[local_rank]
+    if (environ.get("ENN_CPU_BIND") == "launcher" or not job or node not in numa
+            or any(n < 0 or n not in numa for n in rank_numa)):
+        return None
+    plan = cpu_plan(local_rank, rank_numa, numa, job)
+    if not set(plan) <= set(numa[node]) or sorted(plan) == sorted(launcher_cpus):
+        return None
+    return plan
+
+
 def numa_mismatch(rank: int, device: str, gpu_node: Optional[int], cpus: Sequence[int],
                   numa: Mapping[int, Sequence[int]]) -> Optional[str]:
     """The warning to log when a launcher bound a rank to CPUs outside its GPU's NUMA node
@@ -216,10 +263,12 @@ def cuda_bus_ids() -> list[str]:
 
 def place_task(env, device, sysfs_root: str = "/sys",
                bus_ids: Optional[Sequence[str]] = None) -> Placement:
-    """Bind this task's CPUs near its GPU when no launcher bound it (every thread of the
-    process, so call it before the process groups start theirs), size torch's threads to
-    what it got, and say what it got; warn when a launcher's binding sits on another NUMA
-    node than the GPU. `bus_ids` (the visible GPUs' PCI addresses) default to CUDA's."""
+    """Bind this task's CPUs near its GPU when no launcher bound it, or when a launcher
+    bound it on another NUMA node than its GPU and the job's CPUs are known (rebind_plan);
+    every thread of the process, so call it before the process groups start theirs. Size
+    torch's threads to what it got, and say what it got; warn when a launcher's binding
+    stays on another NUMA node than the GPU. `bus_ids` (the visible GPUs' PCI addresses)
+    default to CUDA's."""
     import torch
 
     cpus, online = affinity(), online_cpus(sysfs_root)
@@ -228,9 +277,17 @@ def place_task(env, device, sysfs_root: str = "/sys",
         (cuda_bus_ids() if device.type == "cuda" else [])
     node = pci_numa_node(bus[device.index], sysfs_root) if bus else None
     lw, numa = env.local_world_size, numa_cpus(sysfs_root)
-    if source == "none" and bus and len(bus) >= lw:
-        rank_numa = [pci_numa_node(bus[choose_device(r, lw, len(bus))], sysfs_root)
-                     for r in range(lw)]
+    rank_numa = [pci_numa_node(bus[choose_device(r, lw, len(bus))], sysfs_root)
+                 for r in range(lw)] if bus and len(bus) >= lw else []
+    rebind = rebind_plan(env.local_rank, rank_numa, numa, job_cpus(sysfs_root), cpus,
+                         os.environ) if source == "launcher" and rank_numa else None
+    if rebind is not None:
+        log.info("placement: rank %d rebound from the launcher's CPUs %s to %s, on its GPU's "
+                 "NUMA node %d (ENN_CPU_BIND=launcher keeps the launcher's)", env.rank,
+                 format_cpulist(cpus), format_cpulist(rebind), node)
+        cpus, source = rebind, "plan"
+        bind_threads(cpus)
+    elif source == "none" and rank_numa:
         cpus = cpu_plan(env.local_rank, rank_numa, numa, cpus)
         bind_threads(cpus)
         source = "plan"

@@ -6,15 +6,20 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+# what submit hands the job with worker_entry (the cluster side imports this module alone)
+from enn_cluster.worker.code_identity import code_identity  # noqa: F401
 
-def worker_entry(run_dir: str, task: str, name: Optional[str], step: Optional[int]) -> int:
-    """What submitit runs on every task. A non-zero code must reach srun (kill-on-bad-exit,
-    the host-side requeue trap), so it leaves through sys.exit rather than a return value."""
+
+def worker_entry(run_dir: str, task: str, name: Optional[str], step: Optional[int],
+                 submitted: Optional[str] = None) -> int:
+    """What submitit runs on every task (`submitted`: the submitting enn_cluster's
+    `code_identity`). A non-zero code must reach srun (kill-on-bad-exit, the host-side
+    requeue trap), so it leaves through sys.exit rather than a return value."""
     import atexit
 
     from enn_cluster.worker.entry import exit_now, run_entry
 
-    code = run_entry(run_dir, task, name, step)
+    code = run_entry(run_dir, task, name, step, submitted)
     # submitit writes the task's result, then the interpreter finalises: leave before the
     # C++ static destructors, where a native thread still winding down aborts the task
     # ("terminate called without an active exception") and fails a finished job.

@@ -52,6 +52,7 @@ from enn_cluster.worker.sampler import (
 )
 from enn_cluster.worker.step_math import (
     GC_EVERY_STEPS,
+    Cadence,
     clip_and_norm,
     keep_fused,
     new_optimizer,
@@ -111,8 +112,13 @@ class Trainer:
         self.pending = None
         self.stager = None  # async saves' CPU buffers, reused from save to save
         self.staging_wait_s = 0.0  # time optimizer steps waited for an async save's copy
+        self.writer_threads = cfg.checkpoint.threads_on(dev.type)
+        self.async_periodic = cfg.checkpoint.async_on(dev.type)
+        self.cadence = Cadence(cfg.logging.steps_on(dev.type),  # 10 on GPU: a read syncs
+                               cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes)
         self.nonfinite = NonFiniteWatch(self.sm.model, dev, self.sm.plan.replicate,
-                                        cfg.logging.every_steps)
+                                        self.cadence.log_every)
+        self.unread = None  # a step's loss and norm that no log step read yet (device)
         self.loader = BatchLoader(
             lambda rows, alloc=None: gather_rows(self.x, self.y, rows, self.scaler, alloc),
             lanes.device)
@@ -182,7 +188,8 @@ class Trainer:
         """One optimizer step. `flags` (0/1 per rank, host values) ride on the step's one
         control-lane all-reduce; stats["agreed"] says which any rank raised. Loss,
         gradient norm and the non-finite decision stay on the device: they are read only
-        on a log step (`log_step`), the one device-to-host wait of a step."""
+        on a log step (`log_step`), the one device-to-host wait of a step; another step
+        leaves them in `self.unread`, for a checkpoint agreed on during the step."""
         t, sm, dev = self.cfg.training, self.sm, self.lanes.device
         started = time.perf_counter()
         lr = lr_at(self.step, self.total_steps, t.lr, t.warmup_ratio)
@@ -228,14 +235,16 @@ class Trainer:
         self.skipped += (~finite).to(torch.int64)
         stats = {"lr": lr, "agreed": [v > 0 for v in agreed],
                  **({"checkpoint_wait_s": round(waited, 4)} if waited > 1e-3 else {})}
+        self.unread = (loss_sum, grad_norm, accum)
         if log_step:
-            stats.update(self._read_step(loss_sum, grad_norm, accum))
+            stats.update(self._read_step())
         elapsed = time.perf_counter() - started
         stats.update(step_time_s=elapsed, samples_per_s=self.batch.global_batch / elapsed)
         return stats
 
-    def _read_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, accum: int) -> dict:
+    def _read_step(self) -> dict:
         """The log step's device-to-host read: loss, norm and the non-finite counters."""
+        (loss_sum, grad_norm, accum), self.unread = self.unread, None
         skipped = self._check_nonfinite()
         return {"loss": float(loss_sum) / (accum * self.sm.dp_size),
                 "grad_norm": float(grad_norm), "skipped": skipped}
@@ -266,6 +275,7 @@ class Trainer:
     def save(self, async_save: bool) -> None:
         with self.progress.untimed(f"checkpoint step-{self.step} save"):
             self._save(async_save)
+        self.cadence.saved()
 
     def _save(self, async_save: bool) -> None:
         self.finish_pending()
@@ -274,12 +284,17 @@ class Trainer:
         try:
             if async_save:
                 self.stager = self.stager or new_stager()
-                self.pending = save_async(*args, self.stager, self.cfg.checkpoint.keep_last)
+                self.pending = save_async(*args, self.stager, self.cfg.checkpoint.keep_last,
+                                          self.writer_threads)
             else:
-                ckpt.save(*args, keep_last=self.cfg.checkpoint.keep_last)
+                self._took(self.step, ckpt.save(*args, keep_last=self.cfg.checkpoint.keep_last,
+                                                writer_threads=self.writer_threads))
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             raise self._save_failed(exc) from exc
         self.metrics.write("checkpoint", step=self.step, async_save=async_save)
+
+    def _took(self, step: int, seconds: float) -> None:
+        ckpt.report_slow_save(self.metrics, step, seconds, self.cfg.parallel.stop_grace_s)
 
     def _save_failed(self, exc: Exception) -> TrainingAborted:
         """Stop training: going on without the checkpoint would silently drop state."""
@@ -299,6 +314,7 @@ class Trainer:
                 pending.result()
             except (Exception, CheckpointException) as exc:
                 raise self._save_failed(exc) from exc
+            self._took(pending.step, pending.seconds)
 
     def resume(self) -> None:
         found = ckpt.resume(self.run.checkpoints, self.sm.model, self.optimizer, self.lanes)
@@ -339,8 +355,7 @@ class Trainer:
         finally:
             watchdog.stop()
 
-    def _loop(self) -> str:
-        cfg = self.cfg
+    def _write_start(self) -> None:
         b = self.batch
         self.metrics.write("start", step=self.step, total_steps=self.total_steps,
                            world_size=self.env.world_size, pid=os.getpid(),
@@ -350,10 +365,14 @@ class Trainer:
             self.metrics.write("oom_governor", step=self.step, micro_batch=b.micro_batch,
                                accumulation=b.accumulation, global_batch=b.global_batch,
                                micro_batch_cap=self.micro_cap)
-        every = cfg.checkpoint.every_steps
+
+    def _loop(self) -> str:
+        cfg = self.cfg
+        self._write_start()
         perm_epoch, perm = -1, None
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
         stop_file = StopPoller(self.run.path, self.env.job_id, self.env.rank)  # batch shell's USR2
+        log_step = True
         while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
             maybe_inject_fault(cfg.training, self.run.path, self.lanes.rank, self.step)
             if perm_epoch != self.pos.epoch:
@@ -361,10 +380,11 @@ class Trainer:
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
             pending_open = self.pending is not None and not self.pending.done()
             self.stop_requested = self.stop_requested or int(stop_file.poll())
-            log_step = (self.step + 1) % cfg.logging.every_steps == 0
+            log_step = self.cadence.log_step(self.step + 1, self.total_steps)
             self.profiler.before_step(self.step + 1)
-            stats = self.train_step(perm, (self.stop_requested, pending_open), log_step)
-            stop, still_open = stats.pop("agreed")
+            votes = (self.stop_requested, pending_open, self.cadence.time_due())
+            stats = self.train_step(perm, votes, log_step)
+            stop, still_open, time_due = stats.pop("agreed")
             epoch_before = self.pos.epoch
             self.step += 1
             self._profiled(self.profiler.after_step(self.step, final=stop))
@@ -373,6 +393,11 @@ class Trainer:
             self.pos = advance(self.pos, self.n_rows, self.batch.global_batch)
             if self.pos.epoch == perm_epoch:  # the next step's rows gather while this ends
                 self.loader.prefetch(self._step_rows(perm, self.pos))
+            periodic = self.step < self.total_steps and (time_due or
+                                                         self.cadence.step_due(self.step))
+            if (stop or periodic) and not log_step:  # metrics land at every checkpoint
+                stats.update(self._read_step())
+                log_step = True
             if log_step:
                 self.metrics.write("train", step=self.step, epoch=epoch_before,
                                    peak_mem_mb=round(peak_memory_mb(), 1), **stats)
@@ -384,12 +409,12 @@ class Trainer:
             if stop:
                 self.save(async_save=False)
                 return "stopped"
-            if every and self.step % every == 0 and self.step < self.total_steps:
-                self.save(async_save=cfg.checkpoint.async_save)
+            if periodic:
+                self.save(async_save=self.async_periodic)
                 last_saved = self.step
         self.finish_pending()
         self._profiled(self.profiler.after_step(self.step, final=True))
-        if self.step % cfg.logging.every_steps:  # the steps after the last log step
+        if not log_step:  # the steps after the last log step (a loop ended by epochs)
             self._check_nonfinite()
         if last_saved != self.step:
             self.save(async_save=False)

@@ -1,0 +1,141 @@
+"""What a Slurm job carries from the login node and checks on the node (issue 25 item 7):
+the submitting enn_cluster's identity (a worker running other code refuses in one line),
+the submitter's ENN_NCCL_PROFILE, a run directory in the login node's memory refused,
+and the worker's own defaults (allocator, caches where HOME is missing)."""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+from enn_cluster.cluster.job_spec import JobSpec, env_lines
+from enn_cluster.cluster.submit_slurm import filesystem_type, node_local_problem
+from enn_cluster.worker.exec_env import process_defaults
+from enn_cluster.worker.code_identity import code_identity, skew_problem
+from helpers import ROOT, cli, small_config, write_config
+
+
+def test_code_identity_is_the_version_and_a_hash_of_the_code():
+    import enn_cluster
+
+    here = code_identity()
+    assert here.startswith(f"{enn_cluster.__version__}+") and len(here.split("+")[1]) == 12
+    assert code_identity() == here  # stable
+    assert skew_problem(None, here) is None and skew_problem(here, here) is None
+    line = skew_problem("0.1.0+000000000000", here)
+    assert line.startswith(f"enn_cluster version skew: submitted with 0.1.0+000000000000, "
+                           f"the job runs {here}; rebuild the image")
+
+
+def test_a_worker_running_other_code_than_was_submitted_refuses_in_one_line(tmp_path):
+    """The submitit entry with another identity: exit 2 before anything is read or
+    started, one line naming both identities."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "skew"))
+    assert cli("prepare", "--config", cfg).returncode == 0
+    run = tmp_path / "runs" / "skew"
+    code = ("import sys; from enn_cluster.worker.slurm_entry import worker_entry; "
+            "worker_entry(sys.argv[1], 'train', None, None, '0.0.1+deadbeefdead')")
+    res = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert "submitted with 0.0.1+deadbeefdead, the job runs " + code_identity() in line, line
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_submit_hands_the_job_this_code_identity(tmp_path):
+    """Through the real submit path, sbatch a stub: the pickled call submitit hands the
+    job ends with this enn_cluster's identity."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sbatch", 'echo "Submitted batch job 4242"'),
+                       ("squeue", "exit 0"), ("sacct", "exit 0"), ("scontrol", "exit 1")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "ident"))
+    res = cli("train", "--config", cfg, "--cluster", "slurm", "--container", "none",
+              "--time", "10", "--nodes", "1", "--procs-per-node", "1",
+              env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert res.returncode == 0, res.stderr
+    (pkl,) = (tmp_path / "runs" / "ident" / "slurm").rglob("*_submitted.pkl")
+    with open(pkl, "rb") as fh:
+        delayed = pickle.load(fh)
+    assert delayed.args[-1] == code_identity()
+    assert delayed.function.__name__ == "worker_entry"
+
+
+def _nccl_block(spec: JobSpec, environ: dict) -> dict:
+    script = "\n".join(["set -eu", *env_lines(spec), "env"])
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"], **environ})
+    assert done.returncode == 0, done.stderr
+    return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+
+
+def test_the_submitters_nccl_profile_wins_and_brings_no_other_profiles_defaults():
+    spec = JobSpec(job_name="j", run_dir="/r", nccl_profile="efa")
+    site = _nccl_block(spec, {})
+    assert site["ENN_NCCL_PROFILE"] == "efa" and site["FI_PROVIDER"] == "efa"
+    mine = _nccl_block(spec, {"ENN_NCCL_PROFILE": "socket"})
+    assert mine["ENN_NCCL_PROFILE"] == "socket"
+    assert "FI_PROVIDER" not in mine  # the worker sets socket's own on the node
+
+
+MOUNTS = ("/dev/sda1 / ext4 rw 0 0\n"
+          "tmpfs /tmp tmpfs rw,nosuid 0 0\n"
+          "tmpfs /dev/shm tmpfs rw 0 0\n"
+          "fs1:/export /shared nfs4 rw 0 0\n"
+          "/dev/md0 /shared/local\\040disk xfs rw 0 0\n"
+          "lustre@o2ib:/scratch /scratch lustre rw 0 0\n")
+
+
+def test_the_filesystem_holding_a_run_directory():
+    assert filesystem_type(Path("/shared/runs/a"), MOUNTS) == "nfs4"
+    assert filesystem_type(Path("/shared/local disk/x"), MOUNTS) == "xfs"
+    assert filesystem_type(Path("/sharedx/y"), MOUNTS) == "ext4"  # not under /shared
+    assert filesystem_type(Path("/tmp"), MOUNTS) == "tmpfs"
+    assert filesystem_type(Path("/scratch/u/runs"), MOUNTS) == "lustre"
+    assert filesystem_type(Path("/x"), "") is None
+
+
+def test_a_run_directory_in_memory_is_refused_naming_the_filesystem():
+    line = node_local_problem(Path("/tmp/runs/a"), MOUNTS)
+    assert line.startswith("runs_root: the run directory /tmp/runs/a is on tmpfs")
+    assert "shared filesystem" in line
+    assert node_local_problem(Path("/dev/shm/r"), MOUNTS).startswith("runs_root:")
+    for shared in ("/shared/runs/a", "/scratch/r", "/home/u/runs"):
+        assert node_local_problem(Path(shared), MOUNTS) is None
+
+
+def test_worker_defaults_allocator_and_caches_where_home_is_missing(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    out = process_defaults({"HOME": str(home), "TMPDIR": str(tmp_path)}, uid=7)
+    assert out == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert process_defaults({"HOME": str(home), "PYTORCH_CUDA_ALLOC_CONF": "backend:native"}) == {}
+    assert process_defaults({"HOME": str(home), "PYTORCH_ALLOC_CONF": "x:y"}) == {}
+    missing = process_defaults({"HOME": "/home/nobody-here", "TMPDIR": "/scratch/local",
+                                "TRITON_CACHE_DIR": "/mine"}, uid=7)
+    assert missing["HOME"] == "/scratch/local/enn-cache-7"
+    assert missing["XDG_CACHE_HOME"] == "/scratch/local/enn-cache-7/xdg"
+    assert missing["TORCHINDUCTOR_CACHE_DIR"] == "/scratch/local/enn-cache-7/inductor"
+    assert "TRITON_CACHE_DIR" not in missing  # the user's kept
+    assert process_defaults({}, uid=3)["HOME"] == "/tmp/enn-cache-3"
+
+
+def test_a_worker_whose_home_is_missing_trains_with_caches_in_scratch(tmp_path):
+    """As under `--no-container-mount-home` with an image that lacks the host's HOME: the
+    worker makes $TMPDIR/enn-cache-UID its HOME, says so in its log, and trains."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "nohome", training={"max_steps": 2}, parallel={"nodes": 1, "procs_per_node": 1}))
+    scratch = tmp_path / "node-scratch"
+    scratch.mkdir()
+    res = cli("train", "--config", cfg,
+              env={"HOME": str(tmp_path / "no-such-home"), "TMPDIR": str(scratch)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    home = scratch / f"enn-cache-{os.getuid()}"
+    assert home.is_dir() and not (tmp_path / "no-such-home").exists()
+    (log,) = (tmp_path / "runs" / "nohome" / "logs").rglob("rank-0.log")
+    assert f"HOME is not a writable directory here: HOME and caches under {home}" in log.read_text()
