@@ -57,6 +57,8 @@ def test_hf_export_load_model_and_peft_merge_give_the_same_logits(trained):
 
 
 def _predict(trained, name, *extra):
+    """Rows 0-5 of the training ids, two of them shortened (right-padded with -1), predicted
+    on 2 ranks in chunks of 2 rows (3 chunks: one rank has one more than the other)."""
     x = trained["ids"].copy()
     x[2, 20:] = -1  # a shorter row, right-padded
     x[4, 5:] = -1
@@ -106,3 +108,17 @@ def test_doctor_reads_an_lm_run(trained):
     assert res.returncode == 0, res.stdout + res.stderr[-2000:]
     assert " ok " in lines["model"] and "LoRA r=4" in lines["model"], lines["model"]
     assert "--format hf" in lines["export"], lines["export"]
+
+
+def test_a_sharded_model_predicts_what_the_replicas_predict(trained):
+    """--sharded (the default when one GPU cannot hold the model): FSDP over the 2 ranks, no
+    rank holding the whole model, the rank with fewer chunks running idle forwards to meet its
+    peer's collectives. Scores and greedy continuations equal the replicas'."""
+    _, replicas = _predict(trained, "scores-r")
+    _, sharded = _predict(trained, "scores-s", "--sharded")
+    np.testing.assert_allclose(sharded, replicas, rtol=1e-5, atol=1e-5)
+    _, made_r = _predict(trained, "gen-r", "--generate", 4)
+    _, made_s = _predict(trained, "gen-s", "--generate", 4, "--sharded")
+    np.testing.assert_array_equal(made_s, made_r)
+    request = (trained["run"] / "predictions" / "scores-s" / "request.json").read_text()
+    assert '"sharded": true' in request

@@ -26,6 +26,9 @@ def register(sub, add_shape_flags, commands) -> None:
                    help="causal LM: continue each row by up to N tokens (default: score rows)")
     p.add_argument("--seed", type=int, default=None,
                    help="with --generate: sample with this seed (default: greedy)")
+    p.add_argument("--sharded", action="store_true",
+                   help="causal LM: predict with the model sharded over the ranks (the "
+                        "default when one GPU cannot hold it) instead of a replica per rank")
     add_shape_flags(p)
 
     p = sub.add_parser("collect", help="verify a prediction and assemble it in input order")
@@ -54,11 +57,12 @@ def cmd_predict(args) -> int:
     check_prediction_inputs(run, cfg, args.input)
     shape = launch_shape(args, cfg)
     restarts = max_restarts(args.max_restarts, cfg)
+    sharded = sharded_prediction(args, cfg, shape)
     request = prepare_prediction(
         run, args.input, name=args.name, step=args.step,
         chunk_rows=DEFAULT_CHUNK_ROWS if args.chunk_rows is None else args.chunk_rows,
         batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size,
-        cfg=cfg, generate=generation(cfg, args.generate, args.seed))
+        cfg=cfg, generate=generation(cfg, args.generate, args.seed), sharded=sharded)
     hint = f"enn-submit collect {run.path} --name {request.name} --out FILE.npy"
     if request.complete:
         print(f"prediction {request.name} is already complete; assemble it with: {hint}",
@@ -73,6 +77,22 @@ def cmd_predict(args) -> int:
                   file=sys.stderr)
         print(request.name)
     return code
+
+
+def sharded_prediction(args, cfg, shape) -> bool:
+    """--sharded, or a causal LM too big for one GPU's replica (site gpu_mem_gb)."""
+    from enn_cluster.client.cli_ops import site_config
+    from enn_cluster.client.model_shape import replica_fits
+
+    if args.sharded or not replica_fits(cfg, shape.gpus_per_node, None if not shape.gpus_per_node
+                                        else site_config(args).gpu_mem_gb):
+        if cfg.model.task != "causal_lm":
+            raise UserError("--sharded: only a causal LM (model.name: hf:DIR) predicts sharded")
+        if args.seed is not None:
+            raise UserError("--seed: a sharded model continues rows greedily only; drop --seed "
+                            "or predict with a replica per rank")
+        return True
+    return False
 
 
 def generation(cfg, new_tokens, seed):

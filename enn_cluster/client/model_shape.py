@@ -32,6 +32,16 @@ def check_fits(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gb: Optio
         raise UserError(why)
 
 
+def replica_fits(cfg: RunConfig, gpus_per_node: int, gpu_mem_gb: Optional[float]) -> bool:
+    """Whether one GPU holds a causal LM's whole bf16 replica (prediction's default); a model
+    that does not is predicted sharded instead. CPU runs: always."""
+    if gpus_per_node <= 0 or not is_hf_model(cfg.model.name):
+        return True
+    from enn_cluster.config.memory_plan import usable_bytes
+
+    return model_shape(cfg).params * 2 <= usable_bytes(gpu_mem_gb or DEFAULT_GPU_MEM_GB)
+
+
 def model_shape(cfg: RunConfig) -> ModelShape:
     """The shape of `cfg.model`: a Hugging Face model from its config.json, a built-in model or
     factory from the data's shape (synthetic, or the arrays' headers; no data is read)."""

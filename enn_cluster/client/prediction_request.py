@@ -153,7 +153,7 @@ def check_prediction_inputs(run: RunDir, cfg, source: Any) -> None:
 def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] = None,
                        step: Optional[int] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                        batch_size: int = DEFAULT_BATCH_SIZE, cfg=None,
-                       generate: Optional[dict] = None) -> PredictionRequest:
+                       generate: Optional[dict] = None, sharded: bool = False) -> PredictionRequest:
     """Create (or re-open) `predictions/<name>/` with the staged input and request.json.
     `cfg`: the run's config when the caller has loaded it (else read here)."""
     cfg = run.load_config() if cfg is None else cfg
@@ -186,7 +186,8 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
         name = name or default_name(source, step, "")
         source = text_rows("--input", str(source), cfg.data, cfg.model)
     with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
-        return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size, generate)
+        return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size, generate,
+                              sharded)
 
 
 def _check_input_array(source: Any, x_key: str) -> None:
@@ -200,7 +201,8 @@ def _check_input_array(source: Any, x_key: str) -> None:
 
 
 def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chunk_rows: int,
-                   batch_size: int, generate: Optional[dict] = None) -> PredictionRequest:
+                   batch_size: int, generate: Optional[dict] = None,
+                   sharded: bool = False) -> PredictionRequest:
     """Stage the input and write the request under a temporary name, then rename it into
     place; the temporary directory goes on every exit path."""
     tmp = run.predictions / f".staging-{os.getpid()}-{time.time_ns()}"
@@ -220,7 +222,8 @@ def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chu
                    "batch_size": batch_size,
                    "output_shape": output_shape(cfg, manifest, generate),
                    "scaler": manifest.get("target_scaler"), "created": time.time(),
-                   **({"generate": generate} if generate else {})}
+                   **({"generate": generate} if generate else {}),
+                   **({"sharded": True} if sharded else {})}
         atomic_write_text(tmp / pm.REQUEST, json.dumps(request, indent=1, sort_keys=True))
         os.rename(tmp, final)
         fsync_dir(run.predictions)

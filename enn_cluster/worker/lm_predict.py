@@ -81,3 +81,56 @@ def generate(model: CausalLM, ids: torch.Tensor, new_tokens: int, seed, first_ro
         keep = int(stop[0]) + 1 if len(stop) and eos_id is not None else len(made)
         out[i, :keep] = made[:keep].float()
     return out
+
+
+def sharded_lm(cfg, run, chosen: int, env, lanes, input_shape: tuple):
+    """The model of step-N sharded as in training (FSDP/HSDP per decoder layer: no rank holds
+    it whole), for a model one device cannot hold; in eval mode. Collective."""
+    from enn_cluster.storage.staging import read_manifest
+    from enn_cluster.worker import checkpoint as ckpt
+    from enn_cluster.worker.model_setup import build_sharded_model
+
+    sm = build_sharded_model(cfg, read_manifest(run.data_dir), env, lanes, input_shape)
+    ckpt.load(run.checkpoints, chosen, sm.model, None, lanes)
+    if any(not p.requires_grad for p in sm.model.parameters()):
+        base_weights.check_same_base(
+            store.read_commit(store.step_dir(run.checkpoints, chosen)).get("base_weights"),
+            base_weights.identity(weights_dir(cfg.model.name)), chosen)
+    log.info("LM of step-%d sharded over %d ranks (%s)", chosen, lanes.world_size,
+             sm.plan.strategy)
+    return sm.model.eval()
+
+
+def generate_in_step(model, ids: torch.Tensor, new_tokens: int, eos_id) -> torch.Tensor:
+    """Greedy continuation by full forwards, every row exactly `new_tokens` of them whatever
+    it draws (a sharded model's forwards are collectives: every rank must run as many);
+    -1 after the end-of-sequence token, as `generate` writes."""
+    out = torch.full((len(ids), new_tokens), PAD, dtype=torch.float32)
+    for i, row in enumerate(ids.long()):
+        cur = row[row >= 0][None]
+        for t in range(new_tokens):
+            nxt = model(cur)[0, -1].argmax()
+            out[i, t] = float(nxt)
+            cur = torch.cat([cur, nxt.view(1, 1)], dim=1)
+        stop = (out[i] == eos_id).nonzero() if eos_id is not None else []
+        if len(stop):
+            out[i, int(stop[0]) + 1:] = PAD
+    return out
+
+
+def forwards(request: dict, rows: int) -> int:
+    """The forwards a sharded model runs for `rows` rows: one per batch to score them, one
+    per new token per row to continue them."""
+    gen = request.get("generate")
+    if gen:
+        return rows * int(gen["max_new_tokens"])
+    return -(-rows // int(request["batch_size"]))
+
+
+def idle_forwards(model, count: int, device) -> None:
+    """The forwards a rank with fewer rows left runs so that its peers' collectives meet
+    it (one row of two tokens; nothing is kept)."""
+    dummy = torch.zeros((1, 2), dtype=torch.long, device=device)
+    with torch.no_grad():
+        for _ in range(count):
+            model(dummy)

@@ -70,6 +70,8 @@ class ChunkWriter:
     Chunk 0's record carries the precision check (`first_fp32`: rank 0's fp32 output on
     its first batch, when the replica is bf16)."""
 
+    grad_mode = staticmethod(torch.inference_mode)  # a sharded model's: no_grad (FSDP2)
+
     def __init__(self, pdir: Path, model, x, request: dict, lanes,
                  first_fp32=None) -> None:
         self.pdir, self.model, self.x, self.request, self.lanes = pdir, model, x, request, lanes
@@ -88,7 +90,7 @@ class ChunkWriter:
         largest spread of any input feature over the chunk's rows (0: identical rows)."""
         out = None  # shaped by the first batch's outputs (see below)
         batch, check, spread, first = int(self.request["batch_size"]), None, 0.0, None
-        with torch.inference_mode():
+        with self.grad_mode():
             for start in range(spec.start, spec.stop, batch):
                 stop = min(start + batch, spec.stop)
                 rows = np.array(self.x[start:stop], dtype=np.float32)
@@ -163,10 +165,19 @@ class ChunkWriter:
 class LMChunkWriter(ChunkWriter):
     """A causal LM's chunks: per-row scores, or generated tokens (see worker/lm_predict)."""
 
+    def __init__(self, *args, sharded: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sharded = sharded
+        if sharded:
+            self.grad_mode = torch.no_grad
+
     def _forward(self, xb: torch.Tensor, first_row: int) -> torch.Tensor:
         from enn_cluster.worker import lm_predict
 
         gen = self.request.get("generate")
+        if gen and self.sharded:
+            return lm_predict.generate_in_step(self.model, xb, int(gen["max_new_tokens"]),
+                                               gen.get("eos_token_id"))
         if gen:
             return lm_predict.generate(self.model, xb, int(gen["max_new_tokens"]), gen.get("seed"),
                                        first_row, gen.get("eos_token_id"))
@@ -192,6 +203,15 @@ def _maybe_inject_fault(run: RunDir, name: str, rank: int, written: int) -> None
     os._exit(13)
 
 
+def _idle_forwards(request: dict, pending: list, lanes) -> int:
+    """A sharded model's forwards are collectives: the forwards this rank must add to its own
+    so that every rank runs as many as the busiest (each rank's count gathered once)."""
+    from enn_cluster.worker.lm_predict import forwards
+
+    mine = sum(forwards(request, spec.rows) for spec in pending)
+    return max(lanes.gather_objects(mine)) - mine
+
+
 def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
     """Collective over all ranks: every chunk committed, then rank 0 commits the manifest."""
     pdir = run.predictions / pm.check_name(name)
@@ -212,7 +232,14 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         committed(pdir, chunks[0])  # checksummed once: the loop below trusts this answer
     if dtype != torch.float32 and lanes.rank == 0 and chunks and not first_done:
         check_rows = np.array(x[:min(int(request["batch_size"]), chunks[0].rows)], np.float32)
-    if is_hf_model(cfg.model.name):
+    sharded = bool(request.get("sharded"))
+    if is_hf_model(cfg.model.name) and sharded:
+        from enn_cluster.worker.lm_predict import sharded_lm
+
+        writer = LMChunkWriter(pdir, sharded_lm(cfg, run, chosen, env, lanes, x.shape[1:]), x,
+                               request, lanes, sharded=True)
+        first_done = False
+    elif is_hf_model(cfg.model.name):
         from enn_cluster.worker.lm_predict import lm_replica
 
         writer = LMChunkWriter(pdir, lm_replica(cfg, run.checkpoints, chosen, lanes, dtype), x,
@@ -224,8 +251,11 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         writer = ChunkWriter(pdir, model, x, request, lanes, first_fp32)
     mine = pm.chunks_for_rank(chunks, lanes.rank, lanes.world_size)
     started, written, skipped = time.perf_counter(), 0, 0
+    pending = [spec for spec in mine if not ((first_done and spec == chunks[0]) or
+                                             writer.committed(spec))]
+    idle = _idle_forwards(request, pending, lanes) if sharded else 0
     for spec in mine:
-        if (first_done and spec == chunks[0]) or writer.committed(spec):
+        if spec not in pending:
             skipped += 1
             continue
         began = time.perf_counter()
@@ -233,6 +263,10 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         writer.write(spec, raw, check, spread, began)
         written += 1
         _maybe_inject_fault(run, name, lanes.rank, written)
+    if idle:
+        from enn_cluster.worker.lm_predict import idle_forwards
+
+        idle_forwards(writer.model, idle, lanes.device)
     log.info("rank %d: %d chunks written, %d already committed, %.2f s", lanes.rank, written,
              skipped, time.perf_counter() - started)
     lanes.barrier()
