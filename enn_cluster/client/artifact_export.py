@@ -79,7 +79,7 @@ def choose_step(run: RunDir, step: Optional[int]) -> int:
     committed = store.committed_steps(run.checkpoints)
     if step is None:
         if not committed:
-            raise UserError(f"--step: {run.path} has no complete checkpoint; train or "
+            raise UserError(f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
                             "resume it first")
         step = committed[-1]
     elif step not in committed:

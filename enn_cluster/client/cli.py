@@ -6,6 +6,7 @@ commands that run workers, so `--help`, `render` and `status` stay fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -359,6 +360,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `enn-submit status RUN | head`: the reader left; so do we
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error as Python flushes stdout
+        return 141
 
 
 if __name__ == "__main__":

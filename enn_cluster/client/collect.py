@@ -56,6 +56,9 @@ def find_prediction(run: RunDir, name: Optional[str]) -> str:
             raise UserError(f"--name: no prediction {name!r} in {run.predictions}; "
                             f"there are: {', '.join(names) or 'none'}")
         return name
+    if not names:
+        raise UserError(f"RUN_DIR: {run.path} has no predictions yet; make one with "
+                        f"'enn-submit predict {run.path} --input X.npy', then collect it")
     if len(names) != 1:
         raise UserError(f"--name: {run.path} has {len(names)} predictions "
                         f"({', '.join(names) or 'none'}); pass --name NAME")

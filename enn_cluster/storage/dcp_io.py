@@ -15,6 +15,7 @@ import io
 import logging
 import os
 import threading
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -374,7 +375,9 @@ def safe_load(state: dict, path, process_group=None,
     `verifier`, its files are checksummed in the same pass (see `verifier.problems`)."""
     import torch.distributed as dist
 
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path), verifier),
-             planner=SafeLoadPlanner(),
-             process_group=process_group,
-             no_dist=process_group is None and not dist.is_initialized())
+    no_dist = process_group is None and not dist.is_initialized()
+    with warnings.catch_warnings():  # in one process on purpose (API, export): no warning
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path), verifier),
+                 planner=SafeLoadPlanner(), process_group=process_group, no_dist=no_dist)
