@@ -36,7 +36,12 @@ from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir
 
-from enn_cluster.storage.model_structure import FACTORY, from_structure, structure_bytes
+from enn_cluster.storage.model_structure import (
+    FACTORY,
+    from_structure,
+    structure_bytes,
+    write_structure,
+)
 
 MODEL_PICKLE = "model.pkl"
 unpickled_model = from_structure  # the factory that runs made before FACTORY still name
@@ -176,7 +181,7 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
 
     def populate(run: RunDir) -> None:
         if structure is not None:
-            (run.path / MODEL_PICKLE).write_bytes(structure)
+            write_structure(run.path / MODEL_PICKLE, structure)
             _write_step0(model, run)
 
     if structure is not None:

@@ -250,7 +250,7 @@ def cancel_run(run: RunDir) -> int:
     proven to be this run's is signalled (a forged lock or jobs.jsonl names someone else's)."""
     from enn_cluster.storage.slurm_jobs import job_alive
 
-    if not run.config_path.is_file():
+    if not run.has_config:
         raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     owner = read_lock(run)
     jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]

@@ -9,6 +9,7 @@ would break them are refused instead. Pure: no torch, no subprocess.
 """
 from __future__ import annotations
 
+import math
 import posixpath
 import re
 import shlex
@@ -138,7 +139,8 @@ def _validate(s: JobSpec) -> None:
     if s.cpus_per_task is not None:
         _int(s.cpus_per_task, "--cpus-per-task", 1)
     if s.mem_gb is not None and (isinstance(s.mem_gb, bool) or
-                                 not isinstance(s.mem_gb, (int, float)) or s.mem_gb < 0):
+                                 not isinstance(s.mem_gb, (int, float)) or s.mem_gb < 0
+                                 or not math.isfinite(s.mem_gb)):  # nan, inf
         raise _fail("--mem-gb", f"{s.mem_gb!r} is not a size", "give GB per node, 0 for all")
     for flag in ("partition", "account", "qos"):
         check_word(getattr(s, flag), f"--{flag}")

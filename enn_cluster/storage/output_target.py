@@ -10,12 +10,17 @@ from pathlib import Path
 from enn_cluster.errors import UserError
 
 PSEUDO_FS = ("/proc", "/sys", "/dev")  # kernel views: never a place for results
+MAX_NAME_BYTES = 200  # NAME_MAX is 255: room for the temporary name written beside it
 
 
 def check_local_target(flag: str, path: str, overwrite: bool) -> None:
     """A local output path: not under /proc, /sys or /dev; an existing target is a regular
     file (and only with overwrite); the nearest existing parent is a writable directory."""
     target = Path(os.path.abspath(os.path.expanduser(path)))
+    longest = max(len(part.encode("utf-8", "surrogateescape")) for part in target.parts)
+    if longest > MAX_NAME_BYTES or len(str(target).encode("utf-8", "surrogateescape")) > 4000:
+        raise UserError(f"{flag}: {path[:80]}... is too long a path (a name of {longest} bytes; "
+                        f"keep each name under {MAX_NAME_BYTES} bytes)")
     real = Path(os.path.realpath(target))
     if any(str(p) == root or str(p).startswith(root + "/") for p in (target, real)
            for root in PSEUDO_FS):

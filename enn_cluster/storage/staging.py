@@ -194,6 +194,19 @@ def _stage_stream(source: str, key: Optional[str], dest: Path,
             c.close()
 
 
+def _list_array(rows, name: str) -> np.ndarray:
+    """A list of rows as an array; rows of different lengths are refused, not taken for a
+    path (or for an array of Python objects)."""
+    try:
+        arr = np.asarray(rows)
+    except ValueError:  # numpy refuses an inhomogeneous list
+        arr = None
+    if arr is None or arr.dtype.kind == "O":
+        raise UserError(f"{name}: a list whose rows differ in length (or hold other than "
+                        "numbers); give rows of equal length, or a numpy array")
+    return arr
+
+
 def stage_array(source: Any, dest: Path, key: Optional[str] = None,
                 progress: Optional[TextIO] = None) -> dict:
     """Copy one array (ndarray, tensor, .npy/.npz path or URL) to `dest` as a memmap;
@@ -201,10 +214,15 @@ def stage_array(source: Any, dest: Path, key: Optional[str] = None,
     covers the data bytes only, whichever way they came."""
     if hasattr(source, "detach"):  # torch tensor, without importing torch here
         source = source.detach().cpu().numpy()
+    if isinstance(source, (list, tuple)):
+        source = _list_array(source, dest.stem)
     if isinstance(source, np.ndarray):
         entry = _stage_ndarray(np.ascontiguousarray(source), dest, progress)
         entry["source"] = "<array>"
         return entry
+    if not isinstance(source, (str, os.PathLike)):
+        raise UserError(f"{dest.stem}: a {type(source).__name__} is neither an array nor a "
+                        "path; give a numpy array, a tensor or a .npy/.npz path")
     source = str(source)
     if source.endswith(".npz"):
         entry = _stage_stream(source, key, dest, progress)
