@@ -591,7 +591,7 @@ def _plant(rel: str, kind: str) -> Callable:
 
 PLANTED = {  # run file: (field, commands that read it)
     "config.yaml": ("config.yaml", ["status", "resume", "plot", "predict", "render"]),
-    "metrics.jsonl": ("metrics.jsonl", ["status", "plot"]),
+    "metrics.jsonl": ("metrics.jsonl", ["status", "plot", "resume", "predict"]),
     "jobs.jsonl": ("jobs.jsonl", ["status", "cancel", "resume"]),
     "run.lock": ("run.lock", ["status", "cancel", "resume", "predict"]),
     "checkpoints/step-2/commit.json": ("commit.json", ["predict", "resume", "export"]),

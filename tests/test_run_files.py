@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from enn_cluster.errors import UserError
-from enn_cluster.storage.run_files import read_run_bytes, read_run_text
+from enn_cluster.storage.run_files import (
+    append_run_file,
+    check_run_file,
+    read_run_bytes,
+    read_run_text,
+)
 from helpers import cli, train_tiny
 
 
@@ -44,6 +49,25 @@ def test_a_regular_file_is_read_whole_and_capped(tmp_path):
         read_run_bytes(path, limit=4)
     with pytest.raises(FileNotFoundError):
         read_run_bytes(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("kind, words", [("fifo", "a FIFO"), ("devzero", "a symbolic link"),
+                                         ("dir", "a directory"), ("loop", "a symbolic link")])
+def test_a_writer_never_blocks_on_a_fifo_nor_writes_through_a_symlink(tmp_path, kind, words):
+    """The workers append metrics.jsonl and jobs.jsonl: opening a FIFO to write waits for a
+    reader, for ever; a symlink would send the lines elsewhere. resume checks first."""
+    path = tmp_path / "metrics.jsonl"
+    _plant(path, kind)
+    with pytest.raises(UserError, match=f"^metrics.jsonl: {path} is {words}"):
+        append_run_file(path)
+    with pytest.raises(UserError, match=f"^metrics.jsonl: {path} is {words}"):
+        check_run_file(path)
+    fresh = tmp_path / "jobs.jsonl"
+    check_run_file(fresh)  # absent is fine
+    with append_run_file(fresh) as fh:
+        fh.write("{}\n")
+    check_run_file(fresh)
+    assert fresh.read_text() == "{}\n"
 
 
 @pytest.fixture(scope="module")
@@ -130,4 +154,29 @@ def test_a_hostile_rng_state_ends_resume_with_exit_2_and_one_line(trained, tmp_p
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     said = [line for line in done.stderr.splitlines() if "rng/rank-0.pt" in line]
     assert len(said) == 1 and "Unsupported" in said[0], done.stderr[-3000:]
+    assert not marker.exists()
+
+
+def test_a_tampered_model_pickle_runs_nothing_under_doctor_or_export(trained, tmp_path):
+    """A config.yaml pointing at a pickle that would run a command, its commit record forged
+    to match: export refuses it in one line (exit 2), doctor reports it as a problem, and
+    the command never runs."""
+    import pickle
+
+    import yaml
+
+    from enn_cluster.storage.model_structure import FACTORY, write_structure
+
+    run, _ = _copy(trained, tmp_path)
+    marker = tmp_path / "MARKER"
+    write_structure(run / "model.pkl", pickle.dumps(_Payload(marker)))
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["model"].update(name=FACTORY, kwargs={"path": str(run / "model.pkl")})
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    done = cli("export", run, "--out", tmp_path / "artifact", timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("enn-submit: error: model.kwargs.path")
+    assert "posix.system" in done.stderr and not (tmp_path / "artifact").exists()
+    done = cli("doctor", run, timeout=120)
+    assert done.returncode == 1 and "refers to posix.system" in done.stdout, done.stdout
     assert not marker.exists()

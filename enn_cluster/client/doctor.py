@@ -29,6 +29,7 @@ from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
 from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.prediction_collapse import recorded_verdict
 from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_files import open_run_file, read_run_text
 
 LEVELS = ("ok", "warning", "problem")
 EXIT_CODES_OK = (0, 75)  # done, or stopped with a checkpoint for a requeue
@@ -52,13 +53,13 @@ def staged_array_problem(data_dir: Path, entry: dict) -> Optional[str]:
 
     try:
         running = RunningChecksum(algorithm_of(entry["checksum"]))
-        with open(data_dir / entry["file"], "rb") as fh:
+        with open_run_file(data_dir / entry["file"]) as fh:
             read_npy_header(fh)
             for block in iter(lambda: fh.read(1 << 22), b""):
                 running.update(block)
     except FileNotFoundError:
         return f"{entry['file']} is missing"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UserError) as exc:
         return f"{entry['file']} is unreadable ({exc})"
     if running.size != entry["nbytes"] or running.hexdigest() != entry["checksum"]:
         return f"{entry['file']} does not match its manifest checksum (changed after staging)"
@@ -68,11 +69,11 @@ def staged_array_problem(data_dir: Path, entry: dict) -> Optional[str]:
 def check_data(run: RunDir, q: str) -> tuple[Finding, Optional[dict]]:
     more = f"cat {q}/data/manifest.json"
     try:
-        manifest = json.loads((run.data_dir / "manifest.json").read_text())
+        manifest = json.loads(read_run_text(run.data_dir / "manifest.json"))
     except FileNotFoundError:
         return Finding("data", "problem", "data/manifest.json is missing: the staged data "
                        "cannot be trusted; stage again with a new run", f"ls -l {q}/data"), None
-    except ValueError as exc:
+    except (ValueError, RecursionError, UserError) as exc:
         return Finding("data", "problem", f"data/manifest.json is unreadable ({exc})", more), None
     bad = [p for _, entry in sorted(manifest.get("entries", {}).items())
            for p in [staged_array_problem(run.data_dir, entry)] if p]
@@ -241,8 +242,8 @@ def _prediction_finding(run: RunDir, name: str) -> Optional[tuple[str, str, str]
     """(level, detail, more) for one committed prediction, or None when it looks sound."""
     path = run.predictions / name / pm.MANIFEST
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        manifest = json.loads(read_run_text(path))
+    except (OSError, ValueError, RecursionError, UserError) as exc:
         return "problem", f"{name}: {pm.MANIFEST} is unreadable ({exc}); predict again " \
             "with another --name", f"ls -l {shlex.quote(str(path.parent))}"
     verdict = recorded_verdict(manifest.get("collapse") if isinstance(manifest, dict) else None)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from enn_cluster.storage.run_files import LOG_LIMIT, read_run_bytes
+from enn_cluster.storage.run_files import LOG_LIMIT, append_run_file, read_run_bytes
 
 
 def peak_memory_mb() -> float:
@@ -37,7 +37,7 @@ class MetricsLog:
         self.sink = sink
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._fh = append_run_file(self.path) if enabled else None
 
     def write(self, kind: str, **fields) -> None:
         if not self._fh:

@@ -13,7 +13,7 @@ import os
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator, Optional
+from typing import BinaryIO, Iterator, Optional, TextIO
 
 from enn_cluster.errors import UserError
 
@@ -62,6 +62,46 @@ def open_run_file(path, field: Optional[str] = None) -> Iterator[BinaryIO]:
         raise
     with fh:
         yield fh
+
+
+def append_run_file(path, field: Optional[str] = None) -> TextIO:
+    """A run file opened to append text (created if missing): the writer's side of the same
+    rule, so a FIFO there (an open for writing waits for a reader) or a symlink out of the
+    run is refused by name instead of blocking the job or writing elsewhere."""
+    path = Path(path)
+    field = field or path.name
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o640)
+    except OSError as exc:
+        if path.is_symlink():
+            raise _refusal(field, path, "a symbolic link") from None
+        what = kind_of(os.stat(path).st_mode) if os.path.exists(path) else None
+        if what is not None:  # a FIFO without a reader (ENXIO), a directory (EISDIR)
+            raise _refusal(field, path, what) from None
+        raise UserError(f"{field}: cannot open {path} ({exc.strerror or exc}); fix its "
+                        "permissions") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _refusal(field, path, kind_of(mode))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def check_run_file(path, field: Optional[str] = None) -> None:
+    """Absent, or a regular file reached without a final symlink (nothing is opened)."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"{field or path.name}: cannot look at {path} ({exc.strerror}); "
+                        "restore it") from None
+    if not stat.S_ISREG(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else kind_of(mode)
+        raise _refusal(field or path.name, path, what)
 
 
 def read_run_bytes(path, limit: int = RECORD_LIMIT, field: Optional[str] = None) -> bytes:

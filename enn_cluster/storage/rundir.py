@@ -32,7 +32,12 @@ import yaml
 from enn_cluster.config.loading import config_from_dict, dump_config
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
-from enn_cluster.storage.run_files import LOG_LIMIT, read_run_bytes, read_run_text
+from enn_cluster.storage.run_files import (
+    LOG_LIMIT,
+    append_run_file,
+    read_run_bytes,
+    read_run_text,
+)
 
 DIR_MODE = 0o2750  # group-readable, never world-writable
 RUN_UMASK = 0o027  # files 0640, directories 0750: the same for whatever the run writes
@@ -165,7 +170,7 @@ class RunDir:
         """Append one launch record (job id, kind, shape); appends of one line are atomic."""
         fields.setdefault("time", time.time())
         line = json.dumps(fields, sort_keys=True) + "\n"
-        with run_umask(), open(self.path / "jobs.jsonl", "a", encoding="utf-8") as fh:
+        with run_umask(), append_run_file(self.path / "jobs.jsonl") as fh:
             fh.write(line)
 
     def jobs(self) -> list[dict]:

@@ -24,6 +24,7 @@ from enn_cluster.storage.data_sources import local_path, open_npy_stream
 from enn_cluster.storage.file_copy import kernel_copy
 from enn_cluster.storage.npy_header import check_layout, read_header
 from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
+from enn_cluster.storage.run_files import read_run_text
 
 _BLOCK = 16 << 20
 MANIFEST = "manifest.json"
@@ -304,12 +305,11 @@ def read_manifest(data_dir: Path) -> dict:
     """The staged data's manifest; a missing or hand-edited one is one line, not a traceback."""
     path = Path(data_dir) / MANIFEST
     try:
-        with open(path, encoding="utf-8") as fh:
-            manifest = json.load(fh)
+        manifest = json.loads(read_run_text(path, field="data/manifest.json"))
     except FileNotFoundError:
         raise UserError(f"data/manifest.json: {path} is missing; the run's staged data is "
                         "incomplete: make the run again") from None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         manifest = None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), dict):
         raise UserError(f"data/manifest.json: {path} is not a manifest enn-submit wrote; "
