@@ -88,3 +88,13 @@ def test_a_fifo_in_place_of_the_pickle_is_refused_without_blocking(tmp_path):
     os.mkfifo(path)
     with pytest.raises(UserError, match="a FIFO"):
         read_structure(path)
+
+
+
+def test_a_truncated_or_foreign_pickle_is_one_line(tmp_path):
+    write_structure(tmp_path / "model.pkl", structure_bytes(_model())[:-10])
+    with pytest.raises(UserError, match=r"does not unpickle \((EOFError|UnpicklingError)"):
+        read_structure(tmp_path / "model.pkl")
+    write_structure(tmp_path / "model.pkl", pickle.dumps({"a": (1, 2.0)}))
+    with pytest.raises(UserError, match="holds a dict, not an nn.Module"):
+        read_structure(tmp_path / "model.pkl")

@@ -115,6 +115,14 @@ def test_verify_names_a_checkpoint_file_that_is_not_a_file(trained, tmp_path, na
     assert done.returncode in (1, 2), done.stdout + done.stderr
     said = done.stdout + done.stderr
     assert "step-2: OK" not in said and (name in said or "commit record" in said), said
+    if kind == "fifo":  # status and export read the same files: neither hangs nor crashes
+        for argv in (["status", run], ["export", run, "--out", tmp_path / "artifact"]):
+            done = cli(*argv, timeout=120)
+            assert "Traceback" not in done.stderr and done.returncode in (0, 2), done.stderr
+        assert not (tmp_path / "artifact").exists()
+    if kind == "fifo" and name == "__0_0.distcp":  # doctor calls it a problem, not "no checkpoint"
+        done = cli("doctor", run, timeout=120)
+        assert done.returncode == 1 and "__0_0.distcp" in done.stdout and "a FIFO" in done.stdout
 
 
 def test_verify_names_an_unknown_checksum_algorithm(trained, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,16 +213,20 @@ def check_distributed(reports: list[dict], attempt: Optional[str], q: str) -> Fi
 def check_checkpoints(run: RunDir, q: str) -> Finding:
     more = f"enn-submit verify {q}"
     committed = store.committed_steps(run.checkpoints)
-    if not committed:
+    recorded = [s for s in store.list_steps(run.checkpoints)
+                if os.path.lexists(store.step_dir(run.checkpoints, s) / store.COMMIT)]
+    if not recorded:
         return Finding("checkpoints", "warning", "no complete checkpoint", more)
     bad = []
-    for step in committed:
+    for step in recorded:  # a commit record whose files no longer match it is damage
         path = store.step_dir(run.checkpoints, step)
         problems = store.verify_checkpoint(path) or store.loadable_problems(path)
         if problems:
             bad.append(f"step-{step}: {problems[0]}")
     if bad:
         return Finding("checkpoints", "problem", "; ".join(bad), more)
+    if not committed:
+        return Finding("checkpoints", "warning", "no complete checkpoint", more)
     return Finding("checkpoints", "ok", f"{len(committed)} complete, all verify "
                    f"(newest step-{committed[-1]})", more)
 

@@ -102,7 +102,10 @@ def verify_files(path: Path, names: Iterable[str], record: dict) -> list[str]:
         except FileNotFoundError:
             problems.append(f"{name}: missing")
             continue
-        except (UserError, OSError, ValueError) as exc:  # a FIFO, a device, an unknown algorithm
+        except UserError as exc:  # a FIFO, a device, a directory: the message names it
+            problems.append(str(exc))
+            continue
+        except (OSError, ValueError) as exc:  # unreadable, an unknown checksum algorithm
             problems.append(f"{name}: {exc}")
             continue
         if size != info["size"]:

@@ -109,6 +109,10 @@ def _module_class(module: str, name: str):
     return found if isinstance(found, type) and issubclass(found, nn.Module) else None
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global off the allow-list (the message names it)."""
+
+
 class StructureUnpickler(pickle.Unpickler):
     """What a pickled module holds, and nothing else: see the module docstring."""
 
@@ -127,8 +131,8 @@ class StructureUnpickler(pickle.Unpickler):
         cls = _module_class(module, name)
         if cls is not None:
             return cls
-        raise pickle.UnpicklingError(f"refers to {module}.{name}, which is neither a torch "
-                                     "tensor type nor an nn.Module class")
+        raise _Refused(f"refers to {module}.{name}, which is neither a torch tensor type "
+                       "nor an nn.Module class")
 
 
 def record_path(path) -> Path:
@@ -182,9 +186,13 @@ def read_structure(path) -> nn.Module:
                         "after the run was made: restore it or re-create the run")
     try:
         model = StructureUnpickler(io.BytesIO(data)).load()
+    except _Refused as exc:  # a global off the allow-list, named
+        raise UserError(f"model.kwargs.path: {path} {str(exc)[:300]}; refusing to load "
+                        "it") from None
     except Exception as exc:  # noqa: BLE001 - any failure of a hostile pickle is one answer
-        why = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-        raise UserError(f"model.kwargs.path: {path} {why}; refusing to load it") from None
+        why = (str(exc).splitlines() or [""])[0][:200]
+        raise UserError(f"model.kwargs.path: {path} does not unpickle "
+                        f"({type(exc).__name__}: {why}); refusing to load it") from None
     if not isinstance(model, nn.Module):
         raise UserError(f"model.kwargs.path: {path} holds a {type(model).__name__}, not an "
                         "nn.Module")
