@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps demo test test-torch-floor bench clean
+.PHONY: venv system-deps demo demo-llm test test-torch-floor bench clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ system-deps:
 
 demo: venv
 	$(BIN)/python -m enn_cluster.client.demo
+
+# The language-model job: a tiny local Qwen2 + tokenizer, LoRA on text, resume, score,
+# generate, export to Hugging Face (needs the llm extra, part of the dev install).
+demo-llm: venv
+	$(BIN)/python -m enn_cluster.client.demo_llm
 
 test: venv system-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 """`python -m bench.run [--quick] [--only NAME[,NAME]]`: run benchmarks, print and write the table.
 
-Names: checkpoint, async, staging, collect, overhead, prefetch, predict, metadata, recovery,
+Names: checkpoint, async, staging, text_staging, collect, overhead, prefetch, predict, metadata, recovery,
 control, submit, cli, gpu (the default set) and scale
 (only when named, and never with --quick). Results go to bench/results.json and bench/results.md
 (or --out DIR); a selection that includes scale writes results-scale.json/.md instead, so
@@ -23,8 +23,8 @@ from . import report
 from .measure import BenchContext, Result
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = ("checkpoint", "async", "staging", "collect", "overhead", "prefetch", "predict",
-           "metadata", "recovery", "control", "submit", "cli", "gpu")
+DEFAULT = ("checkpoint", "async", "staging", "text_staging", "collect", "overhead", "prefetch",
+           "predict", "metadata", "recovery", "control", "submit", "cli", "gpu")
 ALL = DEFAULT + ("scale",)
 
 
@@ -50,6 +50,7 @@ def _module(name: str):
 
 # one runner may serve several names (checkpoint and async share one process group)
 RUNNERS = [(("checkpoint", "async"), _run_checkpoint), (("staging",), _module("staging")),
+           (("text_staging",), _module("text_staging")),
            (("collect",), _run_collect), (("overhead",), _module("overhead")),
            (("prefetch",), _module("prefetch")), (("predict",), _module("predict")),
            (("metadata",), _module("metadata_ops")), (("recovery",), _module("recovery")),

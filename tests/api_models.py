@@ -157,3 +157,25 @@ class TiedRegressor(nn.Module):
 
 def tied(n_features: int, n_outputs: int) -> TiedRegressor:
     return TiedRegressor(n_features, n_outputs)
+
+
+class WrappedCausalLM(nn.Module):
+    """A user's own wrapper around a transformers causal LM (no blocks(), no init_weights):
+    the issue-24 case whose decoder layers must still be FSDP units of their own."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.inner = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+
+    def forward(self, ids):
+        return self.inner(input_ids=ids.long(), use_cache=False).logits
+
+    def loss(self, logits, labels):
+        return nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                           labels[:, 1:].long().reshape(-1))
+
+
+def wrapped_llm(n_features: int, n_outputs: int, path: str) -> WrappedCausalLM:
+    return WrappedCausalLM(path)

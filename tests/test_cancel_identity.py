@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from enn_cluster.errors import UserError
 from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem, own_identity
 from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner, read_lock
-from enn_cluster.storage.slurm_jobs import job_belongs_to_run, parse_scontrol
+from enn_cluster.storage.slurm_jobs import job_belongs_to_run, submission_comment
 from helpers import ROOT
 
 ME = own_identity()
@@ -48,22 +49,63 @@ def test_own_identity_is_what_proc_says():
     assert identity(2 ** 22 + 7) is None
 
 
-SCONTROL = ("JobId=41 JobName={name} UserId=u(1) Command={cmd} WorkDir={wd} "
-            "StdOut={out} Comment={comment}")
+def _stub_slurm(bin_dir, scontrol_line: str):
+    """scontrol answering one job line, scancel recording what it was asked to cancel: the
+    Slurm side of `cancel`, whose own check (not Slurm) is what these tests are about."""
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho {shlex.quote(scontrol_line)}\n")
+    (bin_dir / "scancel").write_text('#!/bin/sh\necho "$@" >> "$0.called"\n')
+    for tool in ("scontrol", "scancel"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir / "scancel.called"
 
 
-@pytest.mark.parametrize("name, cmd, wd, out, comment, names, belongs", [
-    ("enn-r", "/runs/r/slurm/41/s.sh", "/home/u", "/runs/r/slurm/41/o", "(null)", set(), True),
-    ("x", "/bin/job.sh", "/runs/r", "/tmp/o", "(null)", set(), True),
-    ("x", "/bin/job.sh", "/tmp", "/tmp/o", "/runs/r", set(), True),
-    ("enn-r", "/bin/job.sh", "/tmp", "/tmp/o", "(null)", {"enn-r"}, True),
-    ("enn-r", "/bin/job.sh", "/tmp", "/tmp/o", "(null)", set(), False),
-    ("other", "/runs/r2/s.sh", "/runs/rr", "/runs/r-x/o", "/runs", {"enn-r"}, False),
+@pytest.mark.parametrize("record, comment_of, cancelled", [
+    # a record copied from squeue: the job's real id and name, paths in the run, no comment
+    ({"job_id": "77", "job_name": "enn-r"}, None, False),
+    # another run's genuine record and job: its comment binds the other run's path
+    ({"job_id": "77", "job_name": "enn-r"}, "other", False),
+    ({"job_id": "77", "job_name": "enn-r"}, "run", True),
 ])
-def test_slurm_job_must_match_the_run(name, cmd, wd, out, comment, names, belongs):
-    fields = parse_scontrol(SCONTROL.format(name=name, cmd=cmd, wd=wd, out=out, comment=comment))
-    assert job_belongs_to_run(fields, "/runs/r", names) is belongs
-    assert job_belongs_to_run({}, "/runs/r", names) is False
+def test_cancel_scancels_only_a_job_our_submission_marked(tmp_path, record, comment_of,
+                                                          cancelled):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.config_path.write_text("run_name: r\n")
+    (tmp_path / "other").mkdir()
+    comment = submission_comment(tmp_path / comment_of) if comment_of else "(null)"
+    called = _stub_slurm(tmp_path / "bin", f"JobId=77 JobName=enn-r JobState=PENDING "
+                         f"WorkDir={run.path} StdOut={run.path}/o Comment={comment}")
+    run.record_job(kind="slurm", **record)
+    run.lock_path.write_text(json.dumps({"slurm_job_id": "77", "host": "slurm", "pid": 0}))
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    done = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "cancel",
+                           str(run.path)], capture_output=True, text=True, env=env, cwd=ROOT)
+    if cancelled:
+        assert done.returncode == 0 and called.read_text() == "77\n", done.stderr
+        assert not run.lock_path.exists(), "the cancelled job's lock stays behind"
+        assert not list(run.path.glob(".run.lock*"))
+    else:
+        assert done.returncode == 2 and not called.exists(), done.stderr
+        assert "not proven this run's" in done.stderr and done.stderr.count("\n") == 1
+        assert run.lock_path.exists()
+
+
+def test_submission_comment_binds_the_runs_real_path(tmp_path):
+    from enn_cluster.cluster.job_spec import JobSpec, submitit_parameters
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "l").symlink_to(tmp_path / "a")
+    c = submission_comment(tmp_path / "a")
+    assert c == submission_comment(tmp_path / "l")  # the real path counts
+    assert c != submission_comment(tmp_path / "b")
+    assert " " not in c and len(c) < 80  # one token in `scontrol -o` output
+    assert job_belongs_to_run({"Comment": c}, tmp_path / "a")
+    assert not job_belongs_to_run({"Comment": c}, tmp_path / "b")
+    assert not job_belongs_to_run({}, tmp_path / "a")
+    params = submitit_parameters(JobSpec(job_name="j", run_dir=str(tmp_path / "a")))
+    assert params["slurm_additional_parameters"]["comment"] == c  # what sbatch gets
 
 
 @pytest.mark.parametrize("text", ["", "{", "[1, 2]", '"pid"', '{"pid": -1, "host": "h"}',
@@ -98,52 +140,70 @@ def test_stale_locks_are_taken_over_live_ones_refused(tmp_path):
 NAMESPACE_SCRIPT = textwrap.dedent("""
     import json, os, subprocess, sys
     from pathlib import Path
-    run = Path(sys.argv[1])
-    victim = subprocess.Popen([sys.executable, "-c", (
-        "import json, sys, time\\n"
-        "from enn_cluster.storage.rundir import lock_owner\\n"
-        "print(json.dumps(lock_owner()), flush=True)\\n"
-        "time.sleep(600)\\n")], stdout=subprocess.PIPE, text=True)
-    real = json.loads(victim.stdout.readline())
+    run, other = Path(sys.argv[1]), Path(sys.argv[2])
+    def start(code):
+        p = subprocess.Popen([sys.executable, "-c", (
+            "import json, sys, time\\n"
+            "from pathlib import Path\\n"
+            "from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner\\n"
+            + code + "\\ntime.sleep(600)\\n")], stdout=subprocess.PIPE, text=True)
+        return p, json.loads(p.stdout.readline())
+    # the launcher of this run, holding its lock; an unrelated process; another run's launcher
+    holder, real = start(f"print(json.dumps(acquire_lock(RunDir(Path({str(run)!r})))), flush=True)")
+    bystander, stranger = start("print(json.dumps(lock_owner()), flush=True)")
+    elsewhere, theirs = start(f"print(json.dumps(acquire_lock(RunDir(Path({str(other)!r})))), flush=True)")
+    procs = {"holder": holder, "bystander": bystander, "elsewhere": elsewhere}
     forged = {"minus_one": {**real, "pid": -1}, "zero": {**real, "pid": 0},
               "init": {**real, "pid": 1}, "str_pid": {**real, "pid": str(real["pid"])},
               "other_host": {**real, "host": "elsewhere"},
               "old_boot": {**real, "boot_id": "0" * 36},
               "no_boot": {k: v for k, v in real.items() if k != "boot_id"},
               "reused": {**real, "start_ticks": real["start_ticks"] + 1},
-              "other_cmd": {**real, "cmdline_sha256": "f" * 64}, "list": [real]}
+              "other_cmd": {**real, "cmdline_sha256": "f" * 64}, "list": [real],
+              "unrelated_process": stranger, "other_runs_launcher": theirs}
     out = {}
     def cancel(record):
-        (run / "run.lock").write_text(json.dumps(record))
+        with open(run / "run.lock", "r+") as fh:  # in place: the holder's inode stays
+            fh.truncate(0)
+            fh.write(json.dumps(record))
         p = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "cancel", str(run)],
                            capture_output=True, text=True)
-        return [p.returncode, p.stdout + p.stderr, victim.poll()]
+        return [p.returncode, p.stdout + p.stderr, {k: v.poll() for k, v in procs.items()}]
     for name, record in forged.items():
         out[name] = cancel(record)
-    out["genuine"] = cancel(real)[:2] + [victim.wait(timeout=60)]
+    out["genuine"] = cancel(real)[:2] + [{"holder": holder.wait(timeout=60),
+                                          "bystander": bystander.poll(),
+                                          "elsewhere": elsewhere.poll()}]
     print(json.dumps(out))
 """)
 
 
 def test_cancel_signals_only_the_proven_launcher_in_a_pid_namespace(tmp_path):
+    """A lock copied from /proc of any process (an unrelated sleeper, another run's
+    launcher) is refused: only the process holding this run's lock file open is signalled."""
     if shutil.which("unshare") is None:
         pytest.skip("no unshare: cannot isolate a test that sends signals")
     probe = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "true"],
                            capture_output=True)
     if probe.returncode != 0:
         pytest.skip("unshare --pid is not permitted here: " + probe.stderr.decode()[:80])
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.yaml").write_text("run_name: r\n")
+    for name in ("run", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text("run_name: r\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
-                           sys.executable, "-c", NAMESPACE_SCRIPT, str(tmp_path / "run")],
+                           sys.executable, "-c", NAMESPACE_SCRIPT, str(tmp_path / "run"),
+                           str(tmp_path / "other")],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name, (code, text, victim) in out.items():
+    for name, (code, text, alive) in out.items():
         if name == "genuine":
-            assert (code, victim) == (0, -15), text
+            assert code == 0, text
+            assert alive == {"holder": -15, "bystander": None, "elsewhere": None}, text
             continue
-        assert code == 2 and victim is None, (name, text)
+        assert code == 2 and set(alive.values()) == {None}, (name, text)
         assert "Traceback" not in text and text.strip().count("\n") == 0, text
         assert text.startswith("enn-submit: error: run.lock:"), text
+    assert "does not hold run.lock open" in out["unrelated_process"][1]
+    assert "does not hold run.lock open" in out["other_runs_launcher"][1]

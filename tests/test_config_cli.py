@@ -90,12 +90,15 @@ def test_load_config_roundtrip(tmp_path):
 
 
 def test_cli_help_does_not_import_torch():
+    """Nor the LM libraries (transformers, peft): only `plan` and hf runs need them."""
     code = ("import sys, contextlib, io\n"
             "from enn_cluster.client import cli\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    try: cli.main(['--help'])\n"
-            "    except SystemExit: pass\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n")
+            "for argv in (['--help'], ['plan', '--help'], ['train', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        try: cli.main(argv)\n"
+            "        except SystemExit: pass\n"
+            "bad = {'torch', 'transformers', 'peft'} & set(sys.modules)\n"
+            "assert not bad, f'imported: {bad}'\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 

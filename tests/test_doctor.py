@@ -10,6 +10,7 @@ oom.json is checked on the OOM governor's own runs (test_resume_exact), which me
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -18,7 +19,7 @@ import yaml
 
 from helpers import ROOT, as_gpu_ranks_on_sockets, cli, small_config, write_config
 
-LAYERS = ["data", "model", "kernels", "precision", "logs", "distributed", "checkpoints",
+LAYERS = ["files", "data", "model", "kernels", "precision", "logs", "distributed", "checkpoints",
           "export", "predictions"]
 ONE_PROC = {"nodes": 1, "procs_per_node": 1}
 
@@ -52,6 +53,52 @@ def healthy(tmp_path_factory):
     run = _train(tmp, "h")
     _predict(tmp, run)
     return run
+
+
+@pytest.mark.parametrize("rel, content, needle", [
+    ("metrics.jsonl", b"\x00\xff\x1b[2J garbage\n" * 3, "3 line(s) are not JSON records"),
+    ("jobs.jsonl", b"not json\n", "jobs.jsonl"),
+    ("predictions/p/request.json", b"\x00\x01", "predictions/p/request.json is not a JSON"),
+    ("predictions/p/request.json", b"[1, 2]", "predictions/p/request.json is not a JSON"),
+])
+def test_damaged_control_files_are_a_problem_not_ok(healthy, tmp_path, rel, content, needle):
+    """What status, cancel or collect refuse, doctor does not call ok."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(healthy, run, symlinks=True)
+    (run / rel).write_bytes(content)
+    done = cli("doctor", run, cwd=ROOT / "tests")
+    line = next(line for line in done.stdout.splitlines() if line.startswith("files "))
+    assert done.returncode == 1 and line.split()[1] == "problem" and needle in line, line
+    assert "\x1b" not in done.stdout
+
+
+def _object_dtype(run):
+    path = run / "predictions/p/manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["chunks"][0]["dtype"] = "|O"
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda run: (run / "predictions/p/chunk-000000.npy").write_bytes(b"\x93NUMPY"),
+     "does not match its record"),
+    (_object_dtype, "holds Python objects"),
+    (lambda run: ((run / "predictions/p/chunk-000000.npy").unlink(),
+                  os.mkfifo(run / "predictions/p/chunk-000000.npy")), "not a regular file"),
+])
+def test_damaged_prediction_chunks_are_a_problem(healthy, tmp_path, damage, needle):
+    """A truncated chunk, an object dtype, a FIFO in a chunk's place: collect refuses each,
+    and doctor says so (without opening the FIFO)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(healthy, run, symlinks=True)
+    damage(run)
+    done = cli("doctor", run, cwd=ROOT / "tests", timeout=120)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("predictions "))
+    assert done.returncode == 1 and line.split()[1] == "problem" and needle in line, line
 
 
 def test_healthy_run_is_ok_on_every_layer(healthy):
@@ -161,7 +208,7 @@ def _nan_rows(tmp, rows):
     y = rng.standard_normal((64, 1)).astype(np.float32)
     y[rows] = np.nan
     np.savez(tmp / "nan.npz", x=x, y=y)
-    return {"train_path": str(tmp / "nan.npz"), "eval_fraction": 0.0}
+    return {"train_path": str(tmp / "nan.npz"), "eval_fraction": 0.0, "allow_nonfinite": True}
 
 
 @pytest.mark.parametrize("rows, training, code, level, needle", [

@@ -98,3 +98,21 @@ def test_a_metrics_file_read_while_it_grows_never_looks_damaged(tmp_path):
     assert scan_metrics(path) == ([json.loads(line)] * 40, 0)
     path.write_text(line + '{"kind": "train", "step": "x"}\n{"kind": "tr')
     assert scan_metrics(path) == ([json.loads(line)], 1)
+
+
+def test_status_escapes_terminal_controls_from_run_files(tmp_path):
+    """metrics.jsonl is writable by the job (and often a group): a string in it holding a
+    title change, a screen clear or a line separator is printed escaped, as one_line does."""
+    run = tmp_path / "run"
+    run.mkdir()
+    write_config(run / "config.yaml", **small_config(tmp_path, "run"))
+    evil = "\x1b]0;owned\x07\x1b[2J\u2028\x9b1m"
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"kind": "start", "total_steps": 9}) + "\n"
+        + json.dumps({"kind": "train", "step": 3, "loss": evil, "samples_per_s": 1.0}) + "\n"
+        + json.dumps({"kind": "eval", "step": 3, "eval_loss": evil}) + "\n")
+    for args in ([], ["--follow", "--interval", "0.1"]):
+        done = cli("status", run, *args)
+        assert done.returncode == 0, done.stderr
+        assert not any(c in done.stdout for c in "\x1b\x07\u2028\x9b"), repr(done.stdout)
+        assert "\\x1b]0;owned\\x07" in done.stdout

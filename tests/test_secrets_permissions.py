@@ -334,3 +334,30 @@ def test_safe_load_reads_a_real_checkpoint_like_dcp(real_run):
     for key in theirs:
         a, b = ours[key], theirs[key]
         assert (torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b), key
+
+
+# -- credentials by what a value looks like ---------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [
+    "postgres://u:PW0@host/db", "s3://PW0@bucket/x", "user:PW0@registry#img",
+    "https://h/?api-key=PW0&x=1", "https://h/x?pwd=PW0", "https://h/#access_token=PW0",
+    "https://h/x.npz?X-Amz-Signature=PW0", "Authorization: Bearer PW0abcdef",
+    "['a', 'ghp_PW0abcdefghijkl']", "AKIAPW0ABCDEFGHIJKLM"])
+def test_an_error_line_never_carries_a_credential(text):
+    """Whatever a message quotes passes through errors.redact: the value is masked."""
+    from enn_cluster.errors import looks_secret, redact
+
+    assert looks_secret(text) and "PW0" not in redact(text)
+    assert "PW0" not in str(UserError(f"--flag: {text!r} is not valid"))
+
+
+@pytest.mark.parametrize("text", [
+    "nvcr.io#nvidia/pytorch:24.05-py3", "user@registry#img", "img@sha256:0123abcd",
+    "/shared/images/enn.sqsh", "https://h/x.npz?version=3&monkey=1", "04:00:00",
+    "s3://bucket/x.npz", "model.kwargs.author", "Basic", "1-12:00:00",
+    "https://h/x?design=1&signal=2&author=x"])
+def test_ordinary_values_are_not_taken_for_credentials(text):
+    from enn_cluster.errors import looks_secret
+
+    assert not looks_secret(text)

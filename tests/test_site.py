@@ -73,7 +73,8 @@ def test_every_key_is_known_and_typed():
         "nccl_profile": "efa", "gpus_per_node": 4, "extra_sbatch_args": ["--constraint=a100"],
         "extra_srun_args": ["--cpu-bind=none"], "setup_lines": ["module load x"],
         "python": "/usr/bin/python3", "signal_grace_s": 120, "time": 240,
-        "cpus_per_task": 12, "socket_ifname": "ib0", "mem_gb": 480, "gpu_request": "gres:a100"})
+        "cpus_per_task": 12, "socket_ifname": "ib0", "mem_gb": 480, "gpu_request": "gres:a100",
+        "gpu_mem_gb": 141})
     assert set(conf.overrides()) == set(site.KEYS) == set(site.DEFAULTS)
     assert conf.mounts == ("/d:/d:ro+rprivate",)
 
@@ -84,6 +85,8 @@ def test_every_key_is_known_and_typed():
     ({"setup_lines": [1]}, r"site\.setup_lines: expected a list of strings"),
     ({"signal_grace_s": "90"}, r"site\.signal_grace_s: expected a whole number"),
     ({"gpus_per_node": True}, r"site\.gpus_per_node: expected a whole number"),
+    ({"gpu_mem_gb": "80GB"}, r"site\.gpu_mem_gb: expected a number of GB"),
+    ({"gpu_mem_gb": 0}, r"site\.gpu_mem_gb: 0 must be the GB of memory of one GPU"),
     ({"time": [4]}, r"site\.time: expected minutes or a Slurm time"),
     ({"time": "4 hours"}, r"site\.time: '4 hours' is not a time"),
     ({"partition": 5}, r"site\.partition: expected a non-empty string"),

@@ -135,7 +135,8 @@ def test_non_finite_losses_abort_with_a_clear_message(tmp_path):
     y = np.full((64, 1), np.nan, dtype=np.float32)
     np.savez(tmp_path / "nan.npz", x=x, y=y)
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "nan", data={"train_path": str(tmp_path / "nan.npz"), "eval_fraction": 0.0},
+        tmp_path, "nan", data={"train_path": str(tmp_path / "nan.npz"), "eval_fraction": 0.0,
+                               "allow_nonfinite": True},
         training={"max_nonfinite_steps": 3}, parallel={"nodes": 1, "procs_per_node": 1}))
     res = cli("train", "--config", cfg, timeout=120)
     assert res.returncode != 0
@@ -162,7 +163,7 @@ def test_a_nan_row_is_dumped_with_its_rows_and_counts_and_the_policy_decides(tmp
     def train(name, policy):
         cfg = write_config(tmp_path / f"{name}.yaml", **small_config(
             tmp_path, name, data={"train_path": str(tmp_path / "one_nan.npz"),
-                                  "eval_fraction": 0.0},
+                                  "eval_fraction": 0.0, "allow_nonfinite": True},
             training={"nonfinite_policy": policy, "grad_clip": 1.0},
             logging={"every_steps": 4}, parallel={"nodes": 1, "procs_per_node": 2}))
         return cli("train", "--config", cfg, timeout=180), tmp_path / "runs" / name

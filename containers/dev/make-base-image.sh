@@ -17,8 +17,10 @@ readonly tarball="${cache_dir}/enn-testbase-${suite}.tar"
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 readonly repo_root
 readonly recipe="${repo_root}/containers/dev/Dockerfile.testbase"
-# The runtime requirements of pyproject.toml, torch pinned by constraints-dev.txt.
-readonly requirements=(torch submitit pyyaml numpy fsspec xxhash tqdm)
+# The runtime requirements of pyproject.toml and its llm extra, torch pinned by
+# constraints-dev.txt.
+readonly requirements=(torch submitit pyyaml numpy fsspec xxhash tqdm
+                       transformers peft tokenizers pyarrow safetensors)
 
 # crun fails on this kind of host; our containers.conf selects runc (see the notes).
 if [[ -z "${CONTAINERS_CONF:-}" ]] && command -v runc >/dev/null 2>&1; then
@@ -72,7 +74,7 @@ download_wheels() {
     rm -rf "$dir" && mkdir -p "$dir"
     log "pip download ${requirements[*]} into $dir"
     python3 -m pip download -q --only-binary=:all: --python-version 3.11 \
-        --platform manylinux_2_28_x86_64 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --implementation cp \
         -c "${repo_root}/constraints-dev.txt" -d "$dir" "${requirements[@]}" >&2
     compgen -G "$dir/torch-*+cpu-*.whl" >/dev/null \
         || { log "pip found no CPU torch wheel (a CUDA build is too big): $(ls "$dir")"; exit 1; }

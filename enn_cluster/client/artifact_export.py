@@ -27,7 +27,8 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
 
-FORMATS = ("torch", "export")
+LM_FORMATS = ("hf", "peft")  # a causal LM's Hugging Face forms (client/lm_artifacts)
+FORMATS = ("torch", "export", *LM_FORMATS)
 STATE_FILE, PROGRAM_FILE, RECORD_FILE = "model.pt", "model.pt2", "export.json"
 
 
@@ -108,6 +109,8 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") 
         raise UserError(f"--out: {out} exists; give a new directory")
     step = choose_step(run, step)
     cfg, manifest = run.load_config(), read_manifest(run.data_dir)
+    if fmt in LM_FORMATS:
+        return _export_lm(run, cfg, step, out, fmt, manifest)
     with warnings.catch_warnings():  # DCP's note that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         model = Run(run.path).load_model(step)
@@ -123,6 +126,29 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") 
         if program is not None:
             torch.export.save(program, str(tmp / PROGRAM_FILE))
         _write_record(tmp, run, step, fmt, input_shape, manifest)
+        fsync_dir(tmp)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict) -> Path:
+    """A causal LM as a Hugging Face directory (or peft adapter), written under a temporary
+    name and renamed, with export.json."""
+    from enn_cluster.client.lm_artifacts import write_hf
+
+    if cfg.model.task != "causal_lm":
+        raise UserError(f"--format: {fmt} is for Hugging Face causal LMs (model.name: hf:DIR); "
+                        f"{cfg.model.name} exports with --format torch or export")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir()
+        write_hf(cfg, store.step_dir(run.checkpoints, step), tmp, fmt)
+        _write_record(tmp, run, step, fmt, tuple(manifest["entries"]["train_x"]["shape"][1:]),
+                      manifest)
         fsync_dir(tmp)
         os.rename(tmp, out)
         fsync_dir(out.parent)

@@ -35,8 +35,8 @@ def one_line(text: str) -> str:
     (newlines, vertical tabs, NEL, U+2028, terminal escapes) shown as escapes."""
     import unicodedata
 
-    return "".join(repr(c)[1:-1] if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp")
-                   else c for c in text)
+    return "".join(ascii(c)[1:-1] if c != "\t" and unicodedata.category(c) in (
+        "Cc", "Cf", "Zl", "Zp") else c for c in text)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     from enn_cluster.client.cli_export import register as register_export
 
     register_export(sub, COMMANDS)
+    from enn_cluster.client.cli_plan import register as register_plan
+
+    register_plan(sub, COMMANDS)
 
     p = sub.add_parser("build", help="build containers/Dockerfile into an Enroot squashfs (cached)")
     p.add_argument("--dockerfile", default="containers/Dockerfile")
@@ -173,7 +176,8 @@ def cmd_train(args) -> int:
     shape = launch_shape(args, cfg)
     restarts = max_restarts(args.max_restarts, cfg)
     slurm = slurm_request(args) if args.cluster == "slurm" else None
-    run, cfg, spec = create_train_run(cfg, shape, restarts, slurm)
+    run, cfg, spec = create_train_run(cfg, shape, restarts, slurm,
+                                      gpu_mem_gb=site_config(args).gpu_mem_gb)
     if slurm is None:
         print(f"run directory: {run.path}", file=sys.stderr)
         return launch(run, "train", shape, restarts, cfg=cfg)
@@ -188,10 +192,12 @@ def cmd_prepare(args) -> int:
     here fixes the run's global batch, as a first launch would."""
     import shlex
 
+    from enn_cluster.client.model_shape import check_fits
     from enn_cluster.client.prepare import prepare_run, shape_from_flags
 
     cfg = _load_train_config(args)
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
+    check_fits(cfg, shape.nodes, shape.gpus_per_node, site_config(args).gpu_mem_gb)
     run = prepare_run(cfg, shape)
     path = shlex.quote(str(run.path))
     print(run.path)
@@ -277,7 +283,8 @@ def cmd_status(args) -> int:
     RunDir(path).load_config()  # a damaged config.yaml is a damaged run: one line, exit 2
     if args.follow:
         return _follow_status(path, max(args.interval, 0.1))
-    print(format_status(run_status(path)))
+    # every line may quote run files (metrics.jsonl, run.lock): escape what a terminal obeys
+    print("\n".join(one_line(line) for line in format_status(run_status(path)).split("\n")))
     return 0
 
 
@@ -290,7 +297,7 @@ def _follow_status(path: Path, interval: float) -> int:
     tty, previous, verified = sys.stdout.isatty(), None, {}
     while True:
         st = run_status(path, verified)  # a checkpoint's bytes are read once
-        line = progress_line(st)
+        line = one_line(progress_line(st))
         if line != previous:
             sys.stdout.write(f"\r\033[K{line}" if tty else line + "\n")
             sys.stdout.flush()
@@ -316,9 +323,11 @@ def cmd_plot(args) -> int:
     from enn_cluster.storage.rundir import run_umask
 
     if args.out:
-        from enn_cluster.storage.output_target import check_local_target
+        from enn_cluster.storage.output_target import check_local_target, expanded
 
-        check_local_target("--out", args.out, overwrite=True)
+        args.out = expanded("--out", args.out)
+        check_local_target("--out", args.out, overwrite=True, run_dir=run.path,
+                           own=("metrics.png",))
     with run_umask():  # 0640 like the rest of the run, whatever the caller's umask
         out = write_plot(series, Path(args.out) if args.out else run.path / "metrics.png",
                          title=run.path.name)

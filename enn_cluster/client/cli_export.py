@@ -13,7 +13,8 @@ def register(sub, commands) -> None:
     p.add_argument("--out", required=True, help="directory to create (must not exist)")
     p.add_argument("--format", default="torch", choices=FORMATS,
                    help="torch: model.pt (full state dict); export: also model.pt2, a "
-                        "torch.export program")
+                        "torch.export program; hf: a Hugging Face model directory (LoRA "
+                        "merged) with the tokenizer; peft: the LoRA adapters alone")
     commands.update(export=cmd_export)
 
 

@@ -22,6 +22,10 @@ def register(sub, add_shape_flags, commands) -> None:
                    help="prediction name (default: INPUT-step-N); an existing one continues")
     p.add_argument("--chunk-rows", type=int, default=None, help="rows per chunk file")
     p.add_argument("--batch-size", type=int, default=None, help="rows per forward pass")
+    p.add_argument("--generate", type=int, default=None, metavar="N",
+                   help="causal LM: continue each row by up to N tokens (default: score rows)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --generate: sample with this seed (default: greedy)")
     add_shape_flags(p)
 
     p = sub.add_parser("collect", help="verify a prediction and assemble it in input order")
@@ -54,7 +58,7 @@ def cmd_predict(args) -> int:
         run, args.input, name=args.name, step=args.step,
         chunk_rows=DEFAULT_CHUNK_ROWS if args.chunk_rows is None else args.chunk_rows,
         batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size,
-        cfg=cfg)
+        cfg=cfg, generate=generation(cfg, args.generate, args.seed))
     hint = f"enn-submit collect {run.path} --name {request.name} --out FILE.npy"
     if request.complete:
         print(f"prediction {request.name} is already complete; assemble it with: {hint}",
@@ -69,6 +73,13 @@ def cmd_predict(args) -> int:
                   file=sys.stderr)
         print(request.name)
     return code
+
+
+def generation(cfg, new_tokens, seed):
+    """--generate/--seed as the request's `generate` (None: score rows)."""
+    from enn_cluster.client.prediction_request import generation_request
+
+    return generation_request(cfg, new_tokens, seed)
 
 
 def cmd_collect(args) -> int:

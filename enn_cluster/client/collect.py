@@ -25,11 +25,16 @@ from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
 from enn_cluster.storage.file_copy import kernel_copy
 from enn_cluster.storage.npy_header import read_npy_header
-from enn_cluster.storage.output_target import check_local_target
+from enn_cluster.storage.output_target import (
+    check_local_target,
+    expanded,
+    missing_parents,
+    remove_empty,
+)
 from enn_cluster.storage.prediction_collapse import recorded_verdict
 from enn_cluster.storage.rundir import RunDir, fsync_dir
+from enn_cluster.storage.memmap_writer import progress_bar
 from enn_cluster.storage.run_files import open_run_file, read_run_text
-from enn_cluster.storage.staging import progress_bar
 
 
 @dataclass
@@ -190,16 +195,6 @@ def _target(out: str):
     return fs, path, local
 
 
-def missing_parents(path: Path) -> list[Path]:
-    """The parent folders of `path` that do not exist yet, innermost first."""
-    missing = []
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    return missing
-
-
 def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
             overwrite: bool = False, stream: Optional[TextIO] = None) -> CollectResult:
     """Verify and assemble prediction `name` of `run` into `out` (.npy path or fsspec URL)."""
@@ -214,9 +209,9 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
     manifest = read_committed(pdir)
     if not str(out).endswith(".npy"):
         raise UserError(f"--out: {out!r} must end in .npy (local path or fsspec URL)")
-    fs, path, local = _target(out)
+    fs, path, local = _target(expanded("--out", out))
     if local:
-        check_local_target("--out", path, overwrite)
+        check_local_target("--out", path, overwrite, run_dir=run.path)
     elif fs.exists(path) and not overwrite:
         raise UserError(f"--out: {out} exists; choose another path or pass --overwrite")
     made: list[Path] = []  # the parents of --out this call creates: gone again on failure
@@ -246,13 +241,9 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
         if not local:
             tmp.parent.rmdir()
         if not done:
-            for folder in made:  # innermost first; only if still empty
-                try:
-                    folder.rmdir()
-                except OSError:
-                    break
+            remove_empty(made)
     scale = manifest["scaler"]["std"] if manifest.get("scaler") else None
-    warnings = pm.collapse_warnings(manifest.get("stats"), scale)
+    warnings = [] if manifest.get("generate") else pm.collapse_warnings(manifest.get("stats"), scale)
     return CollectResult(str(out), name, (manifest["n_rows"], *manifest["output_shape"]),
                          manifest["step"], warnings, pm.summary_lines(manifest),
                          recorded_verdict(manifest.get("collapse")))

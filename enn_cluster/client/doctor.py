@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.config.run_config import is_hf_model
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
@@ -94,6 +95,8 @@ def check_model(run: RunDir, cfg, manifest: Optional[dict]):
     from enn_cluster.models import build_model, output_size
 
     shape = tuple(manifest["entries"]["train_x"]["shape"][1:])
+    if is_hf_model(cfg.model.name):
+        return _check_lm(cfg, more), None, shape
     try:
         model = build_model(cfg.model, shape, output_size(cfg, manifest))
     except UserError as exc:
@@ -104,6 +107,30 @@ def check_model(run: RunDir, cfg, manifest: Optional[dict]):
     n = sum(p.numel() for p in model.parameters())
     return Finding("model", "ok", f"{cfg.model.name} builds ({n} parameters, input {shape})",
                    more), model, shape
+
+
+def _check_lm(cfg, more: str) -> Finding:
+    """A causal LM: its weights directory usable and the model built on the meta device
+    (no weights read; those are what the workers load)."""
+    import torch
+
+    from enn_cluster.client.prepare import check_hf_model
+    from enn_cluster.models import build_run_model
+
+    more = f"ls -l {shlex.quote(cfg.model.name[len('hf:'):])}"
+    try:
+        check_hf_model(cfg.model.name)
+        with torch.device("meta"):
+            model = build_run_model(cfg, (), 0)
+    except UserError as exc:
+        return Finding("model", "problem", str(exc), more)
+    except Exception as exc:  # transformers could not build its config: say so, never crash
+        return Finding("model", "problem", f"model.name: {cfg.model.name} does not build "
+                       f"({type(exc).__name__}: {str(exc)[:200]})", more)
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return Finding("model", "ok", f"{cfg.model.name} builds ({total} parameters, {trained} "
+                   f"trained{', LoRA r=%d' % cfg.lora.r if cfg.lora.enabled else ''})", more)
 
 
 def _warnings(reports: list[dict], layer: str) -> list[str]:
@@ -233,6 +260,10 @@ def check_checkpoints(run: RunDir, q: str) -> Finding:
 
 def check_export(model, shape, name: str, q: str) -> Finding:
     more = f"enn-submit export {q} --out DIR --format export"
+    if is_hf_model(name):
+        return Finding("export", "ok", "a causal LM exports as a Hugging Face directory "
+                       "(--format hf) or its LoRA adapters (--format peft)",
+                       f"enn-submit export {q} --out DIR --format hf")
     if model is None:
         return Finding("export", "warning", "not checked: the model does not build", more)
     from enn_cluster.client.artifact_export import export_problem
@@ -243,6 +274,38 @@ def check_export(model, shape, name: str, q: str) -> Finding:
     return Finding("export", "ok", "torch.export traces the forward (dynamic batch)", more)
 
 
+def _chunk_damage(pdir: Path, manifest) -> Optional[str]:
+    """What collect would refuse in a committed prediction: a manifest that is not one, a
+    chunk of object dtype, a chunk that is not a regular file (never opened: a FIFO would
+    hang), or bytes that do not match their record (truncated, rewritten)."""
+    import stat
+
+    import numpy as np
+
+    from enn_cluster.client.collect import manifest_problem
+
+    problem = manifest_problem(manifest)
+    if problem:
+        return problem
+    for rec in manifest["chunks"]:
+        try:
+            if np.dtype(rec.get("dtype", "<f4")).hasobject:
+                return f"{rec['file']}: dtype {rec.get('dtype')!r} holds Python objects"
+        except TypeError:
+            return f"{rec['file']}: dtype {str(rec.get('dtype'))[:40]!r} is not a dtype"
+        try:
+            regular = stat.S_ISREG(os.lstat(pdir / rec["file"]).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            return f"{rec['file']}: missing or not a regular file"
+    try:
+        problems = pm.verify_chunks(pdir, manifest)
+    except (KeyError, TypeError):
+        return "a chunk record lacks its size or checksum"
+    return "; ".join(problems[:2]) if problems else None
+
+
 def _prediction_finding(run: RunDir, name: str) -> Optional[tuple[str, str, str]]:
     """(level, detail, more) for one committed prediction, or None when it looks sound."""
     path = run.predictions / name / pm.MANIFEST
@@ -251,6 +314,10 @@ def _prediction_finding(run: RunDir, name: str) -> Optional[tuple[str, str, str]
     except (OSError, ValueError, RecursionError, UserError) as exc:
         return "problem", f"{name}: {pm.MANIFEST} is unreadable ({exc}); predict again " \
             "with another --name", f"ls -l {shlex.quote(str(path.parent))}"
+    damage = _chunk_damage(path.parent, manifest)
+    if damage:
+        return "problem", f"{name}: {damage}; predict again with another --name", \
+            f"enn-submit collect {shlex.quote(str(run.path))} --name {shlex.quote(name)} --out OUT.npy"
     verdict = recorded_verdict(manifest.get("collapse") if isinstance(manifest, dict) else None)
     if verdict:
         return "warning", f"{name}: collapse verdict ({verdict['verdict']}): " \
@@ -274,6 +341,34 @@ def check_predictions(run: RunDir, q: str) -> Finding:
                    f"{shlex.quote(names[-1])} --out OUT.npy")
 
 
+def check_run_files(run: RunDir, q: str) -> Finding:
+    """The control files other commands refuse when damaged: doctor says so too (binary
+    metrics, a jobs.jsonl or request.json that is not JSON; a lock that does not parse is
+    refused before any finding, as every command refuses it)."""
+    from enn_cluster.storage.metrics import scan_metrics
+
+    problems = []
+    _, unreadable = scan_metrics(run.metrics)
+    if unreadable:
+        problems.append(f"{run.metrics.name}: {unreadable} line(s) are not JSON records "
+                        "(damaged or binary)")
+    try:
+        run.jobs()
+    except UserError as exc:
+        problems.append(str(exc).split(";")[0])
+    for request in sorted(run.predictions.glob(f"*/{pm.REQUEST}")):
+        try:
+            ok = isinstance(json.loads(request.read_text(encoding="utf-8")), dict)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            problems.append(f"predictions/{request.parent.name}/{pm.REQUEST} is not a JSON "
+                            "object; predict again with another --name")
+    if problems:
+        return Finding("files", "problem", "; ".join(problems), f"ls -la {q}")
+    return Finding("files", "ok", "metrics, jobs and prediction requests parse", f"ls -la {q}")
+
+
 def diagnose(path: Path) -> list[Finding]:
     """Every layer's finding, in order."""
     from enn_cluster.client.status import live_lock
@@ -285,7 +380,7 @@ def diagnose(path: Path) -> list[Finding]:
     attempt, reports = backend_report.newest_reports(attempt_dirs(run))
     data, manifest = check_data(run, q)
     model_finding, model, shape = check_model(run, cfg, manifest)
-    return [data, model_finding, check_kernels(reports, attempt, q),
+    return [check_run_files(run, q), data, model_finding, check_kernels(reports, attempt, q),
             check_precision(run, reports, q), check_logs(run, live_lock(run) is not None, q),
             check_distributed(reports, attempt, q), check_checkpoints(run, q),
             check_export(model, shape, cfg.model.name, q), check_predictions(run, q)]

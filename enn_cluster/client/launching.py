@@ -38,8 +38,8 @@ def load_flagged_config(config: Optional[str], overrides: list, site: Optional[s
 
     verbatim = {k: v for k, v in (("run_name", run_name), ("runs_root", runs_root))
                 if v is not None}
-    return resolved_config(read_yaml(config) if config else {}, list(overrides), verbatim,
-                           read_site or (lambda: load_site(site)))
+    data = read_yaml(config) if config is not None else {}  # "" is refused, not the defaults
+    return resolved_config(data, list(overrides), verbatim, read_site or (lambda: load_site(site)))
 
 
 def resolved_config(data: dict, overrides: list, verbatim: dict, read_site):
@@ -72,13 +72,19 @@ def checked_shape(cfg, nodes, gpus_per_node: Optional[int], procs_per_node: Opti
 
 
 def create_train_run(cfg, shape: "LaunchShape", restarts: int, slurm: Optional[SlurmRequest],
-                     arrays: Optional[dict] = None, populate_extra=None):
-    """A new run for `train`: a job Slurm cannot take is refused before anything is written,
-    then the run directory with its staged data. Returns (run, the config frozen into it,
+                     arrays: Optional[dict] = None, populate_extra=None,
+                     gpu_mem_gb: Optional[float] = None):
+    """A new run for `train`: a job Slurm cannot take and a plan that cannot fit the GPUs
+    (`gpu_mem_gb` each; default: the site's, else 80) are refused before anything is
+    written, then the run directory with its staged data. Returns (run, the config frozen into it,
     the JobSpec built for Slurm or None)."""
+    from enn_cluster.client.model_shape import check_fits
     from enn_cluster.client.prepare import prepare_run_and_config
 
     spec = check_slurm_spec(slurm, cfg, "train", shape, restarts) if slurm is not None else None
+    if gpu_mem_gb is None and slurm is not None:
+        gpu_mem_gb = slurm.site_config.gpu_mem_gb
+    check_fits(cfg, shape.nodes, shape.gpus_per_node, gpu_mem_gb, arrays_given=bool(arrays))
     run, frozen = prepare_run_and_config(cfg, shape, arrays=arrays, populate_extra=populate_extra)
     return run, frozen, spec
 
@@ -258,34 +264,41 @@ def cancel_run(run: RunDir) -> int:
     owner = read_lock(run)
     jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
     if jobs and job_alive(str(jobs[-1]["job_id"])):
-        return _cancel_slurm(run, str(jobs[-1]["job_id"]), jobs)
+        return _cancel_slurm(run, str(jobs[-1]["job_id"]))
     if owner and not owner.get("slurm_job_id"):
         return _stop_launcher(run, owner)
     print(f"{run.path}: nothing is running")
     return 0
 
 
-def _cancel_slurm(run: RunDir, job_id: str, jobs: list) -> int:
+def _cancel_slurm(run: RunDir, job_id: str) -> int:
+    from enn_cluster.storage.rundir import clear_lock_of_job
     from enn_cluster.storage.slurm_jobs import cancel, job_belongs_to_run, job_fields
 
-    fields = job_fields(job_id)
-    names = {str(j["job_name"]) for j in jobs if str(j.get("job_id")) == job_id
-             and j.get("job_name")}
-    if not job_belongs_to_run(fields, str(run.path), names):
-        raise UserError(f"jobs.jsonl: Slurm job {job_id} (name {fields.get('JobName')!r}) is not "
-                        f"this run's (neither its name nor its paths match {run.path}); "
-                        "not cancelling it: use scancel yourself if you mean it")
+    if not job_belongs_to_run(job_fields(job_id), run.path):
+        raise UserError(f"jobs.jsonl: Slurm job {job_id} is not proven this run's (its comment "
+                        "is not the one enn-submit gave it for this run); not cancelling it: "
+                        f"use scancel {job_id} yourself if you mean it")
     cancel(job_id)
-    print(f"cancelled Slurm job {job_id}")
+    cleared = clear_lock_of_job(run, job_id)
+    print(f"cancelled Slurm job {job_id}" + (f"; removed its {run.lock_path.name}" if cleared else ""))
     return 0
 
 
 def _stop_launcher(run: RunDir, owner: dict) -> int:
     import socket
 
-    from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem
+    from enn_cluster.storage.process_identity import (
+        boot_id,
+        holds_open,
+        identity,
+        launcher_problem,
+    )
 
     why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
+    if why is None and not holds_open(owner["pid"], run.lock_path):
+        why = (f"pid {owner['pid']} does not hold {run.lock_path.name} open, so it is not this "
+               "run's launcher (a lock copied from another process?)")
     if why == "not running":
         print(f"{run.path}: nothing is running (the lock's launcher has exited)")
         return 0

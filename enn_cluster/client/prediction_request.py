@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from enn_cluster.config.run_config import LM_TASK
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import prediction_manifest as pm
@@ -33,6 +34,8 @@ from enn_cluster.storage.rundir import (
     sigterm_unwinds,
 )
 from enn_cluster.storage.staging import read_manifest, stage_array
+from enn_cluster.storage.text_sources import TEXT_SUFFIXES, check_text_file
+from enn_cluster.storage.text_staging import text_rows
 
 DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_BATCH_SIZE = 1024
@@ -46,8 +49,36 @@ class PredictionRequest:
     complete: bool  # manifest committed: nothing left for workers to do
 
 
-def output_shape(cfg, manifest: dict) -> list[int]:
-    """Rows of predictions look like rows of training targets (or class logits)."""
+MAX_NEW_TOKENS = 1 << 16
+
+
+def generation_request(cfg, new_tokens: Optional[int], seed: Optional[int]) -> Optional[dict]:
+    """The request's `generate` entry (pure but for the model's config.json): None scores
+    rows; N continues each by up to N tokens, greedy or sampled with `seed`."""
+    if new_tokens is None:
+        if seed is not None:
+            raise UserError("--seed: samples only with --generate N; add --generate")
+        return None
+    if cfg.model.task != LM_TASK:
+        raise UserError(f"--generate: only a causal LM generates; {cfg.model.name} is a "
+                        f"{cfg.model.task} model")
+    if not 1 <= new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"--generate: {new_tokens} must be between 1 and {MAX_NEW_TOKENS}")
+    if seed is not None and not 0 <= seed < 2**31:
+        raise UserError(f"--seed: {seed} must be between 0 and {2**31 - 1}")
+    from enn_cluster.config.hf_name import weights_dir
+    from enn_cluster.models.causal_lm import hf_config
+
+    eos = hf_config(weights_dir(cfg.model.name)).eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    return {"max_new_tokens": int(new_tokens), "seed": seed, "eos_token_id": eos}
+
+
+def output_shape(cfg, manifest: dict, generate: Optional[dict] = None) -> list[int]:
+    """Rows of predictions look like rows of training targets (or class logits); a causal
+    LM's are its scores (mean log-likelihood, tokens) or its generated tokens."""
+    if cfg.model.task == LM_TASK:
+        return [generate["max_new_tokens"]] if generate else [2]
     if cfg.model.task == "classification":
         return [int(manifest.get("n_classes", 2))]
     return list(manifest["entries"]["train_y"]["shape"][1:])
@@ -89,6 +120,12 @@ def _choose_step(run: RunDir, step: Optional[int]) -> int:
                     f"run 'enn-submit verify {run.path}'")
 
 
+def _is_text(cfg, source: Any) -> bool:
+    """A causal LM's input given as a text file (tokenized here, like its training data)."""
+    return cfg.model.task == LM_TASK and isinstance(source, (str, os.PathLike)) and \
+        str(source).endswith(TEXT_SUFFIXES)
+
+
 def _check_input(entry: dict, run: RunDir) -> None:
     features = read_manifest(run.data_dir)["entries"]["train_x"]["shape"][1:]
     if entry["shape"][1:] != features:
@@ -107,13 +144,16 @@ def check_prediction_inputs(run: RunDir, cfg, source: Any) -> None:
 
     check_control_files(run)
     check_model_importable(cfg.model.name)
-    if isinstance(source, str):
+    if isinstance(source, str) and _is_text(cfg, source):
+        check_text_file("--input", source, cfg.data)
+    elif isinstance(source, str):
         check_source("--input", source)
 
 
 def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] = None,
                        step: Optional[int] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                       batch_size: int = DEFAULT_BATCH_SIZE, cfg=None) -> PredictionRequest:
+                       batch_size: int = DEFAULT_BATCH_SIZE, cfg=None,
+                       generate: Optional[dict] = None) -> PredictionRequest:
     """Create (or re-open) `predictions/<name>/` with the staged input and request.json.
     `cfg`: the run's config when the caller has loaded it (else read here)."""
     cfg = run.load_config() if cfg is None else cfg
@@ -134,12 +174,19 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     if source is None:
         raise UserError(f"--input: required (no prediction named {name!r} to continue in "
                         f"{run.predictions})")
-    _check_input_array(source, cfg.data.x_key)
+    text = _is_text(cfg, source)
+    if text:
+        check_text_file("--input", str(source), cfg.data)
+    else:
+        _check_input_array(source, cfg.data.x_key)
     if existing is not None and step is None:
         step = existing["step"]
     step = _choose_step(run, step)
+    if text:  # tokenized here, staged as the array of token ids it makes
+        name = name or default_name(source, step, "")
+        source = text_rows("--input", str(source), cfg.data, cfg.model)
     with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
-        return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size)
+        return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size, generate)
 
 
 def _check_input_array(source: Any, x_key: str) -> None:
@@ -153,7 +200,7 @@ def _check_input_array(source: Any, x_key: str) -> None:
 
 
 def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chunk_rows: int,
-                   batch_size: int) -> PredictionRequest:
+                   batch_size: int, generate: Optional[dict] = None) -> PredictionRequest:
     """Stage the input and write the request under a temporary name, then rename it into
     place; the temporary directory goes on every exit path."""
     tmp = run.predictions / f".staging-{os.getpid()}-{time.time_ns()}"
@@ -170,8 +217,10 @@ def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chu
             return _reuse(run, existing, entry, step)
         manifest = read_manifest(run.data_dir)
         request = {"name": name, "step": step, "input": entry, "chunk_rows": chunk_rows,
-                   "batch_size": batch_size, "output_shape": output_shape(cfg, manifest),
-                   "scaler": manifest.get("target_scaler"), "created": time.time()}
+                   "batch_size": batch_size,
+                   "output_shape": output_shape(cfg, manifest, generate),
+                   "scaler": manifest.get("target_scaler"), "created": time.time(),
+                   **({"generate": generate} if generate else {})}
         atomic_write_text(tmp / pm.REQUEST, json.dumps(request, indent=1, sort_keys=True))
         os.rename(tmp, final)
         fsync_dir(run.predictions)

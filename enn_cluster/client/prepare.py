@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
-from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
+from enn_cluster.config.run_config import LM_TASK, MeshPlan, RunConfig, is_hf_model, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
 from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
+from enn_cluster.storage.text_sources import check_text_sources, is_text_data
 from enn_cluster.storage.rundir import (
     RunDir,
     acquire_lock,
@@ -93,6 +94,9 @@ def check_model_importable(name: str) -> None:
     """A `module:factory` model must import in the workers: import it now (the workers would
     run the same import) and check that the factory is a class or function, so that a typo
     is one line here rather than a traceback on every rank after the job started."""
+    if is_hf_model(name):
+        check_hf_model(name)
+        return
     if ":" not in name:
         return
     import importlib
@@ -122,6 +126,22 @@ def check_model_importable(name: str) -> None:
                         "(a class or Python function returning an nn.Module)")
 
 
+def check_hf_model(name: str) -> None:
+    """An `hf:` model needs the llm extra and a weights directory with safetensors."""
+    import importlib.util
+
+    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"model.name: {name} needs {' and '.join(missing)}; "
+                        "pip install 'enn_cluster[llm]' (and in the image)")
+    from enn_cluster.config.hf_name import weights_dir
+
+    path = weights_dir(name)
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"model.name: {path} has no *.safetensors weights; save the model with "
+                        "save_pretrained(..., safe_serialization=True) there")
+
+
 def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:
     return replace(cfg, parallel=replace(cfg.parallel, nodes=shape.nodes,
                                          procs_per_node=shape.procs_per_node))
@@ -143,7 +163,9 @@ def prepare_run_and_config(cfg: RunConfig, shape: LaunchShape, arrays: Optional[
     cfg = freeze_global_batch(cfg, meshes)
     check_shape(cfg, shape, meshes)
     check_model_importable(cfg.model.name)
-    if not arrays:
+    if cfg.model.task == LM_TASK and not arrays and is_text_data(cfg.data):
+        check_text_sources(cfg.data, cfg.model)
+    elif not arrays:
         check_data_sources(cfg.data)
 
     def populate(run: RunDir) -> None:

@@ -62,7 +62,8 @@ class Run:
         cancel_run(self.dir)
 
     def load_model(self, step: Optional[int] = None):
-        """The model with the full weights of a complete checkpoint, in this process."""
+        """The model with the full weights of a complete checkpoint, in this process. A
+        causal LM comes with LoRA merged: `forward(input_ids)` gives its logits."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         from enn_cluster.models import build_model, output_size
@@ -73,6 +74,10 @@ class Run:
         if step is None:
             raise FileNotFoundError(f"{self.path}: no complete checkpoint")
         cfg, manifest = self.config, read_manifest(self.dir.data_dir)
+        if cfg.model.task == "causal_lm":
+            from enn_cluster.client.lm_artifacts import load_lm
+
+            return load_lm(cfg, store.step_dir(self.dir.checkpoints, step))
         model = build_model(cfg.model, tuple(manifest["entries"]["train_x"]["shape"][1:]),
                             output_size(cfg, manifest))
         state = {"model": model.state_dict()}

@@ -27,6 +27,7 @@ from pathlib import Path
 from enn_cluster.cluster import enroot_import, enroot_layout
 from enn_cluster.cluster.image_key import image_key, image_path
 from enn_cluster.errors import ToolMissing, UserError
+from enn_cluster.storage.output_target import missing_parents, remove_empty
 
 TAG_REPO = "localhost/enn-cluster"
 SQUASH_OPTIONS = ("-comp", "zstd", "-Xcompression-level", "3")  # ~15x faster than zstd -15
@@ -218,11 +219,13 @@ def build_image(dockerfile: str | os.PathLike, context: str | os.PathLike,
         say(f"enn build: up to date: {final}")
         return final
     tools = _pick_tools(builder)
+    made = missing_parents(final)  # the cache folders this build creates
     final.parent.mkdir(parents=True, exist_ok=True)
     env = builder_env(tools.builder, os.environ, _containers_conf(context))
     token = secrets.token_hex(4)
     tag = f"{TAG_REPO}:{key[:16]}-{token}"
     partial = final.with_name(f".{final.name}.{token}.partial")
+    built = False
     try:
         with _stage(say, f"{tools.builder} build"):
             args = [f"--build-arg={k}={v}" for k, v in sorted((build_args or {}).items())]
@@ -230,8 +233,11 @@ def build_image(dockerfile: str | os.PathLike, context: str | os.PathLike,
                             "-t", tag, *args, str(context)], env, say)
         _to_squashfs(tools, tag, partial, env, say)
         os.replace(partial, final)
+        built = True
     finally:
         partial.unlink(missing_ok=True)
+        if not built:
+            remove_empty(made)  # a failed build leaves no empty --cache-dir behind
         # -f: also the containers made from it (an import that died half-way leaves one).
         subprocess.run([tools.builder, "rmi", "-f", tag], env=env, capture_output=True)
     say(f"enn build: wrote {final} ({time.monotonic() - start:.1f}s)")

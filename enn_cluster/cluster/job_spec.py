@@ -22,9 +22,12 @@ from enn_cluster.cluster import pyxis
 # the tests read time_minutes and _NAME from here too
 from enn_cluster.cluster.slurm_values import (
     _NAME,
+    MAX_CPUS_PER_TASK,
+    MAX_GPUS_PER_NODE,
     _fail,
     _int,
     check_gpu_request,
+    check_mem_gb,
     check_line,
     check_srun_arg,
     check_word,
@@ -35,6 +38,7 @@ from enn_cluster.cluster.slurm_values import (
 from enn_cluster.config import nccl
 from enn_cluster.config.checks import node_range
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
+from enn_cluster.storage.slurm_jobs import LIVE_STATES, submission_comment
 
 TASKS = ("train", "predict")
 WORKER_MODULE = "enn_cluster.worker"
@@ -133,15 +137,13 @@ def _validate(s: JobSpec) -> None:
             raise _fail("--name", "predict needs a prediction name", "pass --name NAME")
         check_word(s.predict_name, "--name", _NAME)
     time_minutes(s.time)
-    _int(s.gpus_per_node, "--gpus-per-node", 0)
+    _int(s.gpus_per_node, "--gpus-per-node", 0, MAX_GPUS_PER_NODE)
     check_gpu_request(s.gpu_request, "site.gpu_request")
-    _int(s.procs_per_node, "--procs-per-node", 1)
+    _int(s.procs_per_node, "--procs-per-node", 1, MAX_GPUS_PER_NODE)
     if s.cpus_per_task is not None:
-        _int(s.cpus_per_task, "--cpus-per-task", 1)
-    if s.mem_gb is not None and (isinstance(s.mem_gb, bool) or
-                                 not isinstance(s.mem_gb, (int, float)) or s.mem_gb < 0
-                                 or not math.isfinite(s.mem_gb)):  # nan, inf
-        raise _fail("--mem-gb", f"{s.mem_gb!r} is not a size", "give GB per node, 0 for all")
+        _int(s.cpus_per_task, "--cpus-per-task", 1, MAX_CPUS_PER_TASK)
+    if s.mem_gb is not None:
+        check_mem_gb(s.mem_gb)
     for flag in ("partition", "account", "qos"):
         check_word(getattr(s, flag), f"--{flag}")
     _int(s.signal_grace_s, "--signal-grace", 1)
@@ -216,7 +218,9 @@ def _template(name: str) -> str:
 HOST_SETUP_VALUES = {"MASTER_PORT_BASE": MASTER_PORT_BASE,
                      "MASTER_PORT_BASE_LESS_1": MASTER_PORT_BASE - 1,
                      "MASTER_PORT_LAST": MASTER_PORT_BASE + MASTER_PORT_SPAN - 1,
-                     "MASTER_PORT_SPAN": MASTER_PORT_SPAN}
+                     "MASTER_PORT_SPAN": MASTER_PORT_SPAN,
+                     "LIVE_STATE_PATTERNS": "|".join(f'*" JobState={state} "*'
+                                                     for state in sorted(LIVE_STATES))}
 
 
 def host_setup_lines() -> list[str]:
@@ -303,6 +307,7 @@ def submitit_parameters(spec: JobSpec) -> dict:
         extra["nodes"] = f"{lo}-{hi}"
     if spec.mem_gb == 0:
         extra["mem"] = "0"  # submitit would write 0GB
+    extra["comment"] = submission_comment(spec.run_dir)  # cancel's proof that a job is ours
     extra.update(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)
     params = {
         "name": spec.job_name, "nodes": lo, "tasks_per_node": spec.tasks_per_node,

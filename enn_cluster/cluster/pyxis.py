@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
-from enn_cluster.errors import UserError
+from enn_cluster.errors import UserError, looks_secret
 
 # Mount flags Pyxis passes to enroot (joined with '+', e.g. "ro+rprivate").
 MOUNT_FLAGS = frozenset({
@@ -102,6 +102,10 @@ def is_squashfs(image: str) -> bool:
 
 def check_image(image: str, field: str = "--container-image") -> str:
     """A squashfs path ('/'- or './'-prefixed) or a registry reference, unchanged."""
+    if looks_secret(image):  # user:PASS@registry#img: it would be written into the script
+        raise UserError(f"{field}: holds a password or token (not shown); give registry "
+                        "credentials through Enroot's credentials file "
+                        "(ENROOT_CONFIG_PATH/.credentials), never in the image reference")
     if "://" in image:
         scheme = image.split("://", 1)[0]
         fix = ("build a squashfs (enroot import -o IMG.sqsh podman://TAG) and pass its path"

@@ -35,7 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
     "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
     "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
-    "mem_gb": None, "gpu_request": "gpus-per-node",
+    "mem_gb": None, "gpu_request": "gpus-per-node", "gpu_mem_gb": None,
 }
 
 _LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
@@ -65,6 +65,7 @@ class SiteConfig:
     socket_ifname: Optional[str] = None  # control-plane NIC (gloo + NCCL bootstrap)
     mem_gb: Optional[float] = None  # memory per node in GB (--mem); 0: all of it
     gpu_request: Optional[str] = None  # gpus-per-node | gres | gres:TYPE (no select/cons_tres)
+    gpu_mem_gb: Optional[float] = None  # memory of one GPU, for the memory plan (default 80)
     source: Optional[str] = field(default=None, compare=False)  # the file it came from
 
     def overrides(self) -> dict[str, Any]:
@@ -92,9 +93,9 @@ def _typed(key: str, value: Any, source: Optional[str]) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"site.{key}: expected a whole number, got {value!r}{where}")
         return value
-    if key == "mem_gb":
+    if key in ("mem_gb", "gpu_mem_gb"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"site.mem_gb: expected GB per node as a number, got {value!r}{where}")
+            raise UserError(f"site.{key}: expected a number of GB, got {value!r}{where}")
         return value
     if key == "time":
         if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -129,18 +130,25 @@ def _check_values(site: SiteConfig) -> None:
                                                                site.socket_ifname):
             raise UserError(f"site.socket_ifname: {site.socket_ifname!r} is not an interface "
                             "name; give one name such as eth0 or ib0 (see `ip -br link`)")
-        if site.cpus_per_task is not None and site.cpus_per_task < 1:
-            raise UserError(f"site.cpus_per_task: {site.cpus_per_task} must be >= 1; "
+        if site.cpus_per_task is not None and not \
+                1 <= site.cpus_per_task <= slurm_values.MAX_CPUS_PER_TASK:
+            bound = ">= 1" if site.cpus_per_task < 1 else \
+                f"at most {slurm_values.MAX_CPUS_PER_TASK}"
+            raise UserError(f"site.cpus_per_task: {slurm_values.short_value(site.cpus_per_task)} "
+                            f"must be {bound}; "
                             "leave it out for the node's CPUs divided by its tasks")
-        if site.mem_gb is not None and (isinstance(site.mem_gb, bool) or
-                                        not isinstance(site.mem_gb, (int, float)) or
-                                        not 0 <= site.mem_gb <= 2**20):
-            raise UserError(f"site.mem_gb: {site.mem_gb!r} must be a number of GB per node "
-                            "(0: all of each node's memory)")
+        if site.mem_gb is not None:
+            slurm_values.check_mem_gb(site.mem_gb, "site.mem_gb")
+        if site.gpu_mem_gb is not None and not 1 <= site.gpu_mem_gb <= 2**20:
+            raise UserError(f"site.gpu_mem_gb: {site.gpu_mem_gb!r} must be the GB of memory "
+                            "of one GPU, e.g. 80")
         if site.gpu_request is not None:
             slurm_values.check_gpu_request(site.gpu_request, "site.gpu_request")
-        if site.gpus_per_node is not None and site.gpus_per_node < 0:
-            raise UserError(f"site.gpus_per_node: {site.gpus_per_node} must be >= 0")
+        if site.gpus_per_node is not None and not \
+                0 <= site.gpus_per_node <= slurm_values.MAX_GPUS_PER_NODE:
+            raise UserError(f"site.gpus_per_node: {slurm_values.short_value(site.gpus_per_node)} "
+                            f"must be from 0 "
+                            f"to {slurm_values.MAX_GPUS_PER_NODE}")
         for i, arg in enumerate(site.extra_sbatch_args or ()):
             slurm_values.parse_sbatch_arg(arg, f"site.extra_sbatch_args[{i}]")
         for i, arg in enumerate(site.extra_srun_args or ()):
@@ -207,8 +215,10 @@ def load_site(flag: Optional[str] = None, environ: Optional[Mapping[str, str]] =
         return SiteConfig()
     import yaml  # here, not at import: the CLI's fast paths never need it
 
+    from enn_cluster.config.yaml_file import load_text
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_text(path.read_text(encoding="utf-8"), str(path))
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"site: cannot read {path}: {exc}; fix its permissions") from None
     except RecursionError:

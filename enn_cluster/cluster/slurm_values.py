@@ -13,8 +13,16 @@ from enn_cluster.errors import UserError
 MANAGED_SBATCH = frozenset({
     "job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem",
     "time", "partition", "account", "qos", "exclusive", "signal", "requeue", "no-requeue",
-    "open-mode", "output", "error"})
+    "open-mode", "output", "error", "wrap"})
+# real sbatch options that are also the start of a managed one (sbatch takes exact names first)
+_EXACT_OPTIONS = frozenset({"gpus", "ntasks"})
 MANAGED_SRUN = ("--container-", "--no-container-", "--output", "--error", "--kill-on-bad-exit")
+
+MAX_TIME_MINUTES = 366 * 24 * 60
+MAX_GPUS_PER_NODE = 1024  # no node has more; beyond it a value is a typo
+MAX_CPUS_PER_TASK = 2**16
+MAX_MEM_GB = 2**20  # 1 PiB per node
+MIN_MEM_GB = 1 / 1024  # 1 MiB: below it sbatch gets --mem=0M, which Slurm reads as all memory
 
 _NAME = re.compile(r"^\w[\w.+-]*\Z")  # job / prediction names (unicode letters allowed)
 _SLURM_WORD = re.compile(r"^[\w.,+-]+\Z")  # partition, account, qos
@@ -27,7 +35,7 @@ def time_minutes(value: Union[int, str], field_name: str = "--time") -> int:
     """Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) or int -> minutes."""
     if isinstance(value, int) and not isinstance(value, bool):
         minutes = value
-    elif isinstance(value, str) and _TIME.match(value.strip()):
+    elif isinstance(value, str) and len(value) <= 40 and _TIME.match(value.strip()):
         d, a, b, c = _TIME.match(value.strip()).groups()
         nums = [int(x) for x in (a, b, c) if x is not None]
         if d is not None:  # D-HH[:MM[:SS]]
@@ -39,10 +47,13 @@ def time_minutes(value: Union[int, str], field_name: str = "--time") -> int:
             secs = nums[0] * 60 + (nums[1] if len(nums) == 2 else 0)
         minutes = -(-secs // 60)
     else:
-        raise UserError(f"{field_name}: {value!r} is not a time; give minutes (240) or a "
+        raise UserError(f"{field_name}: {short_value(value)} is not a time; give minutes (240) or a "
                         "Slurm time like 04:00:00 or 1-12:00:00")
     if minutes <= 0:
-        raise UserError(f"{field_name}: {value!r} must be at least one minute")
+        raise UserError(f"{field_name}: {short_value(value)} must be at least one minute")
+    if minutes > MAX_TIME_MINUTES:
+        raise UserError(f"{field_name}: {short_value(value)} is more than a year; give a real "
+                        "time limit (Slurm's own limits are far below it)")
     return minutes
 
 
@@ -64,7 +75,8 @@ def parse_sbatch_arg(arg: str, flag: str = "--sbatch-arg") -> tuple[str, Union[s
     if not _SBATCH_KEY.match(key) or (eq and not value):
         raise _fail(flag, f"{arg!r} is not a long sbatch option",
                     "write --option=value, e.g. --constraint=a100")
-    if key in MANAGED_SBATCH:
+    if key in MANAGED_SBATCH or (key not in _EXACT_OPTIONS and any(
+            m.startswith(key) for m in MANAGED_SBATCH)):  # sbatch reads --out as --output
         raise _fail(flag, f"--{key} is set by enn_cluster", "use its own flag or site key")
     if _SBATCH_UNSAFE.search(value):
         raise _fail(flag, f"{arg!r} has spaces, quotes, '#', '$' or '\\'",
@@ -82,10 +94,29 @@ def check_srun_arg(arg: str, flag: str = "--srun-arg") -> str:
     return arg
 
 
-def _int(value, flag: str, lo: int) -> int:
+def short_value(value) -> str:
+    """A value for a message: an int too long to print (Python refuses past 4300 digits)
+    by its size, anything else by repr cut to 40 characters."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"a number of {value.bit_length()} bits"
+    return repr(value)[:40]
+
+
+def _int(value, flag: str, lo: int, hi: int = 2**31 - 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise _fail(flag, f"{value!r} is not a whole number >= {lo}", f"give one >= {lo}")
+        raise _fail(flag, f"{short_value(value)} is not a whole number >= {lo}",
+                    f"give one >= {lo}")
+    if value > hi:
+        raise _fail(flag, f"{short_value(value)} is more than {hi}", "give a real count")
     return value
+
+
+def check_mem_gb(value, flag: str = "--mem-gb") -> None:
+    """GB per node: 0 (all of it), or between 1 MiB and 1 PiB."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            value == 0 or MIN_MEM_GB <= value <= MAX_MEM_GB):
+        raise _fail(flag, f"{short_value(value)} is not a memory size",
+                    f"give GB per node from {MIN_MEM_GB:.4f} to {MAX_MEM_GB}, or 0 for all")
 
 
 def check_word(value: Optional[str], flag: str, pattern=_SLURM_WORD) -> Optional[str]:

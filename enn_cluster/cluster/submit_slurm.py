@@ -107,6 +107,9 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
     if opts["image"] is None:
         opts["image"] = str(default_image(opts["image_cache"]))
     bare = opts["image"] == "none"
+    if bare and req.mounts:  # the site's mounts are for its images; a flag's are meant
+        raise UserError(f"--mount: {len(req.mounts)} mount(s) given with --container none "
+                        "(bare metal mounts nothing); drop --mount or name an image")
     return JobSpec(
         job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
         run_dir=str(run.path),
@@ -117,12 +120,37 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
         time=opts["time"], partition=opts["partition"], account=opts["account"],
         qos=opts["qos"], exclusive=bool(req.exclusive), signal_grace_s=opts["signal_grace_s"],
         container_image=None if bare else opts["image"],
-        container_mounts=() if bare else tuple(opts["mounts"]),
+        container_mounts=() if bare else (*opts["mounts"], *model_mounts(cfg, opts["mounts"])),
         nccl_profile=opts["nccl_profile"],
         # bare metal: the tasks run this very interpreter (same venv on a shared filesystem)
         python=req.python or (sys.executable if bare else opts["python"]),
         setup_lines=tuple(opts["setup_lines"]), extra_sbatch_args=tuple(opts["extra_sbatch_args"]),
         extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
+
+
+def model_mounts(cfg, mounts) -> tuple[str, ...]:
+    """A Hugging Face run reads its weights and tokenizer inside the container at the paths the
+    config names: each directory is mounted read-only at its own path, unless a mount already
+    covers it. A model in the local HF cache mounts its whole cache entry (the snapshot's
+    files are links into its blobs)."""
+    from enn_cluster.cluster import pyxis
+    from enn_cluster.config.run_config import is_hf_model
+
+    if not is_hf_model(cfg.model.name):
+        return ()
+    from enn_cluster.config.hf_name import weights_dir
+
+    wanted = [weights_dir(cfg.model.name)]
+    if cfg.data.tokenizer:
+        wanted.append(Path(cfg.data.tokenizer).expanduser().resolve())
+    covered = [m.dst for m in pyxis.parse_mounts(tuple(mounts))]
+    out: list[str] = []
+    for path in wanted:
+        entry = next((p for p in (path, *path.parents) if p.name.startswith("models--")), path)
+        text = pyxis.check_path(str(entry), "model.name", "weights directory")
+        if not any(text == c or text.startswith(c.rstrip("/") + "/") for c in [*covered, *out]):
+            out.append(text)
+    return tuple(f"{p}:{p}:ro" for p in out)
 
 
 def sized_for_nodes(spec):
@@ -200,7 +228,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     _check_lock(run, job_alive)
     spec, warning = sized_for_nodes(spec)
     token = secrets.token_hex(8)
-    claim = acquire_lock(run, {**lock_owner(), "submission": token})
+    claim = acquire_lock(run, {**lock_owner(), "submission": token}, slurm_job_alive=job_alive)
     try:
         ensure_run(run, cfg)  # exported to the job with the environment
         executor = slurm_executor(spec, submitit_folder(run.path))
@@ -273,4 +301,5 @@ def _check_lock(run: RunDir, job_alive) -> None:
         if owner_alive(owner):
             raise UserError(f"run directory {run.path} is in use by pid {owner['pid']} on "
                             f"{owner['host']}; wait for it or 'enn-submit cancel {run.path}'")
-    run.lock_path.unlink(missing_ok=True)
+    # a stale lock is left for acquire_lock, which takes it over by renaming it aside
+

@@ -33,6 +33,8 @@ MAX_BATCH_ROWS = 2**24  # rows per device per micro-batch, and accumulation step
 MAX_GLOBAL_BATCH = 2**31  # rows per optimizer step
 MAX_NODES = 2**16  # beyond the largest Slurm allocation anyone has
 MAX_PROCS_PER_NODE = 1024  # processes (GPUs) per node
+MAX_WIDTH = 2**20  # units of one layer: a square layer this wide is 2**40 weights already
+MAX_LAYERS = 4096
 
 
 def _bounded(key: str, value: Any, most: int) -> None:
@@ -55,11 +57,15 @@ def _seed(key: str, value: int) -> None:
         raise UserError(f"{key}: {value!r} must be between 0 and {MAX_SEED}")
 
 
-_SECRET_NAME = re.compile(r"token|secret|passw|api_?key|credential|auth(?!or)", re.IGNORECASE)
+# key names that hold secrets: api-key and api_key alike, Authorization but not author
+_SECRET_NAME = re.compile(r"token|secret|pass(?:w|phrase|$)|pwd|api[-_ ]?key|private[-_ ]?key"
+                          r"|access[-_ ]?key|credential|cookie|bearer|authori[sz]ation"
+                          r"|auth(?!or)", re.IGNORECASE)
 
 
 def _no_secret_keys(where: str, tree: Any) -> None:
-    """config.yaml is frozen into a group-readable run directory: no secrets in it."""
+    """config.yaml is frozen into a group-readable run directory: no secrets in it, by a
+    key's name or by what its value looks like. The value is never shown."""
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
         if isinstance(tree, list) else ()
     for key, value in items:
@@ -67,11 +73,52 @@ def _no_secret_keys(where: str, tree: Any) -> None:
         if isinstance(key, str) and _SECRET_NAME.search(key) and value not in (None, ""):
             raise UserError(f"{name}: looks like a secret, and the config is frozen into the "
                             "run directory; read it from an environment variable instead")
+        no_secret_values(name, value)
         _no_secret_keys(name, value)
 
 
-_SECRET_QUERY = re.compile(r"token|secret|passw|sig(nature)?$|credential|api_?key|^key$|^code$"
-                           r"|auth(?!or)", re.IGNORECASE)
+def no_secret_values(where: str, tree: Any) -> None:
+    """Refuse a string anywhere under `where` that holds a credential (a password in a URL
+    or DSN, a token in a query string, a Bearer header): named by its key, not shown."""
+    from enn_cluster.errors import looks_secret
+
+    stack = [(where, tree)]
+    while stack:
+        name, node = stack.pop()
+        if looks_secret(node) or (isinstance(node, str) and _url_secret_or_none(node)):
+            raise UserError(f"{name}: holds what looks like a credential (not shown), and the "
+                            "config is frozen into the run directory; give it through the "
+                            "environment instead")
+        items = node.items() if isinstance(node, dict) else enumerate(node) \
+            if isinstance(node, (list, tuple)) else ()
+        stack.extend((f"{name}.{k}", v) for k, v in items)
+
+
+_SECRET_QUERY = re.compile(r"token|secret|pass(?:w|phrase|$)|pwd|sig(nature)?$|credential"
+                           r"|api[-_ ]?key|private[-_ ]?key|access[-_ ]?key|^key$|^code$"
+                           r"|authori[sz]ation|auth(?!or)", re.IGNORECASE)
+
+
+def _url_secret_or_none(value: str) -> Optional[str]:
+    try:
+        return _url_secret(value)
+    except ValueError:
+        return None  # not a URL at all: the field's own check says so
+
+
+def _url_secret(value: str) -> Optional[str]:
+    """What credential a URL holds ('' when it parses but holds none); None when no URL."""
+    if "://" not in value:
+        return None
+    from urllib.parse import parse_qsl, urlsplit
+
+    parts = urlsplit(value)  # ValueError: the caller says 'not a valid URL', nothing more
+    if parts.username is not None or parts.password is not None:
+        return "user or token before '@'"
+    for where, text in (("query string", parts.query), ("fragment", parts.fragment)):
+        if any(_SECRET_QUERY.search(k) for k, _ in parse_qsl(text, keep_blank_values=True)):
+            return f"credential in its {where}"
+    return ""
 
 
 def no_credentials_in_url(key: str, value: Optional[str],
@@ -80,17 +127,12 @@ def no_credentials_in_url(key: str, value: Optional[str],
     would be frozen into config.yaml and echoed in messages; refuse it without echoing it."""
     if not value or "://" not in value:
         return
-    from urllib.parse import parse_qsl, urlsplit
-
     try:
-        parts = urlsplit(value)
-        userinfo = parts.username is not None or parts.password is not None
-        query = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
+        what = _url_secret(value)
     except ValueError:
         raise UserError(f"{key}: is not a valid URL (not shown: it may hold a secret); "
                         "check it") from None
-    if userinfo or any(_SECRET_QUERY.search(k) for k in query):
-        what = "user or token before '@'" if userinfo else "credential in its query string"
+    if what:
         raise UserError(f"{key}: the URL holds a {what}, and the config is frozen into the "
                         f"run directory; give credentials through {where} instead")
 
@@ -118,9 +160,12 @@ def _path_text(key: str, value: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise UserError(f"{key}: {value!r} is not valid UTF-8 text; use plain characters")
-    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    # Cc: controls; Cf: invisible format marks (bidi overrides); Zl/Zp: U+2028/U+2029, line
+    # and paragraph separators that end a line in editors, logs and JSON-reading tools
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
     if bad is not None:
-        raise UserError(f"{key}: {value!r} contains the control character {bad!r}; remove it")
+        raise UserError(f"{key}: {ascii(value)} contains the control character {ascii(bad)}; "
+                        "remove it")
 
 
 def check_home(key: str, value: str) -> None:

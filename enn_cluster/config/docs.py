@@ -28,6 +28,8 @@ SECTION_INTROS = {
     "model": "The network: a built-in `mlp` or `transformer`, or your own "
              "`package.module:factory`.",
     "data": "Training and evaluation arrays, staged once into memmaps in `RUN_DIR/data/`.",
+    "lora": "LoRA adapters for a Hugging Face causal LM (`model.name: hf:...`): the base "
+            "weights stay frozen, checkpoints hold the adapters and their optimizer state.",
     "data.synthetic": "The generated data set used when `data.train_path` is `synthetic`.",
     "training": "Optimisation: steps, batch, learning-rate schedule, precision, non-finite "
                 "guard.",
@@ -44,10 +46,13 @@ DESCRIPTIONS = {
     "runs_root": "Directory that holds run directories (on a cluster: the shared "
                  "filesystem); made absolute at launch.",
     # model
-    "model.name": "`mlp`, `transformer`, or `package.module:factory` (called with "
-                  "`n_features`, `n_outputs` and `model.kwargs`; must import on every node).",
-    "model.task": "`regression` (MSE loss) or `classification` (cross-entropy on integer "
-                  "labels); a model's own `loss()` wins.",
+    "model.name": "`mlp`, `transformer`, `package.module:factory` (called with "
+                  "`n_features`, `n_outputs` and `model.kwargs`; must import on every node), or "
+                  "`hf:/weights/dir`: a Hugging Face causal LM (its `config.json`, safetensors "
+                  "weights and tokenizer), read locally, never from the network.",
+    "model.task": "`regression` (MSE loss), `classification` (cross-entropy on integer "
+                  "labels) or `causal_lm` (next-token cross-entropy; implied by `hf:` models); "
+                  "a model's own `loss()` wins.",
     "model.hidden_sizes": "MLP hidden layer widths, a list of positive integers.",
     "model.d_model": "Transformer width; must be divisible by `model.n_heads`.",
     "model.n_layers": "Transformer encoder layers (> 0).",
@@ -69,6 +74,25 @@ DESCRIPTIONS = {
                           "evaluation when there is no `data.eval_path`, in [0, 1).",
     "data.normalize_targets": "Regression only: train on per-output standardised targets "
                               "(mean/std of the training rows, stored in the data manifest).",
+    "data.text_field": "Causal LM: the column (`.parquet`) or key (`.jsonl`) of "
+                       "`data.train_path`/`data.eval_path` that holds the text.",
+    "data.prompt_field": "Causal LM: a column whose text comes before `data.text_field` and "
+                         "is masked out of the loss (prompt/response pairs); empty: none.",
+    "data.max_length": "Causal LM: tokens per staged row (2 .. 1048576).",
+    "data.packing": "Causal LM: pack many documents per row (no padding), or, when false, "
+                    "one document per row, truncated or padded with pads masked out of the "
+                    "loss.",
+    "data.tokenizer": "Causal LM: directory of the tokenizer files; empty: the model's "
+                      "weights directory.",
+    "lora.r": "Adapter rank; 0 (the default) fine-tunes every weight, > 0 trains LoRA "
+              "adapters only.",
+    "lora.alpha": "LoRA scaling numerator (the update is scaled by alpha / r).",
+    "lora.dropout": "Dropout on the adapters' input, in [0, 1).",
+    "lora.target_modules": "Names of the linear modules that get adapters (peft's "
+                           "`target_modules`), e.g. `[q_proj, k_proj, v_proj, o_proj]`.",
+    "data.allow_nonfinite": "Stage NaN and inf values as they are; by default staging "
+                            "refuses them, naming the array, the first column and the row "
+                            "count.",
     "data.synthetic.n_samples": "Rows to generate (> 0).",
     "data.synthetic.n_features": "Input features per row (> 0).",
     "data.synthetic.n_outputs": "Target columns (> 0); for classification, the class count "
@@ -101,6 +125,8 @@ DESCRIPTIONS = {
     "training.seed": "Seed for the initial weights and the per-epoch data permutation.",
     "training.bf16": "`auto` (bf16 on GPU only), `true` or `false`; FSDP keeps fp32 "
                      "gradient reduction.",
+    "training.compile": "`torch.compile` each block (decoder layer) before sharding; the "
+                        "first steps pay for the compilation.",
     "training.max_nonfinite_steps": "Abort after this many non-finite losses/gradient norms "
                                     "in a row (each such step is skipped on the device); "
                                     "checked on `logging.every_steps` steps.",
@@ -148,6 +174,9 @@ DESCRIPTIONS = {
                                      "(TCPStore and process-group setup), in seconds. On a "
                                      "restart every node unpacks the image again and nodes "
                                      "can start minutes apart: keep this well above that skew.",
+    "parallel.activation_checkpointing": "Recompute activations in the backward pass: `none`, "
+                                         "`selective` (every other block) or `full` (every "
+                                         "block); less memory, about a third more compute.",
     "parallel.watchdog_s": "A rank that starts no step, collective or evaluation batch "
                            "for this long logs where each lane was, dumps every thread's "
                            "stack and exits 70 (retried like a failure); 0: "

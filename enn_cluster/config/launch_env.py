@@ -8,6 +8,9 @@ LAUNCHER_PID_VAR = "ENN_LAUNCHER_PID"  # workers die with the local launcher
 LAUNCH_ID_VAR = "ENN_LAUNCH_ID"  # one id per local launch: names its log directory
 ATTEMPT_VAR = "ENN_LOCAL_ATTEMPT"  # local launcher: its restart count (it restarts, not elastic)
 SUBMISSION_VAR = "ENN_SUBMISSION"  # enn-submit on Slurm: the token its claim on run.lock names
+# the batch script's host side (it has scontrol; the image may not): 'JOBID:alive' or
+# 'JOBID:gone' for the Slurm job that run.lock names, asked before srun
+LOCK_JOB_STATE_VAR = "ENN_LOCK_JOB_STATE"
 
 # MASTER_PORT when nobody exported one: BASE + job id % SPAN (20000-29999, below Linux's
 # ephemeral ports 32768-60999), stable across requeues of one job. The batch scripts' host

@@ -13,9 +13,9 @@ from typing import Any, Optional
 
 import yaml
 
-from enn_cluster.config.checks import _check_tree
+from enn_cluster.config.checks import _check_tree, no_secret_values
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.config.yaml_file import read_yaml
+from enn_cluster.config.yaml_file import PlainLoader, read_yaml
 from enn_cluster.errors import UserError
 
 
@@ -77,7 +77,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=PlainLoader) if raw.strip() else ""  # noqa: S506
     except (yaml.YAMLError, ValueError):  # ValueError: a bad date or a 5000-digit number
         value = raw
     except RecursionError:
@@ -133,7 +133,10 @@ def _fix_yaml_floats(data: Any) -> Any:
 
 def config_from_dict(data: Any) -> RunConfig:
     _check_tree(data, "config")
-    return _build(RunConfig, data, "").validate()
+    cfg = _build(RunConfig, data, "").validate()
+    for key, value in data.items():  # after the fields' own checks, with their wording
+        no_secret_values(str(key), value)
+    return cfg
 
 
 def load_config(path: Optional[str], overrides: list[str] = (),

@@ -15,8 +15,10 @@ from enn_cluster.config.checks import (
     MAX_BATCH_ROWS,
     MAX_COUNT,
     MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
     MAX_NODES,
     MAX_PROCS_PER_NODE,
+    MAX_WIDTH,
     _bounded,
     _choice,
     _no_secret_keys,
@@ -35,10 +37,18 @@ MAX_WAIT_S = 7 * 24 * 3600.0  # timeouts beyond a week overflow gloo/alarm and m
 MAX_NAME_BYTES = 200  # run_name: a path component, with room for '.NAME.creating-PID'
 
 
+HF_PREFIX = "hf:"  # model.name of a Hugging Face causal LM: hf:/weights/dir or hf:cached-name
+LM_TASK = "causal_lm"
+
+
+def is_hf_model(name: str) -> bool:
+    return str(name).startswith(HF_PREFIX)
+
+
 @dataclass
 class ModelConfig:
-    name: str = "mlp"  # mlp | transformer | "package.module:factory"
-    task: str = "regression"  # regression | classification
+    name: str = "mlp"  # mlp | transformer | "package.module:factory" | "hf:/weights/dir"
+    task: str = "regression"  # regression | classification | causal_lm (hf: models)
     hidden_sizes: list = field(default_factory=lambda: [64, 64])
     d_model: int = 64
     n_layers: int = 2
@@ -47,21 +57,67 @@ class ModelConfig:
     kwargs: dict = field(default_factory=dict)  # passed to a user factory
 
     def validate(self) -> None:
-        _positive("model.d_model", self.d_model)
-        _positive("model.n_layers", self.n_layers)
-        _positive("model.n_heads", self.n_heads)
-        _choice("model.task", self.task, ("regression", "classification"))
+        _bounded("model.d_model", self.d_model, MAX_WIDTH)
+        _bounded("model.n_layers", self.n_layers, MAX_LAYERS)
+        _bounded("model.n_heads", self.n_heads, MAX_WIDTH)
+        if is_hf_model(self.name):
+            if not self.name[len(HF_PREFIX):].strip():
+                raise UserError("model.name: 'hf:' names no model; give hf:/path/to/weights "
+                                "(a directory with config.json) or a name in the local HF cache")
+            if self.task == "regression":  # the default: an LM's task is implied by hf:
+                self.task = LM_TASK
+            if self.task != LM_TASK:
+                raise UserError(f"model.task: {self.task!r} does not fit a Hugging Face model "
+                                f"({self.name}); use {LM_TASK} or leave it out")
+        elif self.task == LM_TASK:
+            raise UserError(f"model.task: {LM_TASK} needs a Hugging Face model; set "
+                            "model.name: hf:/path/to/weights")
+        _choice("model.task", self.task, ("regression", "classification", LM_TASK))
         if self.name not in ("mlp", "transformer") and ":" not in self.name:
             raise UserError(f"model.name: {self.name!r} is not a built-in model; "
-                            "use mlp, transformer or 'package.module:factory'")
+                            "use mlp, transformer, 'package.module:factory' or hf:/weights/dir")
         if not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden_sizes):
             raise UserError("model.hidden_sizes: must be a list of positive integers, e.g. [64, 64]")
+        if len(self.hidden_sizes) > MAX_LAYERS or any(h > MAX_WIDTH for h in self.hidden_sizes):
+            raise UserError(f"model.hidden_sizes: a layer wider than {MAX_WIDTH} units, or more "
+                            f"than {MAX_LAYERS} layers, cannot be built; give real sizes")
         if self.d_model % self.n_heads:
             raise UserError(f"model.d_model: {self.d_model} is not divisible by model.n_heads "
                             f"{self.n_heads}; pick sizes that divide")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError("model.dropout: must be in [0, 1)")
         _no_secret_keys("model.kwargs", self.kwargs)
+
+
+MAX_LORA_RANK = 4096
+MAX_TEXT_LENGTH = 1 << 20  # tokens per row
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # 0: full fine-tune; > 0: LoRA adapters of rank r, base weights frozen
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
+                                                          "o_proj"])
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def validate(self) -> None:
+        _non_negative("lora.r", self.r)
+        _bounded("lora.r", max(self.r, 1), MAX_LORA_RANK)
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) \
+                or not 0 < self.alpha < 1e6:
+            raise UserError(f"lora.alpha: {self.alpha!r} must be a number > 0, e.g. 32")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora.dropout: {self.dropout!r} must be in [0, 1), e.g. 0.05")
+        if not self.target_modules or not all(
+                isinstance(m, str) and m.replace("_", "").replace(".", "").isalnum()
+                for m in self.target_modules):
+            raise UserError("lora.target_modules: must be a non-empty list of module names, "
+                            "e.g. [q_proj, k_proj, v_proj, o_proj]")
 
 
 @dataclass
@@ -96,9 +152,23 @@ class DataConfig:
     y_key: str = "y"
     eval_fraction: float = 0.0  # held out from train when no eval_path
     normalize_targets: bool = False
+    text_field: str = "text"  # causal_lm: the column (parquet) or key (jsonl) holding text
+    prompt_field: str = ""  # causal_lm: a column whose tokens come first and are not learned
+    max_length: int = 1024  # causal_lm: tokens per staged row
+    packing: bool = True  # causal_lm: many documents per row; false: one per row, padded
+    tokenizer: str = ""  # causal_lm: tokenizer directory; "": the model's weights directory
+    allow_nonfinite: bool = False  # stage NaN/inf values as they are (refused otherwise)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def validate(self) -> None:
+        if not 2 <= self.max_length <= MAX_TEXT_LENGTH:
+            raise UserError(f"data.max_length: {self.max_length!r} must be between 2 and "
+                            f"{MAX_TEXT_LENGTH} tokens, e.g. 1024")
+        for key in ("text_field", "prompt_field"):
+            if "\n" in getattr(self, key) or "\0" in getattr(self, key):
+                raise UserError(f"data.{key}: must be a column name on one line")
+        if not self.text_field:
+            raise UserError("data.text_field: is empty; name the column holding text, e.g. text")
         for key in ("train_path", "train_targets_path", "eval_path", "eval_targets_path"):
             no_credentials_in_url(f"data.{key}", getattr(self, key))
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -119,6 +189,7 @@ class TrainingConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 0
     bf16: str = "auto"  # auto (GPU only) | true | false
+    compile: bool = False  # torch.compile each block (the first steps pay for compilation)
     max_nonfinite_steps: int = 5  # abort after this many non-finite losses in a row
     nonfinite_policy: str = "skip_then_abort"  # skip | abort | skip_then_abort
     fail_at_step: int = 0  # fault injection for tests: rank fail_rank is SIGKILLed at this step
@@ -180,6 +251,7 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"  # gradient reductions under bf16 mixed precision: fp32 | bf16
     rendezvous_timeout_s: float = 900.0  # all ranks must meet within this (image unpack skew)
     watchdog_s: float = 0.0  # no progress for this long ends the rank; 0: timeout_s + 60
+    activation_checkpointing: str = "none"  # none | selective (every other block) | full
 
     @property
     def watchdog_limit_s(self) -> float:
@@ -189,6 +261,8 @@ class ParallelConfig:
     def validate(self) -> None:
         _choice("parallel.strategy", self.strategy, ("hsdp", "fsdp", "ddp"))
         _choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+        _choice("parallel.activation_checkpointing", self.activation_checkpointing,
+                ("none", "selective", "full"))
         _bounded("parallel.nodes", self.nodes, MAX_NODES)
         _bounded("parallel.procs_per_node", self.procs_per_node, MAX_PROCS_PER_NODE)
         _non_negative("parallel.replicate", self.replicate)
@@ -264,6 +338,7 @@ class RunConfig:
     runs_root: str = "runs"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -283,9 +358,12 @@ class RunConfig:
             raise UserError("runs_root: is empty; give a directory, e.g. runs")
         _path_text("runs_root", self.runs_root)
         check_home("runs_root", self.runs_root)
-        for section in (self.model, self.data, self.training, self.checkpoint,
+        for section in (self.model, self.data, self.lora, self.training, self.checkpoint,
                         self.parallel, self.logging, self.profiling):
             section.validate()
+        if self.lora.enabled and not is_hf_model(self.model.name):
+            raise UserError(f"lora.r: LoRA needs a Hugging Face model (model.name: hf:/dir); "
+                            f"{self.model.name!r} is not one: set lora.r=0")
         return self
 
 

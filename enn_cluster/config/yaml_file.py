@@ -31,13 +31,35 @@ def _no_duplicate_keys(node, path: str, where: tuple = (), walked=None) -> None:
             _no_duplicate_keys(item, path, where, walked)
 
 
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+class PlainLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without YAML 1.1's base-60 numbers: `1:30` stays the text it
+    looks like (a wrong type, named by the field's check) instead of becoming 90."""
+
+    def resolve(self, kind, value, implicit):
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and ":" in value and tag in _NUMBER_TAGS:
+            return "tag:yaml.org,2002:str"
+        return tag
+
+
+def load_text(text: str, path: str = "<text>"):
+    """YAML text as data: no base-60 numbers, and (for a file's text) no key given twice."""
+    _no_duplicate_keys(yaml.compose(text, Loader=PlainLoader), path)
+    return yaml.load(text, Loader=PlainLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml(path: str) -> dict:
+    if not str(path).strip():
+        raise UserError("--config: an empty path; pass the path of a run YAML (or leave "
+                        "--config out for the defaults)")
     check_regular_file("--config", path, "pass the path of a run YAML")
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
-        _no_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
-        data = yaml.safe_load(text)
+        data = load_text(text, path)
     except FileNotFoundError:
         raise UserError(f"--config: {path} does not exist; pass the path of a run YAML")
     except IsADirectoryError:

@@ -109,18 +109,27 @@ def check_data_sources(data: DataConfig) -> None:
 def inspect_array(field: str, source: str, key: Optional[str] = None) -> int:
     """Open `source` (a .npy, or array `key` of an .npz; a path or fsspec URL), check its
     header against its size, and return its rows. Nothing of the data is read."""
+    return _inspect(field, source, key)[1]
+
+
+def array_shape(field: str, source: str, key: Optional[str] = None) -> tuple:
+    """The shape in `source`'s header, checked as `inspect_array` checks it."""
+    return tuple(_inspect(field, source, key)[0])
+
+
+def _inspect(field: str, source: str, key: Optional[str]) -> tuple:
     local = local_path(source) if key is None else None
     try:
         if local is not None:
             with open(local, "rb") as fh:
                 shape, fortran, dtype = read_header(fh, field, source)
-                return check_layout(field, source, shape, fortran, dtype,
-                                    os.fstat(fh.fileno()).st_size - fh.tell())
+                return shape, check_layout(field, source, shape, fortran, dtype,
+                                           os.fstat(fh.fileno()).st_size - fh.tell())
         stream, closers, size = open_npy_stream(source, key, field)
         try:
             shape, fortran, dtype = read_header(stream, field, source)
-            return check_layout(field, source, shape, fortran, dtype,
-                                None if size is None else size - stream.tell())
+            return shape, check_layout(field, source, shape, fortran, dtype,
+                                       None if size is None else size - stream.tell())
         finally:
             for c in closers:
                 c.close()

@@ -4,6 +4,11 @@ A pid alone names whatever process has it now (or, as -1 or 0, every process the
 signal). The lock records the launcher's host, boot id, start time (clock ticks since boot)
 and a digest of its command line; `cancel` signals a pid only when all of them still agree.
 The digest keeps the command line itself (which may name private paths) out of the file.
+
+All of that can be copied from `/proc` of any process into a forged lock. What proves the
+pid is *this run's* launcher is that it holds the run's lock file open (rundir.acquire_lock
+keeps the descriptor until release): `/proc/PID/fd` is listed only for the process's owner
+and root, and no other process holds that very inode open.
 """
 from __future__ import annotations
 
@@ -40,6 +45,23 @@ def own_identity() -> dict:
     """What a launcher writes about itself into the lock."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot_id(),
             **(identity(os.getpid()) or {})}
+
+
+def holds_open(pid: int, path) -> bool:
+    """Does `pid` hold the file at `path` (the same inode) open? False when we cannot see."""
+    try:
+        want = os.stat(path)
+        fds = os.listdir(f"/proc/{int(pid)}/fd")
+    except (OSError, ValueError):
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{int(pid)}/fd/{fd}")  # stat opens nothing: a FIFO is safe
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
+    return False
 
 
 def launcher_problem(owner: dict, host: str, boot: str,

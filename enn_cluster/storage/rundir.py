@@ -31,7 +31,10 @@ import yaml
 
 from enn_cluster.config.loading import config_from_dict, dump_config
 from enn_cluster.config.run_config import RunConfig
+from enn_cluster.config.yaml_file import PlainLoader
 from enn_cluster.errors import UserError
+from enn_cluster.storage.lock_files import close_held, hold, take_aside
+from enn_cluster.storage.output_target import missing_parents, remove_empty
 from enn_cluster.storage.run_files import (
     LOG_LIMIT,
     append_run_file,
@@ -154,17 +157,23 @@ class RunDir:
             raise UserError(f"RUN_DIR: {self.path} has no config.yaml; "
                             "is it a run directory made by enn-submit train?")
         try:
-            data = yaml.safe_load(read_run_text(self.config_path))
+            data = yaml.load(read_run_text(self.config_path),  # noqa: S506 - a SafeLoader
+                             Loader=PlainLoader)
         except (yaml.YAMLError, UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise UserError(f"config.yaml: {self.config_path} does not parse "
-                            f"({type(exc).__name__}); restore it from config-history/") from None
+                            f"({type(exc).__name__}); {self._restore_hint()}") from None
         if not isinstance(data, dict):
-            raise UserError(f"config.yaml: {self.config_path} is not a mapping; restore it "
-                            "from config-history/")
+            raise UserError(f"config.yaml: {self.config_path} is not a mapping; "
+                            f"{self._restore_hint()}")
         try:
             return config_from_dict(data)
         except UserError as exc:
             raise UserError(f"config.yaml: {exc}") from None
+
+    def _restore_hint(self) -> str:  # config-history/ is named only where it exists
+        kept = any((self.path / "config-history").glob("config-*.yaml"))
+        return "restore it from the newest file in config-history/" if kept else \
+            "restore it from the YAML the run was made with (it has no config-history/)"
 
     def record_job(self, **fields) -> None:
         """Append one launch record (job id, kind, shape); appends of one line are atomic."""
@@ -206,6 +215,7 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
         raise UserError(f"run_name: {run.path} already exists; use "
                         f"'enn-submit resume {run.path}' or pick another --set run_name=...")
     tmp = RunDir(run.path.with_name(f".{run.path.name}.creating-{os.getpid()}"))
+    made = missing_parents(run.path)  # runs_root and its parents this call creates
     with run_umask(), sigterm_unwinds():
         try:
             run.path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,6 +233,7 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
             os.rename(tmp.path, run.path)
         except BaseException:
             shutil.rmtree(tmp.path, ignore_errors=True)
+            remove_empty(made)  # a refused run leaves the tree as it found it
             raise
     fsync_dir(run.path.parent)
     return run
@@ -290,12 +301,30 @@ def read_lock(run: RunDir, settle_s: float = 0.5) -> Optional[dict]:
 
 
 def _slurm_job_alive(job_id: str) -> bool:
-    """Ask Slurm where we can; where we cannot (no Slurm client here), assume alive."""
+    """Ask Slurm where we can. Inside a container image there is no scontrol: the host-side
+    setup asked before srun and passed the answer in (LOCK_JOB_STATE_VAR, 'ID:alive' or
+    'ID:gone'). Where nobody could ask, the job is taken for alive (and the refusal says so)."""
+    told = _told_state(job_id)
+    if told is not None:
+        return told == "alive"
     if shutil.which("scontrol") is None:
         return True
     from enn_cluster.storage.slurm_jobs import job_alive
 
     return job_alive(str(job_id))
+
+
+def _told_state(job_id) -> Optional[str]:
+    """'alive' or 'gone' where the host-side setup told us about this job, else None."""
+    from enn_cluster.config.launch_env import LOCK_JOB_STATE_VAR
+
+    told_id, _, told = os.environ.get(LOCK_JOB_STATE_VAR, "").partition(":")
+    return told if told_id == str(job_id) and told in ("alive", "gone") else None
+
+
+def _cannot_ask(owner: dict) -> bool:
+    job = owner.get("slurm_job_id")
+    return bool(job) and _told_state(job) is None and shutil.which("scontrol") is None
 
 
 def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
@@ -321,6 +350,9 @@ def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
 
 
 def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None) -> dict:
+    """Take the run lock (O_EXCL) and keep its descriptor open until `release_lock`: the
+    open file is what proves to `cancel` that a pid is this run's launcher. A stale lock is
+    taken over by renaming it aside (`take_aside`), never by a blind unlink."""
     owner = owner or lock_owner()
     for _ in range(3):
         try:
@@ -331,18 +363,37 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
                             current.get("slurm_job_id") == owner.get("slurm_job_id")):
                 return current  # the same Slurm job, requeued or another task
             if current and owner_alive(current, slurm_job_alive):
-                who = (f"Slurm job {current['slurm_job_id']}" if current.get("slurm_job_id")
-                       else f"pid {current.get('pid')} on {current.get('host')}")
-                raise UserError(f"run directory {run.path} is in use by {who}; wait for it, "
-                                f"cancel it, or remove {run.lock_path} if it is dead")
-            run.lock_path.unlink(missing_ok=True)
+                unasked = slurm_job_alive is None and _cannot_ask(current)
+                raise UserError(f"run directory {run.path} is in use by {_who(current)}"
+                                + (" (taken for alive: no scontrol here to ask Slurm, and no "
+                                   "answer passed in)" if unasked else "")
+                                + f"; wait for it, cancel it, or remove {run.lock_path} if "
+                                "it is dead")
+            if current:
+                take_aside(run.lock_path, current)
             continue
-        with os.fdopen(fd, "w") as fh:
-            json.dump(owner, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        os.write(fd, json.dumps(owner).encode("utf-8"))
+        os.fsync(fd)
+        hold(run.lock_path, fd)
         return owner
     raise UserError(f"run directory {run.path}: could not take {run.lock_path}; try again")
+
+
+def _who(owner: dict) -> str:
+    job = owner.get("slurm_job_id")
+    return f"Slurm job {job}" if job else f"pid {owner.get('pid')} on {owner.get('host')}"
+
+
+def clear_lock_of_job(run: RunDir, job_id: str) -> bool:
+    """After `cancel` cancelled Slurm job `job_id`: its lock goes too (a job cancelled while
+    pending never starts, so nothing else would clear it). Only a lock naming that job."""
+    try:
+        current = read_lock(run, settle_s=0)
+    except UserError:
+        return False
+    if not current or str(current.get("slurm_job_id")) != str(job_id):
+        return False
+    return take_aside(run.lock_path, current)
 
 
 def replace_lock(run: RunDir, owner: dict) -> None:
@@ -355,12 +406,14 @@ def replace_lock(run: RunDir, owner: dict) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, run.lock_path)
+    close_held(run.lock_path)
 
 
 def release_lock(run: RunDir, owner: dict) -> None:
     try:
         current = read_lock(run, settle_s=0)
     except UserError:
-        return  # not ours any more: whoever rewrote it clears it
+        current = None  # not ours any more: whoever rewrote it clears it
     if current and current.get("pid") == owner.get("pid") and current.get("host") == owner.get("host"):
         run.lock_path.unlink(missing_ok=True)
+    close_held(run.lock_path)

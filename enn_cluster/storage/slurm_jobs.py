@@ -85,15 +85,21 @@ def job_fields(job_id: str) -> dict:
     return parse_scontrol(res.stdout) if ok else {}
 
 
-def job_belongs_to_run(fields: dict, run_path: str, job_names: set) -> bool:
-    """Is this Slurm job one of the run's? Its script, output, workdir or comment lies in
-    the run directory, or its name is the one recorded when the run submitted it."""
-    run_path = str(run_path).rstrip("/")
-    for key in ("Command", "StdOut", "StdErr", "WorkDir", "Comment"):
-        value = fields.get(key) or ""
-        if value == run_path or value.startswith(run_path + "/"):
-            return True
-    return bool(fields.get("JobName")) and fields.get("JobName") in job_names
+def submission_comment(run_path) -> str:
+    """The `--comment` enn-submit gives every job it submits for a run: a digest of the
+    run's real path (rendered, so `render` shows it). Only a submission sets a job's
+    comment, and a record copied from another run names a job whose comment is that run's."""
+    import hashlib
+    import os
+
+    return "enn-cluster:" + hashlib.sha256(os.path.realpath(run_path).encode()).hexdigest()[:40]
+
+
+def job_belongs_to_run(fields: dict, run_path) -> bool:
+    """Is this Slurm job one of the run's? Only its comment says so: names are public in
+    squeue and jobs.jsonl is writable by whoever can write the run, but a job's comment is
+    set by its submitter alone."""
+    return fields.get("Comment") == submission_comment(run_path)
 
 
 def cancel(job_id: str) -> None:

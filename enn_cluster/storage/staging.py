@@ -8,26 +8,31 @@ them before the run directory exists, is `storage.data_sources`.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Optional, TextIO
 
 import numpy as np
 
-from enn_cluster.config.run_config import DataConfig, ModelConfig, SyntheticConfig
+from enn_cluster.config.run_config import LM_TASK, DataConfig, ModelConfig, SyntheticConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage.checksum import RunningChecksum
 from enn_cluster.storage.data_sources import local_path, open_npy_stream
 from enn_cluster.storage.file_copy import kernel_copy
+from enn_cluster.storage.memmap_writer import (
+    MANIFEST,
+    held_out_rows,
+    write_manifest,
+    write_memmap,
+)
 from enn_cluster.storage.npy_header import check_layout, read_header
 from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
 from enn_cluster.storage.run_files import read_run_text
+from enn_cluster.storage.text_sources import is_text_data
 
 _BLOCK = 16 << 20
-MANIFEST = "manifest.json"
 
 
 def synthetic_arrays(cfg: SyntheticConfig, task: str) -> tuple[np.ndarray, np.ndarray]:
@@ -55,87 +60,6 @@ def _layout(fh, source: str) -> tuple[tuple, np.dtype]:
     return tuple(shape), np.dtype(dtype)
 
 
-def progress_bar(label: str, nbytes: int, stream: Optional[TextIO]):
-    """A one-line byte counter on a terminal (tqdm); silent in logs, CI and captured
-    output, so that an error after it is still the only line."""
-    from tqdm import tqdm
-
-    return tqdm(total=max(int(nbytes), 0), desc=label, file=stream, unit="B", unit_scale=True,
-                unit_divisor=1024, mininterval=0.25, leave=True,
-                disable=not getattr(stream, "isatty", lambda: False)(),
-                bar_format="{desc} [{bar:24}] {percentage:5.1f}% {n_fmt}/{total_fmt} {rate_fmt}")
-
-
-class _Tracked(RunningChecksum):
-    """A running checksum that also moves a progress bar."""
-
-    def __init__(self, bar) -> None:
-        super().__init__()
-        self.bar = bar
-
-    def update(self, data) -> None:
-        super().update(data)
-        if self.bar is not None:
-            self.bar.update(len(memoryview(data).cast("B")))
-
-
-def _write_memmap(dest: Path, shape: tuple, dtype: np.dtype,
-                  fill: Callable[[np.memmap, RunningChecksum], None],
-                  progress: Optional[TextIO] = None) -> dict:
-    """`fill(out, running)` writes the data into `out` (the new .npy under a temporary
-    name) and checksums it; then fsync and rename to `dest`."""
-    if dtype.hasobject:
-        raise UserError(f"{dest.name}: object arrays cannot be staged; convert to a numeric dtype")
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    bar = progress_bar(f"stage {dest.stem}", nbytes, progress) if progress else None
-    running = _Tracked(bar)
-    try:
-        out = _reserved_memmap(tmp, dest, shape, dtype)
-        if out.size:
-            fill(out, running)
-        if bar is not None:
-            bar.close()
-        out.flush()
-        del out
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return {"file": dest.name, "shape": list(shape), "dtype": dtype.str,
-            "checksum": running.hexdigest(), "nbytes": running.size}
-
-
-_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
-_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
-def _reserved_memmap(tmp: Path, dest: Path, shape: tuple, dtype: np.dtype) -> np.memmap:
-    """A new .npy memmap whose blocks are claimed first (posix_fallocate): a full
-    filesystem fails here with a message, where a write through the map would die of SIGBUS."""
-    try:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
-        with open(tmp, "rb+") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            try:
-                os.posix_fallocate(fh.fileno(), 0, size)
-            except OSError as exc:
-                if exc.errno not in _NO_FALLOCATE:
-                    raise
-                st = os.statvfs(tmp)
-                if st.f_bavail * st.f_frsize < size:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
-        return out
-    except OSError as exc:
-        if exc.errno not in _FULL:
-            raise
-        raise UserError(f"runs_root: no space left in {dest.parent} for {dest.name} "
-                        f"({int(np.prod(shape, dtype=np.int64)) * dtype.itemsize} bytes); "
-                        "free space there or use a runs_root with room") from None
-
-
 def _bytes(out: np.ndarray) -> np.ndarray:
     return out.reshape(-1).view(np.uint8)
 
@@ -149,7 +73,7 @@ def _stage_ndarray(arr: np.ndarray, dest: Path, progress: Optional[TextIO]) -> d
             flat[start:start + block.size] = block
             running.update(block)
 
-    return _write_memmap(dest, arr.shape, arr.dtype, fill, progress)
+    return write_memmap(dest, arr.shape, arr.dtype, fill, progress)
 
 
 def _stage_local_npy(source: str, path: str, dest: Path, progress: Optional[TextIO]) -> dict:
@@ -170,7 +94,7 @@ def _stage_local_npy(source: str, path: str, dest: Path, progress: Optional[Text
             if done < flat.size:
                 raise UserError(f"{source}: file is truncated ({done} of {flat.size} bytes)")
 
-        return _write_memmap(dest, shape, dtype, fill, progress)
+        return write_memmap(dest, shape, dtype, fill, progress)
 
 
 def _stage_stream(source: str, key: Optional[str], dest: Path,
@@ -189,7 +113,7 @@ def _stage_stream(source: str, key: Optional[str], dest: Path,
                 running.update(block)
                 pos += len(block)
 
-        return _write_memmap(dest, shape, dtype, fill, progress)
+        return write_memmap(dest, shape, dtype, fill, progress)
     finally:
         for c in closers:
             c.close()
@@ -258,7 +182,12 @@ def _target_scaler(y: np.ndarray) -> dict:
 
 def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
                    arrays: Optional[dict] = None, progress: Optional[TextIO] = None) -> dict:
-    """Stage train (and eval) arrays; `arrays` (x, y, eval_x, eval_y) override the config."""
+    """Stage train (and eval) arrays; `arrays` (x, y, eval_x, eval_y) override the config.
+    A causal LM's text files are tokenized into token memmaps (storage.text_staging)."""
+    if model.task == LM_TASK and not arrays and is_text_data(data):
+        from enn_cluster.storage.text_staging import stage_text_data
+
+        return stage_text_data(data, model, data_dir, progress)
     arrays = dict(arrays or {})
     entries: dict = {}
     if "x" not in arrays and data.train_path == "synthetic":
@@ -277,22 +206,42 @@ def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
                                         progress=progress)
         else:
             entries[name] = stage_array(src, data_dir / f"{name}.npy", progress=progress)
+    if not data.allow_nonfinite:
+        for name in entries:
+            check_finite(name, entries[name], np.load(data_dir / f"{name}.npy", mmap_mode="r"))
     n = entries["train_x"]["shape"][0]
     if entries["train_y"]["shape"][0] != n:
         raise UserError(f"data: train inputs have {n} rows but targets have "
                         f"{entries['train_y']['shape'][0]}; they must match")
-    n_eval_held = int(n * data.eval_fraction) if "eval_x" not in entries else 0
-    manifest = {"entries": entries, "train_rows": [0, n - n_eval_held],
-                "eval_rows": [n - n_eval_held, n] if n_eval_held else None}
+    manifest = {"entries": entries, **held_out_rows(n, data.eval_fraction, "eval_x" in entries)}
+    n_eval_held = n - manifest["train_rows"][1]
     if model.task == "classification":
         y = np.load(data_dir / "train_y.npy", mmap_mode="r")
         manifest["n_classes"] = int(max(int(y[i:i + 65536].max()) for i in range(0, len(y), 65536))) + 1
     if data.normalize_targets and model.task == "regression":
         y = np.load(data_dir / "train_y.npy", mmap_mode="r")
         manifest["target_scaler"] = _target_scaler(y[: n - n_eval_held])
-    atomic_write_text(data_dir / MANIFEST, json.dumps(manifest, indent=1))
-    fsync_dir(data_dir)
+    write_manifest(data_dir, manifest)
     return manifest
+
+
+def check_finite(name: str, entry: dict, arr: np.ndarray, block_rows: int = 65536) -> None:
+    """Refuse NaN or inf in a staged float array, naming the array, the first column that
+    holds one and how many rows do (a model trains on them without a word: all-NaN inputs
+    end 'training done')."""
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.complexfloating)):
+        return
+    flat = arr.reshape(len(arr), -1) if arr.ndim else arr.reshape(1, 1)
+    rows, column = 0, None
+    for start in range(0, len(flat), block_rows):
+        bad = ~np.isfinite(flat[start:start + block_rows])
+        rows += int(bad.any(axis=1).sum())
+        if column is None and bad.any():
+            column = int(np.flatnonzero(bad.any(axis=0))[0])
+    if rows:
+        raise UserError(f"data: {name} ({entry.get('source')}) has {rows} row(s) holding NaN "
+                        f"or inf (the first in column {column}); clean them, or set "
+                        "data.allow_nonfinite: true to stage them as they are")
 
 
 def _src(path: Optional[str], key: str):

@@ -49,11 +49,19 @@ def snapshot(trainer_state: dict) -> Snapshot:
     return Snapshot(dict(trainer_state), rng)  # Trainer.state_dict() builds fresh values
 
 
+def state_options(model) -> StateDictOptions:
+    """A model with frozen parameters (a LoRA run's base weights) checkpoints only what it
+    trains: the frozen ones are rebuilt from their source at every start."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def state_of(model, optimizer) -> dict:
+    options = state_options(model)
     if optimizer is None:
-        msd, _ = get_state_dict(model, [])
+        msd, _ = get_state_dict(model, [], options=options)
         return {"model": msd}
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=options)
     return {"model": msd, "optim": osd}
 
 
@@ -103,13 +111,17 @@ def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
     _agreed(lanes, lambda: _write_side_files(path, lanes, snap))
     writer = ChecksummingWriter(path)
     dcp.save(state, storage_writer=writer, process_group=lanes.control)
-    _commit(path, step, writer.checksums, tuple(state), started, lanes)
+    _commit(path, step, writer.checksums, tuple(state), started, lanes,
+            {k: snap.trainer_state[k] for k in RECORDED if k in snap.trainer_state})
     if keep_last is not None and lanes.rank == 0:
         store.prune(root, keep_last, protect=[step])
 
 
+RECORDED = ("base_weights",)  # trainer-state keys the commit record names as well
+
+
 def _commit(path: Path, step: int, written: dict, contents: tuple, started: float,
-            lanes: Lanes) -> None:
+            lanes: Lanes, info: Optional[dict] = None) -> None:
     """Collective: gather every rank's checksums, rank 0 writes commit.json last."""
     gathered = lanes.gather_objects(_my_checksums(path, written, lanes.rank))
 
@@ -118,7 +130,8 @@ def _commit(path: Path, step: int, written: dict, contents: tuple, started: floa
             return
         n = store.commit_gathered(path, step, gathered, world_size=lanes.world_size,
                                   contents=list(contents), time=time.time(),
-                                  save_seconds=round(time.perf_counter() - started, 3))
+                                  save_seconds=round(time.perf_counter() - started, 3),
+                                  **(info or {}))
         log.info("checkpoint step-%d committed (%d files)", step, n)
 
     _agreed(lanes, write_record)  # also the barrier: nobody runs ahead of the commit
@@ -227,11 +240,13 @@ def load(root: Path, step: int, model, optimizer, lanes: Lanes,
         problems = [p for part in lanes.gather_objects(verifier.problems(path)) for p in part]
         if problems:
             raise CorruptCheckpoint(problems)
+    options = state_options(model)
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=options)
     else:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={},
+                       options=options)
     rng_file = path / "rng" / f"rank-{lanes.rank}.pt"
     if os.path.lexists(rng_file) and record.get("world_size") == lanes.world_size:
         _restore_rng(rng_file)

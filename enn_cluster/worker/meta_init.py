@@ -27,6 +27,7 @@ FULL_INIT = "full"  # build_plan values
 META_BUILTIN = "meta-builtin"
 META_OWN = "meta-init_weights"
 META_CHECKPOINT = "meta-checkpoint"  # the weights are in the run's step-0 checkpoint
+META_HF = "meta-hf"  # a Hugging Face LM: its weights directory's safetensors (lm_weights)
 
 
 def init_plan(model: nn.Module, from_checkpoint: bool = False, builtin: bool = True) -> str:
@@ -50,7 +51,7 @@ def _owners(model: nn.Module):
             if any(True for _ in m.parameters(recurse=False))]
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
+def name_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
@@ -123,7 +124,7 @@ def materialize(model: nn.Module, plan: str, tmpls: dict, seed: int,
                 device: torch.device) -> None:
     """Give the meta model (sharded, or whole for DDP) real tensors on `device`."""
     with_storage(model, device)  # to_empty alone would untie weights shared by two modules
-    if plan == META_CHECKPOINT:  # storage only: the step-0 checkpoint holds the values
+    if plan in (META_CHECKPOINT, META_HF):  # storage only: a checkpoint holds the values
         return
     if plan == META_OWN:
         model.init_weights()
@@ -132,16 +133,16 @@ def materialize(model: nn.Module, plan: str, tmpls: dict, seed: int,
     for name in list(tmpls):
         rule, tmpl = tmpls.pop(name)  # one module's full tensors alive at a time
         cpu = tmpl.to_empty(device="cpu") if rule in (_reset_rule, _mha_out_proj_rule) else tmpl
-        full = rule(cpu, _generator(seed, name))
+        full = rule(cpu, name_generator(seed, name))
         for pname, value in full.items():
-            _copy_local(getattr(targets[name], pname), value)
+            copy_local(getattr(targets[name], pname), value)
         del tmpl, cpu, full
     for buf_owner, module in targets.items():  # buffers: none in the built-ins; be loud
         if any(True for _ in module.buffers(recurse=False)):
             raise RuntimeError(f"meta init: {buf_owner or 'model'} has buffers; build it whole")
 
 
-def _copy_local(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_local(param: torch.Tensor, full: torch.Tensor) -> None:
     """This rank's slice of `full` into `param` (a DTensor shard, or a plain tensor)."""
     if hasattr(param, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor

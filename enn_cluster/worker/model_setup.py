@@ -6,17 +6,22 @@ module structure, whatever the world size.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
-from enn_cluster.models import BUILTIN_MODELS, build_model, output_size
+from enn_cluster.models import BUILTIN_MODELS, build_run_model, output_size
+from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.models.causal_lm import CausalLM
 from enn_cluster.storage.model_structure import FACTORY as STRUCTURE_FACTORY
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes
 from enn_cluster.worker.parallel import build_mesh, wrap_model
+
+log = logging.getLogger("enn_cluster.worker.model_setup")
 
 
 @dataclass
@@ -46,24 +51,52 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     from enn_cluster.worker import meta_init
 
     shape, n_out = tuple(input_shape), output_size(cfg, manifest)
-    with torch.device("meta"):
-        model = build_model(cfg.model, shape, n_out)
+    model = meta_built(cfg, shape, n_out)
     from_checkpoint = cfg.model.name == STRUCTURE_FACTORY
-    how = meta_init.init_plan(model, from_checkpoint, builtin=cfg.model.name in BUILTIN_MODELS)
-    if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT):
+    how = meta_init.FULL_INIT if model is None else meta_init.META_HF \
+        if isinstance(model, CausalLM) else \
+        meta_init.init_plan(model, from_checkpoint, builtin=cfg.model.name in BUILTIN_MODELS)
+    if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT, meta_init.META_HF):
         torch.manual_seed(cfg.training.seed)
     if how == meta_init.FULL_INIT:
-        model = build_model(cfg.model, shape, n_out).to(lanes.device)
+        model = build_run_model(cfg, shape, n_out).to(lanes.device)
     plan = plan_mesh(cfg.parallel, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, lanes.device)
     bf16 = use_bf16(cfg, lanes.device)
     tmpls = meta_init.templates(model) if how == meta_init.META_BUILTIN else {}
+    inner = model
     if how != meta_init.FULL_INIT and plan.strategy == "ddp":  # DDP replicates whole weights
-        meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
-    model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype)
+        _materialize(cfg, inner, how, tmpls, lanes)
+    model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype,
+                       cfg.parallel.activation_checkpointing, cfg.training.compile)
     if how != meta_init.FULL_INIT and plan.strategy != "ddp":  # FSDP/HSDP: local shards only
-        meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+        _materialize(cfg, inner, how, tmpls, lanes)
     return ShardedModel(model, plan, mesh, bf16, from_checkpoint)
+
+
+def _materialize(cfg: RunConfig, model, how: str, tmpls: dict, lanes: Lanes) -> None:
+    from enn_cluster.worker import lm_weights, meta_init
+
+    meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
+    if how == meta_init.META_HF:
+        lm_weights.initialize(model, weights_dir(cfg.model.name), cfg.training.seed,
+                              lanes.control)
+
+
+def meta_built(cfg: RunConfig, shape: tuple, n_out: int):
+    """The model built on the meta device, or None when its factory refuses that device (a
+    factory calling transformers' from_pretrained does): such a model is built whole."""
+    from enn_cluster.errors import UserError
+
+    try:
+        with torch.device("meta"):
+            return build_run_model(cfg, shape, n_out)
+    except UserError:
+        raise
+    except Exception as exc:  # the factory's own error; a whole build will meet it again
+        log.info("model.name: %s cannot be built on the meta device (%s: %s); built whole",
+                 cfg.model.name, type(exc).__name__, str(exc).splitlines()[0][:200])
+        return None
 
 
 def gradient_sync(sm: ShardedModel, sync: bool):

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from enn_cluster.config.run_config import is_hf_model
 from enn_cluster.errors import UserError
 from enn_cluster.storage import prediction_collapse
 from enn_cluster.storage import prediction_manifest as pm
@@ -79,13 +80,13 @@ class ChunkWriter:
     def committed(self, spec: pm.ChunkSpec) -> bool:
         return committed(self.pdir, spec)
 
-    def _forward(self, xb: torch.Tensor) -> torch.Tensor:
+    def _forward(self, xb: torch.Tensor, first_row: int) -> torch.Tensor:
         return self.model(xb.to(self.dtype)).float()
 
     def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None, float]:
         """The chunk's raw outputs, the precision check (first batch of chunk 0) and the
         largest spread of any input feature over the chunk's rows (0: identical rows)."""
-        out = np.empty((spec.rows,) + self.out_shape, dtype=np.float32)
+        out = None  # shaped by the first batch's outputs (see below)
         batch, check, spread, first = int(self.request["batch_size"]), None, 0.0, None
         with torch.inference_mode():
             for start in range(spec.start, spec.stop, batch):
@@ -97,12 +98,25 @@ class ChunkWriter:
                 spread = max(spread, float(np.nanmax(np.maximum(hi - first, first - lo),
                                                      initial=0.0)))
                 xb = torch.from_numpy(rows).to(self.lanes.device, non_blocking=True)
-                yb = self._forward(xb)
+                yb = self._forward(xb, start)
                 if spec.index == 0 and start == spec.start:
                     check = self._precision_check(yb)
+                if out is None:
+                    out = np.empty((spec.rows,) + self._row_shape(yb), dtype=np.float32)
                 out[start - spec.start:stop - spec.start] = \
-                    yb.reshape((stop - start,) + self.out_shape).cpu().numpy()
+                    yb.reshape((stop - start,) + out.shape[1:]).cpu().numpy()
         return out, check, spread
+
+    def _row_shape(self, yb: torch.Tensor) -> tuple:
+        """A row's output shape: the request's (shaped like the targets) when the outputs have
+        that many values per row, else the model's own (a language model's logits are
+        [tokens, vocab] where its targets are [tokens]): outputs are written as they are."""
+        own = tuple(yb.shape[1:])
+        if int(np.prod(own, dtype=np.int64)) == int(np.prod(self.out_shape, dtype=np.int64)):
+            return self.out_shape
+        log.warning("outputs have shape %s per row, not the targets' %s: written as they are",
+                    own, self.out_shape)
+        return own
 
     def _precision_check(self, yb: torch.Tensor) -> dict | None:
         """How far reduced precision is from the fp32 forward pass on the same batch, and
@@ -146,6 +160,25 @@ class ChunkWriter:
         return rec
 
 
+class LMChunkWriter(ChunkWriter):
+    """A causal LM's chunks: per-row scores, or generated tokens (see worker/lm_predict)."""
+
+    def _forward(self, xb: torch.Tensor, first_row: int) -> torch.Tensor:
+        from enn_cluster.worker import lm_predict
+
+        gen = self.request.get("generate")
+        if gen:
+            return lm_predict.generate(self.model, xb, int(gen["max_new_tokens"]), gen.get("seed"),
+                                       first_row, gen.get("eos_token_id"))
+        return lm_predict.score(self.model, xb)
+
+    def _precision_check(self, yb: torch.Tensor) -> dict:
+        """Scores in reduced precision are not compared with an fp32 replica (a second whole
+        LM on the rank); the record says which precision made them."""
+        return {"reduced_precision": self.dtype != torch.float32,
+                "dtype": str(self.dtype).replace("torch.", "")}
+
+
 def _maybe_inject_fault(run: RunDir, name: str, rank: int, written: int) -> None:
     after = int(os.environ.get(FAULT_AFTER_CHUNKS, "0") or 0)
     if not after or written != after or rank != int(os.environ.get("ENN_FAULT_PREDICT_RANK", "0")):
@@ -179,9 +212,16 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         committed(pdir, chunks[0])  # checksummed once: the loop below trusts this answer
     if dtype != torch.float32 and lanes.rank == 0 and chunks and not first_done:
         check_rows = np.array(x[:min(int(request["batch_size"]), chunks[0].rows)], np.float32)
-    model, first_fp32 = load_replica(run, cfg, chosen, x.shape[1:], lanes, env.node_rank,
-                                     dtype, check_rows)
-    writer = ChunkWriter(pdir, model, x, request, lanes, first_fp32)
+    if is_hf_model(cfg.model.name):
+        from enn_cluster.worker.lm_predict import lm_replica
+
+        writer = LMChunkWriter(pdir, lm_replica(cfg, run.checkpoints, chosen, lanes, dtype), x,
+                               request, lanes)
+        first_done = False
+    else:
+        model, first_fp32 = load_replica(run, cfg, chosen, x.shape[1:], lanes, env.node_rank,
+                                         dtype, check_rows)
+        writer = ChunkWriter(pdir, model, x, request, lanes, first_fp32)
     mine = pm.chunks_for_rank(chunks, lanes.rank, lanes.world_size)
     started, written, skipped = time.perf_counter(), 0, 0
     for spec in mine:
@@ -212,7 +252,8 @@ def write_manifest(pdir: Path, request: dict, n_rows: int, world_size: int) -> d
     reduced = [c for c in checks if c.get("reduced_precision")]
     manifest = {
         "name": request["name"], "step": request["step"], "n_rows": n_rows,
-        "output_shape": request["output_shape"], "dtype": records[0]["dtype"] if records else "<f4",
+        "output_shape": list(records[0]["shape"][1:]) if records else request["output_shape"],
+        "dtype": records[0]["dtype"] if records else "<f4",
         "chunk_rows": request["chunk_rows"], "scaler": request.get("scaler"),
         "input": request["input"], "world_size": world_size, "time": time.time(),
         "chunks": records, "stats": pm.merge_stats([r["stats"] for r in records]),
@@ -221,7 +262,10 @@ def write_manifest(pdir: Path, request: dict, n_rows: int, world_size: int) -> d
         "raw_stats": pm.merge_stats([r.get("raw_stats") for r in records]),
         "input_spread": max((r.get("input_spread", 0.0) for r in records), default=0.0),
     }
-    manifest["collapse"] = prediction_collapse.verdict(manifest)
+    if request.get("generate"):  # token ids, not values: a spread means nothing here
+        manifest["generate"] = request["generate"]
+    manifest["collapse"] = None if request.get("generate") else \
+        prediction_collapse.verdict(manifest)
     if manifest["collapse"]:
         log.warning("prediction %s is near-constant: %s", request["name"],
                     manifest["collapse"]["message"])

@@ -28,6 +28,7 @@ from enn_cluster.storage.model_structure import with_storage
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.staging import read_manifest
 from enn_cluster.worker import checkpoint as ckpt
+from enn_cluster.worker.model_setup import meta_built
 
 log = logging.getLogger("enn_cluster.worker.predict")
 
@@ -50,8 +51,9 @@ def empty_replica(cfg, manifest: dict, input_shape: tuple, dtype: torch.dtype,
     that hold values on meta (a module shipped as its structure keeps its non-persistent
     buffers) keep them."""
     shape, n_out = tuple(input_shape), output_size(cfg, manifest)
-    with torch.device("meta"):
-        model = build_model(cfg.model, shape, n_out)
+    model = meta_built(cfg, shape, n_out)
+    if model is None:  # its factory refuses the meta device: built whole
+        return build_model(cfg.model, shape, n_out).to(dtype=dtype).to(device).eval()
     buffers = dict(model.named_buffers())
     lost = sorted(name for name in set(buffers) - set(model.state_dict()) if buffers[name].is_meta)
     own_init = callable(getattr(model, "init_weights", None))

@@ -35,6 +35,7 @@ from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.evaluation import eval_arrays, mean_eval_loss
 from enn_cluster.worker.fault_injection import maybe_inject_fault, maybe_inject_oom
 from enn_cluster.worker.lanes import Lanes
+from enn_cluster.storage.base_weights import check_same_base
 from enn_cluster.worker.loader import BatchLoader, gather_rows
 from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradient_sync
 from enn_cluster.worker import oom_governor
@@ -62,6 +63,18 @@ from enn_cluster.worker.watchdog import Progress, Watchdog, rank_log_stream
 log = logging.getLogger("enn_cluster.worker.trainer")
 
 
+def frozen_base_identity(cfg: RunConfig, model, lanes: Lanes):
+    """The identity of the base weights a LoRA run trains on (rank 0 reads the files, every
+    rank gets it); None when every weight trains (the checkpoints hold them all)."""
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    from enn_cluster.config.hf_name import weights_dir
+    from enn_cluster.storage.base_weights import identity
+
+    return lanes.broadcast_object(identity(weights_dir(cfg.model.name)) if lanes.rank == 0
+                                  else None)
+
+
 class TrainingAborted(RuntimeError):
     """Training cannot go on (non-finite losses); the message says what to check."""
 
@@ -80,7 +93,9 @@ class Trainer:
                        if scaler else None)
         self.sm = build_sharded_model(cfg, self.manifest, env, lanes, self.x.shape[1:])
         t = cfg.training
-        self.optimizer = new_optimizer(self.sm.model.parameters(), t)
+        self.optimizer = new_optimizer([p for p in self.sm.model.parameters() if p.requires_grad],
+                                       t)
+        self.base_weights = frozen_base_identity(cfg, self.sm.model, lanes)
         self.n_rows = self.rows[1] - self.rows[0]
         oom_governor.refuse_after_floor(run.path)
         self.micro_cap = oom_record.micro_batch_cap(run.path)  # the OOM governor's
@@ -112,7 +127,8 @@ class Trainer:
                 "world_size": self.env.world_size, "seed": self.cfg.training.seed,
                 "global_batch": self.batch.global_batch, "total_steps": self.total_steps,
                 "target_scaler": self.manifest.get("target_scaler"),
-                "mesh": asdict(self.sm.plan)}
+                "mesh": asdict(self.sm.plan),
+                **({"base_weights": self.base_weights} if self.base_weights else {})}
 
     def load_state_dict(self, state: dict) -> dict:
         """Restore the loop's position and the step budget from it: for an unchanged batch
@@ -292,6 +308,8 @@ class Trainer:
         if found is None:
             return
         step, state = found
+        if self.base_weights:
+            check_same_base(state.get("base_weights"), self.base_weights, step)
         keep_fused(self.optimizer)
         changed = self.load_state_dict(state)
         b = self.batch

@@ -116,4 +116,23 @@ srun() {
   rm -f -- "$enn_stop_file"
   return "$rc"
 }
+# A lock left by another Slurm job (one cancelled while pending never clears its own) is
+# judged by the worker, inside an image that may have no scontrol: ask here, before srun,
+# and pass the answer in as ENN_LOCK_JOB_STATE=JOBID:alive|gone (no answer: nothing set).
+enn_lock="$ENN_RUN_DIR/run.lock"
+enn_lock_job=""
+if [ -f "$enn_lock" ] && [ ! -L "$enn_lock" ]; then
+  enn_lock_job=$(timeout 5 head -c 4096 -- "$enn_lock" 2>/dev/null \
+    | sed -n 's/.*"slurm_job_id": *"\([0-9_]\{1,24\}\)".*/\1/p' | head -n 1)
+fi
+if [ -n "$enn_lock_job" ] && [ "$enn_lock_job" != "${SLURM_JOB_ID:-}" ] && command -v scontrol >/dev/null; then
+  if enn_lock_says=$(timeout 30 scontrol show job -o "$enn_lock_job" 2>&1); then
+    case " $enn_lock_says " in
+      @LIVE_STATE_PATTERNS@) export ENN_LOCK_JOB_STATE="$enn_lock_job:alive" ;;
+      *" JobState="*) export ENN_LOCK_JOB_STATE="$enn_lock_job:gone" ;;
+    esac
+  elif case "$enn_lock_says" in *"Invalid job id"*) true ;; *) false ;; esac; then
+    export ENN_LOCK_JOB_STATE="$enn_lock_job:gone"  # the controller no longer knows it
+  fi
+fi
 # <<< host

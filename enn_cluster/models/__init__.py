@@ -1,7 +1,9 @@
-"""Built-in models (MLP, a small transformer) and user models from `module:factory`.
+"""Built-in models (MLP, a small transformer), user models from `module:factory`, and
+Hugging Face causal LMs (`hf:DIR`, in models/causal_lm.py).
 
-A model exposes `blocks()`, the submodules FSDP shards one by one, and may define
-`loss(outputs, targets)`; otherwise the task's default loss is used.
+A model may expose `blocks()`, the submodules FSDP shards one by one (otherwise they are
+found: see `model_blocks`), and may define `loss(outputs, targets)`; otherwise the task's
+default loss is used.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enn_cluster.config.run_config import ModelConfig, RunConfig
+from enn_cluster.config.run_config import ModelConfig, RunConfig, is_hf_model
 from enn_cluster.errors import UserError
 
 
@@ -99,10 +101,40 @@ def build_model(cfg: ModelConfig, input_shape: tuple, n_outputs: int) -> nn.Modu
     return model
 
 
+def build_run_model(cfg: RunConfig, input_shape: tuple, n_outputs: int) -> nn.Module:
+    """The run's model on the current default device: a Hugging Face causal LM (with LoRA
+    where configured; its base weights still to load) or `build_model`."""
+    if is_hf_model(cfg.model.name):
+        from enn_cluster.models.causal_lm import build_causal_lm
+
+        return build_causal_lm(cfg)
+    return build_model(cfg.model, input_shape, n_outputs)
+
+
 def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The units FSDP shards one by one: the model's own `blocks()`, else its repeated
+    layers (`repeated_blocks`), else its top-level children that train."""
     if hasattr(model, "blocks"):
         return list(model.blocks())
-    return [m for m in model.children() if any(p.requires_grad for p in m.parameters())]
+    return repeated_blocks(model) or [
+        m for m in model.children() if any(p.requires_grad for p in m.parameters())]
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The layers a model repeats, found in the model itself (pure): the classes a Hugging
+    Face model names in `_no_split_modules` (its decoder layer), wherever it sits in a user's
+    wrapper; else the ModuleList of two or more modules of one class holding the most
+    parameters. [] when there is neither."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        if found:
+            return found
+    lists = [lst for lst in model.modules() if isinstance(lst, nn.ModuleList) and len(lst) > 1
+             and len({type(m) for m in lst}) == 1]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda lst: sum(p.numel() for p in lst.parameters())))
 
 
 def compute_loss(model: nn.Module, task: str, outputs: torch.Tensor, targets: torch.Tensor):

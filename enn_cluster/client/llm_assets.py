@@ -1,0 +1,87 @@
+"""Tiny, local stand-ins for what an LM user brings: a random Llama- or Qwen2-shaped causal LM
+saved with `save_pretrained`, a BPE tokenizer trained on a small corpus, and that corpus as
+parquet or jsonl. `make demo-llm`, the tests and the benchmarks load them through the real
+`from_pretrained` paths; nothing comes from a hub (no network at run time).
+
+Needs the `llm` extra (transformers, tokenizers, pyarrow).
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = ("the cluster trains a model on shards of data while every node keeps its own "
+         "replica of the optimizer state and the scheduler decides which job runs next "
+         "checkpoints land on the shared filesystem and a resume reads them back at any "
+         "world size the loss goes down as the adapters learn the text").split()
+
+ARCHS = {  # tiny shapes: a few hundred thousand parameters, loaded in well under a second
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, tie_word_embeddings=True),
+}
+
+
+def corpus(n_docs: int, seed: int = 0) -> list[str]:
+    """Deterministic sentences of varied length (3 to 60 words)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))) for _ in range(n_docs)]
+
+
+def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer trained on `texts`, saved as a transformers fast tokenizer
+    (tokenizer.json + tokenizer_config.json), with <pad>, <s> and </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.save_pretrained(str(out_dir))
+
+
+def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0,
+                     texts: list[str] | None = None, **shape_over) -> Path:
+    """A random causal LM of the `arch` shape (`shape_over` changes any of it) plus its
+    tokenizer in `out_dir`, saved as safetensors by `save_pretrained`; returns `out_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out_dir, texts or corpus(400, seed))
+    tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
+    shape = {**ARCHS[arch], **shape_over}
+    config = AutoConfig.for_model(shape.pop("model_type"), vocab_size=len(tok),
+                                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, **shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def write_texts(path: Path, texts: list[str], field: str = "text", **extra_columns) -> Path:
+    """`texts` (and any extra columns of the same length) as `.parquet` or `.jsonl`, by the
+    path's suffix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = {field: list(texts), **{k: list(v) for k, v in extra_columns.items()}}
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table(columns), str(path))
+    else:
+        rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path

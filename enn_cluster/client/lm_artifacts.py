@@ -1,0 +1,76 @@
+"""A causal LM's checkpoint as Hugging Face artifacts, in this process.
+
+- `load_lm`: the whole model on the CPU: the base from the weights directory (transformers'
+  `from_pretrained`), the checkpoint's tensors on top (every weight of a full fine-tune, the
+  adapters of a LoRA run, whose base must be the one it trained on).
+- `--format hf`: a directory `AutoModelForCausalLM.from_pretrained` loads (LoRA merged), with
+  the tokenizer; `--format peft`: the adapters alone, for `PeftModel.from_pretrained` over the
+  base. Both are written by the libraries' own `save_pretrained`.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from enn_cluster.config.run_config import RunConfig
+from enn_cluster.errors import UserError
+from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.models.causal_lm import CausalLM
+from enn_cluster.storage import commits as store
+from enn_cluster.storage.dcp_io import safe_load
+from enn_cluster.storage.text_sources import tokenizer_dir
+
+
+def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
+    """The model of a checkpoint, whole, fp32, on the CPU, in eval mode; LoRA merged into the
+    weights unless `merge` is False (then still a peft model)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per command, not a bar per load
+
+    from enn_cluster.models.causal_lm import with_lora
+
+    path = weights_dir(cfg.model.name)
+    lm = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
+                                              dtype=torch.float32)
+    if cfg.lora.enabled:
+        _check_base(path, step_dir)
+        lm = with_lora(lm, cfg.lora)
+    model = CausalLM(lm)
+    held = {k.removeprefix("model.") for k in FileSystemReader(str(step_dir)).read_metadata()
+            .state_dict_metadata if k.startswith("model.")}
+    state = {k: v for k, v in model.state_dict().items() if k in held}
+    if not state or len(state) != len(held):
+        raise UserError(f"--step: {step_dir} holds {len(held)} model tensors, {len(state)} of "
+                        f"which this model has; it was not written by this run's model")
+    with warnings.catch_warnings():  # DCP's note that it loads in one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        safe_load({"model": state}, step_dir)
+    model.load_state_dict(state, strict=False)
+    if cfg.lora.enabled and merge:
+        model = CausalLM(model.lm.merge_and_unload())
+    return model.eval()
+
+
+def _check_base(path: Path, step_dir: Path) -> None:
+    from enn_cluster.storage.base_weights import check_same_base, identity
+
+    record = store.read_commit(step_dir) or {}
+    check_same_base(record.get("base_weights"), identity(path), int(record.get("step", -1)))
+
+
+def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str) -> None:
+    """Write `fmt` ("hf" or "peft") into the new directory `out`."""
+    from transformers import AutoTokenizer
+
+    if fmt == "peft" and not cfg.lora.enabled:
+        raise UserError("--format: peft writes LoRA adapters, and this run fine-tuned every "
+                        "weight (lora.r: 0); use --format hf")
+    model = load_lm(cfg, step_dir, merge=fmt == "hf")
+    model.lm.save_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir(cfg.data, cfg.model)[1]),
+                                        local_files_only=True)
+    tok.save_pretrained(str(out))

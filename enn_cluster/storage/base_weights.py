@@ -1,0 +1,31 @@
+"""The identity of a LoRA run's frozen base weights (a checksum of its safetensors files).
+
+A LoRA checkpoint holds the adapters only, so it is recorded in every one of them (the
+commit record and the trainer state): a resume, a prediction or an export over other base
+weights would silently use another model, so each is refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from enn_cluster.errors import UserError
+from enn_cluster.storage.checksum import RunningChecksum, file_checksum
+
+
+def identity(weights: Path) -> dict:
+    """{"path", "checksum"} of the safetensors files (names and bytes, sorted by name)."""
+    running = RunningChecksum()
+    for file in sorted(Path(weights).glob("*.safetensors")):
+        size, digest = file_checksum(file)
+        running.update(f"{file.name}:{size}:{digest}\n".encode())
+    return {"path": str(weights), "checksum": running.hexdigest()}
+
+
+def check_same_base(saved: dict | None, current: dict, step: int) -> None:
+    """A LoRA checkpoint's adapters belong to the base weights it was trained on."""
+    if saved and saved.get("checksum") != current["checksum"]:
+        raise UserError(
+            f"model.name: checkpoint step-{step} holds LoRA adapters trained on the base weights "
+            f"in {saved.get('path')} (checksum {saved.get('checksum')}), but {current['path']} "
+            f"now holds other weights (checksum {current['checksum']}); restore those weights "
+            "or start a new run")

@@ -1,0 +1,238 @@
+"""Text corpora and tokenizers for causal-LM staging, judged before anything is written.
+
+`prepare` checks the train (and eval) file and the tokenizer before the run directory exists:
+a path that is neither `.parquet` nor `.jsonl`, an empty file, a missing or non-text column,
+a jsonl line that is not an object, a tokenizer directory without tokenizer files: each one
+line naming the file and the fix. Staging (`storage.text_staging`) then reads documents
+through the same functions, in batches: pyarrow record batches for parquet, line by line
+for jsonl, so a large corpus never sits in memory as Python strings.
+
+pyarrow and transformers are imported only here, inside the functions (the CLI's fast path
+imports neither).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.config.run_config import DataConfig, ModelConfig
+from enn_cluster.errors import UserError
+from enn_cluster.storage.checksum import RunningChecksum
+
+TEXT_SUFFIXES = (".parquet", ".jsonl")
+# files that define a tokenizer's vocabulary: a directory with none of them has no tokenizer
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# every file a tokenizer's save_pretrained may write: its identity is the hash of these
+TOKENIZER_FILES = VOCAB_FILES + ("tokenizer_config.json", "special_tokens_map.json",
+                                 "added_tokens.json", "merges.txt", "chat_template.jinja",
+                                 "sentencepiece.bpe.model")
+LLM_EXTRA = "pip install 'enn_cluster[llm]'"
+
+
+def is_text_data(data: DataConfig) -> bool:
+    """A causal LM reads text files, tokenized at staging; token ids given as arrays (.npy,
+    .npz or in memory) are staged as they are."""
+    return not str(data.train_path).endswith((".npy", ".npz"))
+
+
+def text_files(data: DataConfig) -> list[tuple[str, str]]:
+    """(config key, path) of the train file and, when set, the eval file."""
+    files = [("data.train_path", data.train_path)]
+    if data.eval_path:
+        files.append(("data.eval_path", data.eval_path))
+    return files
+
+
+def check_text_sources(data: DataConfig, model: ModelConfig) -> None:
+    """Everything staging needs, checked before the run directory exists: each text file
+    (its type, its text and prompt fields on the first document) and the tokenizer."""
+    for key, path in text_files(data):
+        check_text_file(key, path, data)
+    load_tokenizer(data, model)
+
+
+def check_text_file(key: str, path: str, data: DataConfig) -> None:
+    from enn_cluster.config.checks import check_regular_file
+
+    if path == "synthetic" or not path.endswith(TEXT_SUFFIXES):
+        raise UserError(f"{key}: {path!r} must be a .parquet or .jsonl file of text for a "
+                        "causal_lm model; convert it or fix the path")
+    if "://" in path or "::" in path:
+        raise UserError(f"{key}: {path} is a URL; text for a causal_lm model is read from a "
+                        "local (or shared) filesystem path: copy it there")
+    check_regular_file(key, os.path.expanduser(path), "fix the path")
+    if os.path.getsize(os.path.expanduser(path)) == 0:
+        raise UserError(f"{key}: {path} is empty; give a file with at least one document")
+    if path.endswith(".parquet"):
+        _parquet_columns(key, path, data)
+    else:
+        for _ in _jsonl_rows(key, path, data, first_only=True):
+            return
+        raise UserError(f"{key}: {path} is empty (no JSON lines); give a file with at least "
+                        "one document")
+
+
+# ---------------------------------------------------------------------------------------
+# Reading documents in batches
+
+
+def iter_documents(key: str, path: str, data: DataConfig,
+                   batch: int) -> Iterator[tuple[list[str], Optional[list[str]]]]:
+    """(texts, prompts or None) in batches of up to `batch` documents, in file order."""
+    if path.endswith(".parquet"):
+        yield from _parquet_batches(key, path, data, batch)
+        return
+    texts: list[str] = []
+    prompts: Optional[list[str]] = [] if data.prompt_field else None
+    for text, prompt in _jsonl_rows(key, path, data):
+        texts.append(text)
+        if prompts is not None:
+            prompts.append(prompt)
+        if len(texts) == batch:
+            yield texts, prompts
+            texts, prompts = [], ([] if data.prompt_field else None)
+    if texts:
+        yield texts, prompts
+
+
+def _parquet_file(key: str, path: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{key}: reading {path} needs pyarrow; {LLM_EXTRA}") from None
+    try:
+        return pq.ParquetFile(os.path.expanduser(path))
+    except Exception as exc:  # pyarrow's ArrowInvalid and friends: say which file, in one line
+        raise UserError(f"{key}: {path} is not a readable parquet file ({str(exc)[:200]}); "
+                        "write it with pyarrow or pandas.to_parquet") from None
+
+
+def _parquet_columns(key: str, path: str, data: DataConfig) -> list[str]:
+    """The columns to read, checked: present and of a string type; and the file has rows."""
+    import pyarrow as pa
+
+    pf = _parquet_file(key, path)
+    if pf.metadata.num_rows == 0:
+        raise UserError(f"{key}: {path} is empty (0 rows); give a file with at least one document")
+    schema = pf.schema_arrow
+    columns = [data.text_field] + ([data.prompt_field] if data.prompt_field else [])
+    for field_key, name in zip(("data.text_field", "data.prompt_field"), columns):
+        if name not in schema.names:
+            held = ", ".join(schema.names[:20]) or "none"
+            raise UserError(f"{field_key}: {path} has no column {name!r} (its columns: {held}); "
+                            f"set {field_key} to the column holding text")
+        kind = schema.field(name).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+            raise UserError(f"{field_key}: column {name!r} of {path} holds {kind}, not text; "
+                            f"set {field_key} to a string column")
+    return columns
+
+
+def _parquet_batches(key: str, path: str, data: DataConfig, batch: int):
+    columns = _parquet_columns(key, path, data)
+    done = 0
+    for record_batch in _parquet_file(key, path).iter_batches(batch_size=batch, columns=columns):
+        text = record_batch.column(0)
+        if text.null_count:
+            first = done + int(text.is_null().to_numpy(zero_copy_only=False).argmax())
+            raise UserError(f"data.text_field: row {first} of {path} has no text (null); "
+                            "drop or fill the empty rows")
+        prompts = None
+        if data.prompt_field:  # a null prompt is no prompt
+            prompts = record_batch.column(1).fill_null("").to_pylist()
+        done += record_batch.num_rows
+        yield text.to_pylist(), prompts
+
+
+def _jsonl_rows(key: str, path: str, data: DataConfig,
+                first_only: bool = False) -> Iterator[tuple[str, str]]:
+    """(text, prompt) of each non-blank line, each line checked."""
+    with open(os.path.expanduser(path), encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            yield _jsonl_record(key, path, number, line, data)
+            if first_only:
+                return
+
+
+def _jsonl_record(key: str, path: str, number: int, line: str, data: DataConfig) -> tuple[str, str]:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise UserError(f"{key}: {path} line {number} is not valid JSON; write one JSON "
+                        "object per line") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{key}: {path} line {number} is a JSON {type(record).__name__}, not "
+                        f"an object; write one object per line, e.g. {{\"{data.text_field}\": \"...\"}}")
+    text = record.get(data.text_field)
+    if data.text_field not in record:
+        held = ", ".join(list(record)[:20]) or "none"
+        raise UserError(f"data.text_field: {path} line {number} has no key {data.text_field!r} "
+                        f"(its keys: {held}); set data.text_field to the key holding text")
+    if not isinstance(text, str):
+        raise UserError(f"data.text_field: {path} line {number}: {data.text_field!r} holds "
+                        f"{type(text).__name__}, not text; set data.text_field to a text key")
+    prompt = record.get(data.prompt_field, "") if data.prompt_field else ""
+    if data.prompt_field and data.prompt_field not in record and number == 1:
+        raise UserError(f"data.prompt_field: {path} line 1 has no key {data.prompt_field!r}; "
+                        "set data.prompt_field to the key holding the prompt, or to ''")
+    if not isinstance(prompt, str):
+        if prompt is not None:
+            raise UserError(f"data.prompt_field: {path} line {number}: {data.prompt_field!r} "
+                            f"holds {type(prompt).__name__}, not text; give text or null")
+        prompt = ""
+    return text, prompt
+
+
+# ---------------------------------------------------------------------------------------
+# The tokenizer: where it is, loading it (fast only), and its identity
+
+
+def tokenizer_dir(data: DataConfig, model: ModelConfig) -> tuple[str, Path]:
+    """(config key that names it, directory): data.tokenizer, else the model's weights."""
+    if data.tokenizer:
+        return "data.tokenizer", Path(data.tokenizer).expanduser()
+    return "model.name", weights_dir(model.name)
+
+
+def load_tokenizer(data: DataConfig, model: ModelConfig):
+    """(directory, a transformers fast tokenizer loaded from local files only)."""
+    key, path = tokenizer_dir(data, model)
+    if not path.is_dir():
+        raise UserError(f"{key}: {path} is not a directory; give the directory a tokenizer's "
+                        "save_pretrained wrote")
+    if not any((path / name).is_file() for name in VOCAB_FILES):
+        raise UserError(f"{key}: {path} has no tokenizer files ({', '.join(VOCAB_FILES[:2])}); "
+                        "set data.tokenizer to a directory a tokenizer's save_pretrained wrote")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError(f"{key}: loading the tokenizer in {path} needs transformers; "
+                        f"{LLM_EXTRA}") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+    except Exception as exc:  # a broken tokenizer file: name it in one line
+        raise UserError(f"{key}: the tokenizer in {path} does not load ({type(exc).__name__}: "
+                        f"{str(exc)[:200]}); fix or re-save it with save_pretrained") from None
+    if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
+        raise UserError(f"{key}: the tokenizer in {path} is not a fast tokenizer (no "
+                        "tokenizer.json); save one with the tokenizers library or "
+                        "transformers' PreTrainedTokenizerFast")
+    if tok.eos_token_id is None:
+        raise UserError(f"{key}: the tokenizer in {path} has no eos_token; set eos_token in "
+                        "its tokenizer_config.json (documents are ended with it)")
+    return path, tok
+
+
+def tokenizer_hash(path: Path) -> str:
+    """The tokenizer's identity: one checksum over its files (name, then bytes), names sorted."""
+    running = RunningChecksum()
+    for name in sorted(n for n in TOKENIZER_FILES if (path / n).is_file()):
+        running.update(name.encode() + b"\0")
+        running.update((path / name).read_bytes())
+    return running.hexdigest()

@@ -1,0 +1,72 @@
+"""A Hugging Face LM's weights on a sharded (or replicated) model with empty storage.
+
+Each rank reads only its own shards of the pretrained weights, straight from the
+safetensors files (torch's HuggingFaceStorageReader through DCP: slices of each tensor, cast
+as they are read), so no rank ever holds a whole copy. What the files do not hold is made
+here: non-persistent buffers (rotary frequencies) by the model's own init, LoRA adapters
+from a generator seeded by the run seed and the parameter's name (A uniform in
++-1/sqrt(fan_in), as peft's default; B zero), so they are the same at every world size.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from enn_cluster.errors import UserError
+from enn_cluster.models.causal_lm import CausalLM, hf_name, is_adapter
+from enn_cluster.worker.meta_init import copy_local, name_generator
+
+log = logging.getLogger("enn_cluster.worker.lm_weights")
+
+
+@torch.no_grad()
+def initialize(model: CausalLM, weights: Path, seed: int, group) -> None:
+    """Fill a model whose tensors have storage but no values (collective over `group`)."""
+    base = model.base()
+    for module in base.modules():
+        if module._non_persistent_buffers_set:
+            base._init_weights(module)  # transformers' own rule (rotary inv_freq)
+    init_adapters(model, seed)
+    load_base(model, weights, group)
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        if ".lora_A." in name:
+            bound = param.shape[1] ** -0.5
+            full = (torch.rand(param.shape, generator=name_generator(seed, name)) * 2 - 1) * bound
+        else:
+            full = torch.zeros(param.shape)
+        copy_local(param, full)
+
+
+def base_targets(model: nn.Module) -> dict:
+    """{name in the safetensors files: this rank's tensor} for every base parameter and
+    persistent buffer (a tied pair once: the files hold it once)."""
+    buffers = {n for n, _ in model.named_buffers()} - set(model.state_dict())
+    out = {}
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if name not in buffers and not is_adapter(name):
+            out.setdefault(hf_name(name), tensor)
+    return out
+
+
+def load_base(model: nn.Module, weights: Path, group) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    targets = base_targets(model)
+    try:
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(weights)),
+                 process_group=group)
+    except Exception as exc:  # DCP wraps every rank's error; the first line says which key
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise UserError(f"model.name: the weights in {weights} do not fit the model its "
+                        f"config.json describes ({first[:200]}); point hf: at the directory "
+                        "save_pretrained wrote") from None
+    log.info("base weights: %d tensors read from %s (this rank's shards)", len(targets), weights)

@@ -1,0 +1,108 @@
+"""A fine-tuned causal LM leaves the runtime as transformers and peft expect it (issue 24):
+the `--format hf` export, `Run.load_model()` and peft's own merge of the `--format peft`
+adapter give the same logits; prediction's scores and greedy generations equal a plain
+transformers forward and `generate` of the exported model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import cli, write_config
+from lm_support import lm_config, tiny_model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A LoRA run of 6 steps on 2 ranks, its hf and peft exports."""
+    tmp = tmp_path_factory.mktemp("lm-art")
+    model_dir = tiny_model(tmp)
+    cfg = lm_config(tmp, model_dir, "lora", training={"max_steps": 6, "lr": 2e-2},
+                    checkpoint={"every_steps": 3})
+    res = cli("train", "--config", write_config(tmp / "run.yaml", **cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp / "runs" / "lora"
+    for fmt in ("hf", "peft"):
+        res = cli("export", run, "--out", tmp / fmt, "--format", fmt)
+        assert res.returncode == 0, res.stderr[-3000:]
+    return {"run": run, "base": model_dir, "tmp": tmp, "ids": np.load(tmp / "ids.npy")[:6]}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(ids).long()).logits
+
+
+def test_hf_export_load_model_and_peft_merge_give_the_same_logits(trained):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from enn_cluster import Run
+
+    ids = trained["ids"]
+    exported = AutoModelForCausalLM.from_pretrained(str(trained["tmp"] / "hf")).eval()
+    ours = Run.open(trained["run"]).load_model()
+    with torch.no_grad():
+        loaded = ours(torch.from_numpy(ids))
+    base = AutoModelForCausalLM.from_pretrained(str(trained["base"]))
+    merged = PeftModel.from_pretrained(base, str(trained["tmp"] / "peft")).merge_and_unload().eval()
+    reference = _logits(merged, ids)
+    torch.testing.assert_close(_logits(exported, ids), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loaded, reference, rtol=1e-5, atol=1e-5)
+    untrained = AutoModelForCausalLM.from_pretrained(str(trained["base"])).eval()
+    assert (reference - _logits(untrained, ids)).abs().max() > 1e-3  # the adapters learned
+    tok = AutoTokenizer.from_pretrained(str(trained["tmp"] / "hf"))
+    assert tok("the cluster").input_ids == \
+        AutoTokenizer.from_pretrained(str(trained["base"]))("the cluster").input_ids
+
+
+def _predict(trained, name, *extra):
+    x = trained["ids"].copy()
+    x[2, 20:] = -1  # a shorter row, right-padded
+    x[4, 5:] = -1
+    np.save(trained["tmp"] / f"{name}.npy", x)
+    res = cli("predict", trained["run"], "--input", trained["tmp"] / f"{name}.npy", "--name", name,
+              "--nodes", 1, "--procs-per-node", 2, "--gpus-per-node", 0, "--chunk-rows", 2, *extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = trained["tmp"] / f"{name}-out.npy"
+    res = cli("collect", trained["run"], "--name", name, "--out", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return x, np.load(out)
+
+
+def test_predicted_scores_equal_a_plain_transformers_forward(trained):
+    from transformers import AutoModelForCausalLM
+
+    x, scores = _predict(trained, "scores")
+    model = AutoModelForCausalLM.from_pretrained(str(trained["tmp"] / "hf")).eval()
+    for row, (mean, n) in zip(x, scores):
+        ids = torch.from_numpy(row[row >= 0]).long()[None]
+        logp = torch.log_softmax(_logits(model, ids.numpy())[0, :-1].float(), -1)
+        expect = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        assert n == len(expect)
+        assert abs(mean - float(expect.mean())) < 1e-4, (mean, float(expect.mean()))
+
+
+def test_greedy_generation_equals_transformers_generate(trained):
+    from transformers import AutoModelForCausalLM
+
+    x, made = _predict(trained, "gen", "--generate", 5)
+    model = AutoModelForCausalLM.from_pretrained(str(trained["tmp"] / "hf")).eval()
+    assert made.shape == (len(x), 5)
+    for row, ours in zip(x, made):
+        prompt = torch.from_numpy(row[row >= 0]).long()[None]
+        with torch.no_grad():
+            theirs = model.generate(prompt, max_new_tokens=5, do_sample=False,
+                                    pad_token_id=model.config.eos_token_id)[0, prompt.shape[1]:]
+        eos = (theirs == model.config.eos_token_id).nonzero()
+        keep = int(eos[0]) + 1 if len(eos) else len(theirs)
+        assert ours[:keep].tolist() == theirs[:keep].float().tolist()
+        assert (ours[keep:] == -1).all()
+
+
+def test_doctor_reads_an_lm_run(trained):
+    res = cli("doctor", trained["run"])
+    lines = {ln.split()[0]: ln for ln in res.stdout.splitlines() if ln.strip()}
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert " ok " in lines["model"] and "LoRA r=4" in lines["model"], lines["model"]
+    assert "--format hf" in lines["export"], lines["export"]
