@@ -235,7 +235,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     """
     import numpy as np
 
-    from enn_cluster.client.collect import collect
+    from enn_cluster.client.collect import ASSEMBLED, collect
     from enn_cluster.client.prediction_request import (
         DEFAULT_BATCH_SIZE,
         DEFAULT_CHUNK_ROWS,
@@ -254,7 +254,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     if not request.complete:
         _start(run, "predict", shape, cfg.parallel.max_restarts, slurm, True,
                name=request.name, step=request.step, cfg=cfg)
-    target = out or str(request.path / ("assembled-raw.npy" if raw else "assembled.npy"))
+    target = out or str(request.path / ASSEMBLED[1 if raw else 0])
     result = collect(run, request.name, target, raw=raw, overwrite=out is None)
     for line in result.warnings:
         import warnings

@@ -37,6 +37,9 @@ from enn_cluster.storage.memmap_writer import progress_bar
 from enn_cluster.storage.run_files import open_run_file, read_run_text
 
 
+ASSEMBLED = ("assembled.npy", "assembled-raw.npy")  # the API's own outputs, in the prediction
+
+
 @dataclass
 class CollectResult:
     out: str
@@ -210,8 +213,9 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
     if not str(out).endswith(".npy"):
         raise UserError(f"--out: {out!r} must end in .npy (local path or fsspec URL)")
     fs, path, local = _target(expanded("--out", out))
-    if local:
-        check_local_target("--out", path, overwrite, run_dir=run.path)
+    if local:  # the API's default target, predictions/<name>/assembled*.npy, is the run's own
+        own = Path(path).parent == Path(os.path.abspath(pdir)) and Path(path).name in ASSEMBLED
+        check_local_target("--out", path, overwrite, run_dir=None if own else run.path)
     elif fs.exists(path) and not overwrite:
         raise UserError(f"--out: {out} exists; choose another path or pass --overwrite")
     made: list[Path] = []  # the parents of --out this call creates: gone again on failure
