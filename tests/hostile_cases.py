@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -393,6 +394,8 @@ RUN_COMMANDS = {
     "predict": ["predict", "{run}", "--input", "{d}/in.npy"], "cancel": ["cancel", "{run}"],
     "collect": ["collect", "{run}", "--name", "p", "--out", "{d}/o.npy"],
     "render": ["render", "{run}", "--container", "none"], "logs": ["logs", "{run}"],
+    "export": ["export", "{run}", "--out", "{d}/artifact"],
+    "predict-p": ["predict", "{run}", "--input", "{d}/in.npy", "--name", "p"],
 }
 TAMPER = {  # name: (setup, field, commands)
     "config-garbage": (_write("config.yaml", "a: [\n", "run"), "config.yaml",
@@ -566,6 +569,113 @@ SCRIPTS = [flag_case(f"render-{cid}", field, *flags, command=RENDER) for cid, fi
 SCRIPTS[-1] = SCRIPTS[-1]._replace(setup=_both(SCRIPTS[-1].setup, _write(
     "site.yaml", "extra_sbatch_args: ['--comment=$(touch MARKER)\\n#SBATCH --uid=0']\n")))
 
+# -- run files that are not files (issue 28): FIFOs, devices, directories, symlink loops ------
+
+
+def _plant(rel: str, kind: str) -> Callable:
+    """run/rel replaced by a FIFO (an open would block), a symlink to /dev/zero (a read
+    would never end), a directory, or a symlink to itself (ELOOP)."""
+    def setup(d: Path, run: Path) -> None:
+        path = run / rel
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        path.unlink(missing_ok=True)
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "devzero":
+            os.symlink("/dev/zero", path)
+        elif kind == "dir":
+            path.mkdir()
+        else:
+            os.symlink(path.name, path)
+    return setup
+
+
+PLANTED = {  # run file: (field, commands that read it)
+    "config.yaml": ("config.yaml", ["status", "resume", "plot", "predict", "render"]),
+    "metrics.jsonl": ("metrics.jsonl", ["status", "plot", "resume", "predict"]),
+    "jobs.jsonl": ("jobs.jsonl", ["status", "cancel", "resume"]),
+    "run.lock": ("run.lock", ["status", "cancel", "resume", "predict"]),
+    "checkpoints/step-2/commit.json": ("commit.json", ["predict", "resume", "export"]),
+    "predictions/p/manifest.json": ("manifest.json", ["collect"]),
+    "predictions/p/chunk-000000.npy": ("chunk-000000", ["collect"]),
+    "predictions/p/request.json": ("request.json", ["predict-p"]),
+}
+PLANTS = []
+for rel, (pfield, commands) in PLANTED.items():
+    for kind in ("fifo", "devzero", "dir", "loop"):
+        for command in commands:
+            PLANTS.append(Case(f"plant-{kind}-{rel.replace('/', '-')}-{command}",
+                               RUN_COMMANDS[command], pfield, _both(_plant(rel, kind), _input)))
+
+# -- tracebacks that are now one line (issue 28) ----------------------------------------------
+
+DEEP = "[" * 5000 + "]" * 5000
+_SITE_TRAIN = ["train", "--config", "{d}/c.yaml", "--site", "{d}/site.yaml"]
+
+
+def _site_case(cid: str, text: str) -> Case:
+    return Case(f"site-{cid}", _SITE_TRAIN, "site",
+                _both(_write("c.yaml", yaml.safe_dump(BASE)), _write("site.yaml", text)))
+
+
+TRACEBACKS = [
+    config_case("deep-5000", "--config", raw=f"a: {DEEP}\n"),
+    set_case("deep-5000", "--set", f"model.kwargs={DEEP}"),
+    _site_case("deep-5000", f"extra_sbatch_args: {DEEP}\n"),
+    _site_case("bad-date", "time: 2023-13-45\n"),
+    _site_case("cpus-5000-digits", "cpus_per_task: " + "9" * 5000 + "\n"),
+    flag_case("render-mem-nan", "--mem-gb", "--mem-gb", "nan", command=RENDER),
+    flag_case("render-mem-inf", "--mem-gb", "--mem-gb", "inf", command=RENDER),
+    flag_case("runs-root-no-user", "runs_root", "--runs-root", "~nosuchuser/x"),
+    Case("status-name-too-long", ["status", "{d}/" + "x" * 300], "RUN_DIR"),
+    collect_to("name-too-long", "{d}/" + "x" * 300 + ".npy"),
+]
+def _forged_metadata(d: Path, run: Path) -> None:
+    """A `.metadata` that unpickles through the allow-list yet describes no tensor, with a
+    commit record forged to match it (checksums catch damage, not a writer of the run)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from enn_cluster.storage.checksum import file_checksum
+
+    step = run / "checkpoints" / "step-2"
+    (step / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
+    record = json.loads((step / "commit.json").read_text())
+    size, checksum = file_checksum(step / ".metadata")
+    record["files"][".metadata"] = {"size": size, "checksum": checksum}
+    (step / "commit.json").write_text(json.dumps(record))
+
+
+TAMPERED_MORE = {  # name: (setup, field, commands), as TAMPER
+    "config-deep": (_write("config.yaml", f"a: {DEEP}\n", "run"), "config.yaml",
+                    ["status", "resume"]),
+    "metrics-deep": (_write("metrics.jsonl", DEEP + "\n", "run"), "metrics.jsonl",
+                     ["plot", "status"]),
+    "metrics-eval-no-step": (_write("metrics.jsonl", '{"kind": "eval", "eval_loss": 1.0}\n',
+                                    "run"), "metrics.jsonl", ["plot", "status"]),
+    "lock-deep": (_write("run.lock", DEEP, "run"), "run.lock", ["resume", "cancel", "status"]),
+    "jobs-deep": (_write("jobs.jsonl", DEEP + "\n", "run"), "jobs.jsonl", ["status", "cancel"]),
+    "jobs-slurm-no-id": (_write("jobs.jsonl", '{"kind": "slurm", "time": 1}\n', "run"),
+                         "jobs.jsonl", ["status", "cancel"]),
+    "commit-files-list": (_json_edit("checkpoints/step-2/commit.json",
+                                     lambda r: {**r, "files": list(r["files"])}),
+                          "step-2", ["predict", "resume"]),
+    "commit-info-str": (_json_edit("checkpoints/step-2/commit.json", lambda r: {
+        **r, "files": {k: "x" for k in r["files"]}}), "step-2", ["predict", "resume"]),
+    "metadata-garbage": (_write("checkpoints/step-2/.metadata", b"\x80\x04K\x01.", "run"),
+                         "step-2", ["predict"]),
+    "metadata-forged-empty": (_forged_metadata, "step-2", ["export"]),
+}
+for tname, tsetup in (("commit-files-list", TAMPERED_MORE["commit-files-list"][0]),
+                      ("metadata-payload", TAMPER["metadata-payload"][0])):
+    TRACEBACKS.append(Case(f"run-{tname}-export", RUN_COMMANDS["export"], "--step", tsetup))
+for tname, (tsetup, tfield, commands) in TAMPERED_MORE.items():
+    for command in commands:
+        TRACEBACKS.append(Case(f"run-{tname}-{command}", RUN_COMMANDS[command], tfield,
+                               _both(tsetup, _input)))
+
 # -- issue 28, second half: secrets by name and by look, signals, races, wrong successes -----
 
 SECRETS = [config_case(f"secret-name-{key}", f"model.kwargs.{key}",
@@ -651,5 +761,5 @@ WRONG_SUCCESSES[-1] = WRONG_SUCCESSES[-1]._replace(setup=_both(
 # items of issue 12 this corpus found. Each is fixed by removing it from this list.
 KNOWN_GAPS: set = set()  # every case passes; a new gap is named here until fixed
 EVERY = (CONFIG + SETS + FLAGS + INPUTS + RUNS + CHUNKS + OUTPUTS + SCRIPTS + SECRETS
-         + WRONG_SUCCESSES)
+         + WRONG_SUCCESSES + PLANTS + TRACEBACKS)
 ALL = [c for c in EVERY if c.id not in KNOWN_GAPS]

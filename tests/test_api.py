@@ -52,6 +52,7 @@ def test_a_module_ships_as_its_structure_and_trains_as_a_whole_one_did(tmp_path)
     runs made before structures were shipped still name."""
     import pickle
 
+    from enn_cluster.storage.model_structure import read_structure, write_structure
     from helpers import cli, metrics, write_config
 
     model = normed_preset()
@@ -59,7 +60,7 @@ def test_a_module_ships_as_its_structure_and_trains_as_a_whole_one_did(tmp_path)
     sections = {"training": {"epochs": 2, "per_device_train_batch_size": 16, "seed": 5},
                 "checkpoint": {"every_steps": 0}, "parallel": {"nodes": 1, "procs_per_node": 2}}
     run = enn_cluster.train(model, x, y, run_dir=str(tmp_path / "runs" / "api"), **sections)
-    shipped = pickle.loads((run.path / "model.pkl").read_bytes())
+    shipped = read_structure(run.path / "model.pkl")
     assert all(t.is_meta for t in shipped.state_dict().values())
     assert torch.equal(shipped.input_scale, model.input_scale)
     step0 = full_params(run.path / "checkpoints" / "step-0")
@@ -69,7 +70,7 @@ def test_a_module_ships_as_its_structure_and_trains_as_a_whole_one_did(tmp_path)
 
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", y)
-    (tmp_path / "whole.pkl").write_bytes(pickle.dumps(model))
+    write_structure(tmp_path / "whole.pkl", pickle.dumps(model))  # with its commit record
     cfg = write_config(tmp_path / "ref.yaml", run_name="ref", runs_root=str(tmp_path / "runs"),
                        model={"name": "enn_cluster.client.api:unpickled_model",
                               "kwargs": {"path": str(tmp_path / "whole.pkl")}},
@@ -147,6 +148,20 @@ def test_unshippable_models_fail_fast_without_a_run_dir(tmp_path, model, needle)
     with pytest.raises(UserError, match=needle):
         enn_cluster.train(model, *_data(), run_dir=str(tmp_path / "runs" / "x"))
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("x, needle", [
+    ([[0.0, 1.0], [2.0]] * 8, "rows differ in length"),  # once taken for a path
+    (np.zeros((16, 0, 3), np.float32), "a row with no values"),  # once crashed the workers
+    (np.zeros((16, 4, 0), np.float32), "a row with no values"),
+    ({"x": 1}, "neither an array nor a path"),
+])
+def test_arrays_that_are_not_rows_of_features_are_refused_before_a_run(tmp_path, x, needle):
+    y = np.zeros((16, 1), np.float32)
+    with pytest.raises(UserError, match=needle):
+        enn_cluster.train(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 1)), x, y,
+                          run_dir=str(tmp_path / "runs" / "x"))
+    assert not (tmp_path / "runs" / "x").exists()
 
 
 def test_main_module_class_is_refused():

@@ -4,6 +4,8 @@ executes) and that the template path and the submitit path launch the same worke
 the same flags; the host side requeues and retries as configured."""
 from __future__ import annotations
 
+import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -187,6 +189,35 @@ def test_retry_count_file_is_data_never_code(stub, run_dir, count):
     done = stub.run(job_spec.render_batch_script(spec), rc=1)
     assert stub.scontrol == [] and "does not hold a retry count" in done.stderr
     assert (Path(run_dir) / "requeue" / "failures-4242").read_text() == count
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink-file", "symlink-dir", "directory"])
+def test_requeue_files_that_are_not_regular_neither_block_nor_leak(stub, run_dir, tmp_path, plant):
+    """requeue/ is writable by the job: a FIFO as failures-JOB or refused-JOB is never opened
+    (the trap would block until the time limit: the stub run's 30 s timeout fails the test),
+    and the retry count is never written through a symlink to a file outside the run."""
+    spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=5)
+    requeue, outside = Path(run_dir) / "requeue", tmp_path / "outside"
+    outside.mkdir()
+    if plant == "symlink-dir":
+        requeue.symlink_to(outside)
+    else:
+        requeue.mkdir()
+    failures = requeue / "failures-4242"
+    if plant == "fifo":
+        os.mkfifo(failures)
+    elif plant == "symlink-file":
+        failures.symlink_to(outside / "count")
+    elif plant == "directory":
+        failures.mkdir()
+    done = stub.run(job_spec.render_batch_script(spec), rc=1)
+    assert stub.scontrol == [], done.stderr
+    assert not list(outside.iterdir()), "a write went through a symlink out of the run"
+    if plant == "fifo":  # the step leaves a FIFO as its refusal note (the script's start
+        assert "does not hold a retry count" in done.stderr  # removed any older one)
+        (stub.bin / "srun").write_text(f"#!/bin/bash\nmkfifo {shlex.quote(str(requeue / 'refused-4242'))}\n")
+        done = stub.run(job_spec.render_batch_script(spec), rc=1)
+        assert stub.scontrol == [] and "its note is not a regular file" in done.stderr
 
 
 @pytest.mark.parametrize("job_id", ["1[$(touch CANARY_job)]", "x", "0x1", "42 43"])

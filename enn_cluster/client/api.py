@@ -36,7 +36,12 @@ from enn_cluster.config.yaml_file import read_yaml
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir
 
-from enn_cluster.storage.model_structure import FACTORY, from_structure, structure_bytes
+from enn_cluster.storage.model_structure import (
+    FACTORY,
+    from_structure,
+    structure_bytes,
+    write_structure,
+)
 
 MODEL_PICKLE = "model.pkl"
 unpickled_model = from_structure  # the factory that runs made before FACTORY still name
@@ -176,7 +181,7 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
 
     def populate(run: RunDir) -> None:
         if structure is not None:
-            (run.path / MODEL_PICKLE).write_bytes(structure)
+            write_structure(run.path / MODEL_PICKLE, structure)
             _write_step0(model, run)
 
     if structure is not None:
@@ -230,7 +235,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     """
     import numpy as np
 
-    from enn_cluster.client.collect import collect
+    from enn_cluster.client.collect import ASSEMBLED, collect
     from enn_cluster.client.prediction_request import (
         DEFAULT_BATCH_SIZE,
         DEFAULT_CHUNK_ROWS,
@@ -249,7 +254,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     if not request.complete:
         _start(run, "predict", shape, cfg.parallel.max_restarts, slurm, True,
                name=request.name, step=request.step, cfg=cfg)
-    target = out or str(request.path / ("assembled-raw.npy" if raw else "assembled.npy"))
+    target = out or str(request.path / ASSEMBLED[1 if raw else 0])
     result = collect(run, request.name, target, raw=raw, overwrite=out is None)
     for line in result.warnings:
         import warnings

@@ -252,7 +252,7 @@ def cmd_verify(args) -> int:
     from enn_cluster.storage.rundir import RunDir
 
     run = RunDir(Path(args.run_dir).resolve())
-    if not run.config_path.is_file():
+    if not run.has_config:
         raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     run.load_config()  # a damaged config.yaml is a damaged run: one line, exit 2
     bad = 0
@@ -261,10 +261,13 @@ def cmd_verify(args) -> int:
         print(f"{run.checkpoints}: no checkpoints")
     for step in steps:
         path = store.step_dir(run.checkpoints, step)
-        if store.read_commit(path) is None:
-            print(f"step-{step}: incomplete (no commit record), never used for resume")
-            continue
-        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+        try:
+            if store.read_commit(path) is None:
+                print(f"step-{step}: incomplete (no commit record), never used for resume")
+                continue
+            problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+        except UserError as exc:  # commit.json is a FIFO, a device, a symlink
+            problems = [str(exc)]
         bad += bool(problems)
         print(f"step-{step}: " + ("OK" if not problems else "CORRUPT: " + "; ".join(problems)))
     return 1 if bad else 0
@@ -273,11 +276,11 @@ def cmd_verify(args) -> int:
 def cmd_status(args) -> int:
     from enn_cluster.client.status import format_status, run_status
 
-    path = Path(args.run_dir).resolve()
-    if not (path / "config.yaml").exists():
-        raise UserError(f"RUN_DIR: {path} is not a run directory (no config.yaml)")
     from enn_cluster.storage.rundir import RunDir
 
+    path = Path(args.run_dir).resolve()
+    if not RunDir(path).has_config:
+        raise UserError(f"RUN_DIR: {path} is not a run directory (no config.yaml)")
     RunDir(path).load_config()  # a damaged config.yaml is a damaged run: one line, exit 2
     if args.follow:
         return _follow_status(path, max(args.interval, 0.1))

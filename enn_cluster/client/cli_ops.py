@@ -79,7 +79,7 @@ def cmd_render(args) -> int:
     from enn_cluster.storage.rundir import run_dir_for
 
     target = Path(args.target)
-    if (target / "config.yaml").exists():
+    if RunDir(target).has_config:
         run = RunDir(target.resolve())
         cfg = run.load_config()
     else:
@@ -89,7 +89,7 @@ def cmd_render(args) -> int:
     shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
     restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
 
-    spec_run = run if (run.path / "config.yaml").exists() else ConfigOnlyRun(run.path, cfg)
+    spec_run = run if run.has_config else ConfigOnlyRun(run.path, cfg)
     spec, warning = sized_for_nodes(
         slurm_spec(slurm_request(args), spec_run, args.task, shape, restarts, args.name))
     sys.stdout.write(batch_script(slurm_executor(spec, submitit_folder(run.path))))
@@ -109,7 +109,7 @@ def _latest_log_dir(run: RunDir) -> Path:
 
 def cmd_logs(args) -> int:
     run = RunDir(Path(args.run_dir).resolve())
-    if not run.config_path.is_file():
+    if not run.has_config:
         raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     path = _latest_log_dir(run) / f"rank-{args.rank}.log"
     if not path.exists():

@@ -34,6 +34,10 @@ from enn_cluster.storage.output_target import (
 from enn_cluster.storage.prediction_collapse import recorded_verdict
 from enn_cluster.storage.rundir import RunDir, fsync_dir
 from enn_cluster.storage.memmap_writer import progress_bar
+from enn_cluster.storage.run_files import open_run_file, read_run_text
+
+
+ASSEMBLED = ("assembled.npy", "assembled-raw.npy")  # the API's own outputs, in the prediction
 
 
 @dataclass
@@ -70,13 +74,13 @@ def read_committed(pdir: Path) -> dict:
     prediction, each named once, before any of them is opened."""
     where = pdir / pm.MANIFEST
     try:
-        manifest = json.loads(where.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
+        manifest = json.loads(read_run_text(where))
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise UserError(f"{where}: not valid JSON (damaged or hand-edited); recompute the "
                         f"prediction with 'enn-submit predict ... --name {pdir.name}'") from None
     except FileNotFoundError:
         done = len(list(pdir.glob("chunk-*.json")))
-        request = json.loads((pdir / pm.REQUEST).read_text())
+        request = pm.read_request(pdir)
         total = len(pm.plan_chunks(request["input"]["shape"][0], request["chunk_rows"]))
         raise UserError(f"prediction {pdir.name}: not complete ({done} of {total} chunks "
                         f"committed); continue it with 'enn-submit predict "
@@ -134,21 +138,23 @@ def _copy_chunk(path: Path, rec: dict, out_fd: int, offset: int, room: int,
     except ValueError as exc:
         return f"{rec['file']}: {exc}"
     try:
-        fh = open(path, "rb")
+        with open_run_file(path, rec["file"]) as fh:
+            try:
+                shape, fortran, dtype = read_npy_header(fh)
+            except (ValueError, OSError) as exc:
+                return f"{rec['file']}: unreadable header ({exc})"
+            if list(shape) != rec["shape"] or np.dtype(dtype).str != rec["dtype"] or fortran:
+                return (f"{rec['file']}: holds {shape} {dtype}, its record says "
+                        f"{rec['shape']} {rec['dtype']}")
+            start, size = fh.tell(), os.fstat(fh.fileno()).st_size
+            bar.update(start)
+            kernel_copy(fh.fileno(), out_fd, start, offset, min(size - start, room),
+                        lambda pos, n: bar.update(n))
+            _checksum_file(fh, size, running)
     except FileNotFoundError:
         return f"{rec['file']}: missing"
-    with fh:
-        try:
-            shape, fortran, dtype = read_npy_header(fh)
-        except (ValueError, OSError) as exc:
-            return f"{rec['file']}: unreadable header ({exc})"
-        if list(shape) != rec["shape"] or np.dtype(dtype).str != rec["dtype"] or fortran:
-            return f"{rec['file']}: holds {shape} {dtype}, its record says {rec['shape']} {rec['dtype']}"
-        start, size = fh.tell(), os.fstat(fh.fileno()).st_size
-        bar.update(start)
-        kernel_copy(fh.fileno(), out_fd, start, offset, min(size - start, room),
-                    lambda pos, n: bar.update(n))
-        _checksum_file(fh, size, running)
+    except UserError as exc:  # a FIFO, a device, a symlink, a directory
+        return str(exc)
     if size != rec["nbytes"] or running.hexdigest() != rec["checksum"]:
         return (f"{rec['file']}: {'size' if size != rec['nbytes'] else 'checksum'} "
                 "does not match its record (corrupt or truncated)")
@@ -210,8 +216,9 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
     if not str(out).endswith(".npy"):
         raise UserError(f"--out: {out!r} must end in .npy (local path or fsspec URL)")
     fs, path, local = _target(expanded("--out", out))
-    if local:
-        check_local_target("--out", path, overwrite, run_dir=run.path)
+    if local:  # the API's default target, predictions/<name>/assembled*.npy, is the run's own
+        own = Path(path).parent == Path(os.path.abspath(pdir)) and Path(path).name in ASSEMBLED
+        check_local_target("--out", path, overwrite, run_dir=None if own else run.path)
     elif fs.exists(path) and not overwrite:
         raise UserError(f"--out: {out} exists; choose another path or pass --overwrite")
     made: list[Path] = []  # the parents of --out this call creates: gone again on failure

@@ -31,6 +31,7 @@ from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
 from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.prediction_collapse import recorded_verdict
 from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_files import open_run_file, read_run_text
 
 LEVELS = ("ok", "warning", "problem")
 EXIT_CODES_OK = (0, 75)  # done, or stopped with a checkpoint for a requeue
@@ -54,13 +55,13 @@ def staged_array_problem(data_dir: Path, entry: dict) -> Optional[str]:
 
     try:
         running = RunningChecksum(algorithm_of(entry["checksum"]))
-        with open(data_dir / entry["file"], "rb") as fh:
+        with open_run_file(data_dir / entry["file"]) as fh:
             read_npy_header(fh)
             for block in iter(lambda: fh.read(1 << 22), b""):
                 running.update(block)
     except FileNotFoundError:
         return f"{entry['file']} is missing"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UserError) as exc:
         return f"{entry['file']} is unreadable ({exc})"
     if running.size != entry["nbytes"] or running.hexdigest() != entry["checksum"]:
         return f"{entry['file']} does not match its manifest checksum (changed after staging)"
@@ -70,11 +71,11 @@ def staged_array_problem(data_dir: Path, entry: dict) -> Optional[str]:
 def check_data(run: RunDir, q: str) -> tuple[Finding, Optional[dict]]:
     more = f"cat {q}/data/manifest.json"
     try:
-        manifest = json.loads((run.data_dir / "manifest.json").read_text())
+        manifest = json.loads(read_run_text(run.data_dir / "manifest.json"))
     except FileNotFoundError:
         return Finding("data", "problem", "data/manifest.json is missing: the staged data "
                        "cannot be trusted; stage again with a new run", f"ls -l {q}/data"), None
-    except ValueError as exc:
+    except (ValueError, RecursionError, UserError) as exc:
         return Finding("data", "problem", f"data/manifest.json is unreadable ({exc})", more), None
     bad = [p for _, entry in sorted(manifest.get("entries", {}).items())
            for p in [staged_array_problem(run.data_dir, entry)] if p]
@@ -245,16 +246,20 @@ def check_distributed(reports: list[dict], attempt: Optional[str], q: str) -> Fi
 def check_checkpoints(run: RunDir, q: str) -> Finding:
     more = f"enn-submit verify {q}"
     committed = store.committed_steps(run.checkpoints)
-    if not committed:
+    recorded = [s for s in store.list_steps(run.checkpoints)
+                if os.path.lexists(store.step_dir(run.checkpoints, s) / store.COMMIT)]
+    if not recorded:
         return Finding("checkpoints", "warning", "no complete checkpoint", more)
     bad = []
-    for step in committed:
+    for step in recorded:  # a commit record whose files no longer match it is damage
         path = store.step_dir(run.checkpoints, step)
         problems = store.verify_checkpoint(path) or store.loadable_problems(path)
         if problems:
             bad.append(f"step-{step}: {problems[0]}")
     if bad:
         return Finding("checkpoints", "problem", "; ".join(bad), more)
+    if not committed:
+        return Finding("checkpoints", "warning", "no complete checkpoint", more)
     return Finding("checkpoints", "ok", f"{len(committed)} complete, all verify "
                    f"(newest step-{committed[-1]})", more)
 
@@ -311,8 +316,8 @@ def _prediction_finding(run: RunDir, name: str) -> Optional[tuple[str, str, str]
     """(level, detail, more) for one committed prediction, or None when it looks sound."""
     path = run.predictions / name / pm.MANIFEST
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        manifest = json.loads(read_run_text(path))
+    except (OSError, ValueError, RecursionError, UserError) as exc:
         return "problem", f"{name}: {pm.MANIFEST} is unreadable ({exc}); predict again " \
             "with another --name", f"ls -l {shlex.quote(str(path.parent))}"
     damage = _chunk_damage(path.parent, manifest)
@@ -375,7 +380,7 @@ def diagnose(path: Path) -> list[Finding]:
     from enn_cluster.client.status import live_lock
 
     run = RunDir(Path(path).resolve())
-    if not run.config_path.is_file():
+    if not run.has_config:
         raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     cfg, q = run.load_config(), shlex.quote(str(run.path))
     attempt, reports = backend_report.newest_reports(attempt_dirs(run))

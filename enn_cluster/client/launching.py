@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional
 from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec, submit, submitit_folder
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir, read_lock, run_dir_for
+from enn_cluster.storage.run_files import check_run_file
 
 if TYPE_CHECKING:  # prepare stages data (numpy): imported by the commands that launch
     from enn_cluster.client.prepare import LaunchShape
@@ -108,10 +109,12 @@ def max_restarts(requested: Optional[int], cfg) -> int:
 
 
 def check_control_files(run: RunDir) -> None:
-    """A hand-edited run.lock or jobs.jsonl is refused in one line before anything is
+    """A hand-edited run.lock or jobs.jsonl, or a metrics file that is not a regular file
+    (the workers would block opening a FIFO), is refused in one line before anything is
     written (the lock would otherwise be found only after the config was re-frozen)."""
     read_lock(run)
     run.jobs()
+    check_run_file(run.metrics)
 
 
 LOCAL_PROCS_PER_CPU = 4  # the most local processes per CPU we start without being told to
@@ -256,7 +259,7 @@ def cancel_run(run: RunDir) -> int:
     proven to be this run's is signalled (a forged lock or jobs.jsonl names someone else's)."""
     from enn_cluster.storage.slurm_jobs import job_alive
 
-    if not run.config_path.is_file():
+    if not run.has_config:
         raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
     owner = read_lock(run)
     jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]

@@ -243,7 +243,7 @@ def _existing(run: RunDir, name: Optional[str]) -> Optional[dict]:
     if name is None:
         return None
     try:
-        return json.loads((run.predictions / name / pm.REQUEST).read_text())
+        return pm.read_request(run.predictions / name)
     except FileNotFoundError:
         return None
 
@@ -255,7 +255,7 @@ def _request(run: RunDir, request: dict) -> PredictionRequest:
     manifest_path = path / pm.MANIFEST
     if not manifest_path.exists():
         return PredictionRequest(request["name"], path, request["step"], False)
-    problems = pm.verify_chunks(path, json.loads(manifest_path.read_text()))
+    problems = pm.verify_chunks(path, pm.read_record(manifest_path))
     if problems:
         manifest_path.rename(path / f"{pm.MANIFEST}.failed-{time.time_ns()}")
         print(f"prediction {request['name']}: recomputing: " + "; ".join(problems),

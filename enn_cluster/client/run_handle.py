@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.metrics import read_metrics
 from enn_cluster.storage.rundir import RunDir, read_lock
@@ -63,6 +64,8 @@ class Run:
     def load_model(self, step: Optional[int] = None):
         """The model with the full weights of a complete checkpoint, in this process. A
         causal LM comes with LoRA merged: `forward(input_ids)` gives its logits."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         from enn_cluster.models import build_model, output_size
         from enn_cluster.storage.dcp_io import safe_load
         from enn_cluster.storage.staging import read_manifest
@@ -78,8 +81,16 @@ class Run:
         model = build_model(cfg.model, tuple(manifest["entries"]["train_x"]["shape"][1:]),
                             output_size(cfg, manifest))
         state = {"model": model.state_dict()}
-        safe_load(state, store.step_dir(self.dir.checkpoints, step))
-        model.load_state_dict(state["model"])
+        path = store.step_dir(self.dir.checkpoints, step)
+        try:
+            safe_load(state, path)
+            model.load_state_dict(state["model"])
+        except UserError:
+            raise
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - metadata is untrusted
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+            raise UserError(f"step-{step}: {path} does not load into this run's model ({why}); "
+                            "restore the checkpoint or pick another --step") from None
         return model.eval()
 
     def plot(self, out=None) -> Path:

@@ -14,6 +14,7 @@ from enn_cluster.storage import oom_record
 from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.metrics import scan_metrics
 from enn_cluster.storage.rundir import RunDir, read_lock
+from enn_cluster.storage.run_files import read_run_text
 
 
 def run_status(path: Path, verified: Optional[dict] = None) -> dict:
@@ -121,8 +122,8 @@ def nonfinite_dumps(folder: Path) -> Optional[dict]:
         return None
     step, newest = found[-1]
     try:
-        record = json.loads(newest.read_text())
-    except (OSError, ValueError) as exc:
+        record = json.loads(read_run_text(newest))
+    except (OSError, ValueError, RecursionError, UserError) as exc:
         record = {"unreadable": str(exc)[:80]}
     return {"count": len(found), "step": step, "path": str(newest), "record": record}
 

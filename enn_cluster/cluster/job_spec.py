@@ -9,6 +9,7 @@ would break them are refused instead. Pure: no torch, no subprocess.
 """
 from __future__ import annotations
 
+import math
 import posixpath
 import re
 import shlex

@@ -233,6 +233,12 @@ def load_site(flag: Optional[str] = None, environ: Optional[Mapping[str, str]] =
         data = load_text(path.read_text(encoding="utf-8"), str(path))
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"site: cannot read {path}: {exc}; fix its permissions") from None
+    except RecursionError:
+        raise UserError(f"site: {path} is nested too deeply to be a site file; fix it") from None
+    except ValueError as exc:  # a date such as 2023-13-45, a number of thousands of digits
+        first = (str(exc).splitlines() or ["a value does not parse"])[0][:200]
+        raise UserError(f"site: {path} holds a value that does not parse ({first}); "
+                        "fix it") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" line {mark.line + 1}" if mark is not None else ""

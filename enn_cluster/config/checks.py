@@ -168,6 +168,17 @@ def _path_text(key: str, value: str) -> None:
                         "remove it")
 
 
+def check_home(key: str, value: str) -> None:
+    """A path starting with ~ or ~user must expand: Python leaves '~nosuchuser/x' as it is
+    (a relative directory named so) and pathlib raises RuntimeError."""
+    import os
+
+    if value.startswith("~") and os.path.expanduser(value) == value:
+        user = value[1:].split("/", 1)[0]
+        who = f"no user {user!r} on this machine" if user else "no home directory is known"
+        raise UserError(f"{key}: {value!r} cannot be expanded ({who}); give an absolute path")
+
+
 def _check_tree(data: Any, where: str) -> None:
     """Refuse YAML that only aliases make finite (self-referencing anchors, 'billion laughs'):
     the walks below would recurse forever or expand it exponentially."""

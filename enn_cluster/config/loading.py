@@ -80,6 +80,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.load(raw, Loader=PlainLoader) if raw.strip() else ""  # noqa: S506
     except (yaml.YAMLError, ValueError):  # ValueError: a bad date or a 5000-digit number
         value = raw
+    except RecursionError:
+        raise UserError(f"--set {key}: the value is nested too deeply; give a plain value") from None
     _check_tree(value, f"--set {key}")
     if isinstance(value, float) or isinstance(value, str):
         # YAML 1.1 reads "1e-4" as a string; accept it as the float it means.

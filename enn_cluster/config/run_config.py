@@ -26,6 +26,7 @@ from enn_cluster.config.checks import (
     _path_text,
     _positive,
     _seed,
+    check_home,
     check_metrics_path,
     no_credentials_in_url,
 )
@@ -382,6 +383,7 @@ class RunConfig:
         if not self.runs_root:
             raise UserError("runs_root: is empty; give a directory, e.g. runs")
         _path_text("runs_root", self.runs_root)
+        check_home("runs_root", self.runs_root)
         for section in (self.model, self.data, self.lora, self.training, self.checkpoint,
                         self.parallel, self.logging, self.profiling):
             section.validate()

@@ -72,6 +72,8 @@ def read_yaml(path: str) -> dict:
     except (yaml.YAMLError, ValueError) as exc:  # ValueError: a bad date, a huge number
         first = str(exc).splitlines()[0] if str(exc) else "invalid YAML"
         raise UserError(f"--config: {path} is not valid YAML ({first})")
+    except RecursionError:
+        raise UserError(f"--config: {path} is nested too deeply to be a run config") from None
     _check_tree(data, f"--config: {path}")
     if data is None:
         return {}

@@ -13,6 +13,8 @@ from typing import Optional
 
 import xxhash
 
+from enn_cluster.storage.run_files import open_run_file
+
 ALGORITHM = "xxh3"
 _BLOCK = 8 << 20
 
@@ -66,11 +68,12 @@ class RunningChecksum:
 
 def file_checksum(path: Path, like: Optional[str] = None) -> tuple[int, str]:
     """(size, checksum) of a file, read in 8 MiB blocks, with the algorithm of `like`
-    (a recorded checksum to compare against) or the default."""
+    (a recorded checksum to compare against) or the default. Every such file lies in a run
+    directory: a FIFO, a device or a final symlink there is refused (UserError)."""
     running = RunningChecksum(algorithm_of(like))
     buf = bytearray(_BLOCK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
+    with open_run_file(path) as fh:
         while True:
             n = fh.readinto(buf)
             if not n:

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from enn_cluster.storage.checksum import algorithm_of, file_checksum
+from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
+from enn_cluster.storage.run_files import inside_run, read_run_text
 
 COMMIT = "commit.json"
 METADATA = ".metadata"
@@ -32,24 +34,40 @@ def parse_step(name: str) -> Optional[int]:
 
 
 def list_steps(root: Path) -> list[int]:
+    """Step directories, a symlink to one included (verify refuses it, by name)."""
     try:
-        names = [p.name for p in Path(root).iterdir() if p.is_dir()]
+        names = [p.name for p in Path(root).iterdir() if p.is_dir() or p.is_symlink()]
     except FileNotFoundError:
         return []
     return sorted(s for s in map(parse_step, names) if s is not None)
 
 
 def read_commit(path: Path) -> Optional[dict]:
+    """The commit record of a step directory, None when missing or not one we write (a
+    file list of {size, checksum} mappings). A FIFO, device or symlink there: UserError."""
     try:
-        record = json.loads((Path(path) / COMMIT).read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
+        record = json.loads(read_run_text(Path(path) / COMMIT))
+    except (FileNotFoundError, NotADirectoryError, ValueError, RecursionError):
         return None
-    return record if isinstance(record, dict) and "files" in record else None
+    return record if record_problem(record) is None else None
+
+
+def record_problem(record) -> Optional[str]:
+    """Why a parsed commit record is not one this package writes (None when it is). Pure."""
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return "not a mapping with a files mapping"
+    for name, info in record["files"].items():
+        if not (isinstance(info, dict) and type(info.get("size")) is int
+                and isinstance(info.get("checksum"), str)):
+            return f"{name}: not a {{size, checksum}} record"
+    return None
 
 
 def is_committed(path: Path) -> bool:
     """Cheap check (no checksums): metadata present and every recorded size right."""
     path = Path(path)
+    if path.is_symlink():
+        return False  # a step directory is never a symlink (verify says so)
     record = read_commit(path)
     if record is None or not (path / METADATA).exists() or METADATA not in record["files"]:
         return False
@@ -76,10 +94,19 @@ def verify_files(path: Path, names: Iterable[str], record: dict) -> list[str]:
     problems = []
     for name in names:
         info = record["files"][name]
+        if os.path.lexists(Path(path) / name) and not inside_run(Path(path) / name, path):
+            problems.append(f"{name}: leads outside its step directory (a symlink)")
+            continue
         try:
             size, checksum = file_checksum(Path(path) / name, like=info["checksum"])
         except FileNotFoundError:
             problems.append(f"{name}: missing")
+            continue
+        except UserError as exc:  # a FIFO, a device, a directory: the message names it
+            problems.append(str(exc))
+            continue
+        except (OSError, ValueError) as exc:  # unreadable, an unknown checksum algorithm
+            problems.append(f"{name}: {exc}")
             continue
         if size != info["size"]:
             problems.append(f"{name}: size {size}, recorded {info['size']}")
@@ -89,6 +116,8 @@ def verify_files(path: Path, names: Iterable[str], record: dict) -> list[str]:
 
 
 def verify_checkpoint(path: Path) -> list[str]:
+    if Path(path).is_symlink():
+        return [f"{Path(path).name}: a symbolic link, not a step directory this run wrote"]
     record = read_commit(path)
     if record is None:
         return [f"{COMMIT}: missing or unreadable (incomplete checkpoint)"]
@@ -180,7 +209,7 @@ def resume_refusal(root: Path) -> Optional[str]:
     no data read is checked here (`shape_problems`): the workers verify every byte when they
     choose the step, and reading a large checkpoint twice, once on the login node, would
     double the start-up I/O."""
-    steps = [s for s in list_steps(root) if (step_dir(root, s) / COMMIT).exists()]
+    steps = [s for s in list_steps(root) if os.path.lexists(step_dir(root, s) / COMMIT)]
     for step in reversed(steps):
         if not shape_problems(step_dir(root, step)):
             return None

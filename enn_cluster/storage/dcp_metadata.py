@@ -16,6 +16,8 @@ import pickle
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.errors import UserError
+
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
             ("torch.serialization", "_get_layout"), ("torch", "Size"),
@@ -39,7 +41,7 @@ def _metadata_enum_member(cls, name):
     raise _refuse(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
 
 
-def _torch_value(name: str):
+def torch_value(name: str):
     """A dtype, layout or memory format of the torch namespace (read from its dict, so a
     lazily imported submodule is never loaded by asking)."""
     import torch
@@ -56,7 +58,7 @@ class MetadataUnpickler(pickle.Unpickler):
         if (module, name) == ("builtins", "getattr"):
             return _metadata_enum_member
         if module == "torch" and name != "Size":
-            obj = _torch_value(name)
+            obj = torch_value(name)
             if obj is not None:
                 return obj
         elif module in _MODULES and ((module, name) in _GLOBALS or module == METADATA_MODULE):
@@ -69,7 +71,9 @@ class MetadataUnpickler(pickle.Unpickler):
 
 def load_metadata(path: Path):
     """The DCP Metadata object of a `.metadata` file, through the allow-list."""
-    with open(path, "rb") as fh:
+    from enn_cluster.storage.run_files import open_run_file
+
+    with open_run_file(path) as fh:
         metadata = MetadataUnpickler(fh).load()
     kind = type(metadata)
     if (kind.__module__, kind.__name__) != (METADATA_MODULE, "Metadata"):
@@ -81,7 +85,9 @@ def metadata_problem(step_path: Path) -> Optional[str]:
     """Why this checkpoint's `.metadata` cannot be loaded, or None when it can."""
     try:
         load_metadata(Path(step_path) / ".metadata")
+    except UserError as exc:  # not a regular file
+        return str(exc)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, MemoryError, OSError) as exc:
+            IndexError, KeyError, MemoryError, OSError, RecursionError) as exc:
         return f".metadata: {exc}"
     return None

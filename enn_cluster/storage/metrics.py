@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from enn_cluster.storage.run_files import LOG_LIMIT, append_run_file, read_run_bytes
+
 
 def peak_memory_mb() -> float:
     """Peak accelerator memory where measurable, else this process's peak RSS."""
@@ -35,7 +37,7 @@ class MetricsLog:
         self.sink = sink
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._fh = append_run_file(self.path) if enabled else None
 
     def write(self, kind: str, **fields) -> None:
         if not self._fh:
@@ -60,7 +62,7 @@ def scan_metrics(path: Path) -> tuple[list[dict], int]:
     so a run appending while it is read cannot make it look damaged (a stat after the read
     could see a line the read did not); a last line with no newline yet is never counted."""
     try:
-        data = Path(path).read_bytes()
+        data = read_run_bytes(path, LOG_LIMIT)
     except FileNotFoundError:
         return [], 0
     lines = data.split(b"\n")
@@ -80,10 +82,10 @@ def scan_metrics(path: Path) -> tuple[list[dict], int]:
 def _record(line: str) -> Optional[dict]:
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None  # a line cut by a crash (or bytes that are not UTF-8)
-    if not isinstance(record, dict) or type(record.get("step", 0)) is not int:
-        return None  # not a record rank 0 wrote
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        return None  # not a record rank 0 wrote (every one names its step)
     return record
 
 

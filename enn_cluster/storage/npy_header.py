@@ -33,6 +33,9 @@ def check_layout(field: str, source: str, shape, fortran: bool, dtype, data_byte
         raise UserError(f"{field}: {source} has an invalid shape in its header; re-save it with np.save")
     if shape[0] == 0:
         raise UserError(f"{field}: {source} has no rows; give a file with data")
+    if 0 in shape[1:]:
+        raise UserError(f"{field}: {source} has shape {shape}: a row with no values; give "
+                        "at least one feature per row")
     if dtype.kind not in NUMERIC_KINDS:
         what = {"c": "complex (its imaginary part would be lost)", "O": "Python objects",
                 "U": "strings", "S": "bytes", "V": "records"}.get(dtype.kind, str(dtype))

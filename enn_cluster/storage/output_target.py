@@ -7,9 +7,11 @@ import os
 import stat
 from pathlib import Path
 
+from enn_cluster.config.checks import check_home
 from enn_cluster.errors import UserError
 
 PSEUDO_FS = ("/proc", "/sys", "/dev")  # kernel views: never a place for results
+MAX_NAME_BYTES = 200  # NAME_MAX is 255: room for the temporary name written beside it
 
 
 RUN_CONTROL_NAMES = ("config.yaml", "run.lock", "jobs.jsonl", "metrics.jsonl", "manifest.json")
@@ -19,13 +21,8 @@ def expanded(flag: str, path: str) -> str:
     """`~/x` and `~user/x` as the home they name; a `~name` no user has is refused (it would
     become a folder named '~name' in the current directory)."""
     path = str(path)
-    if path.startswith("~"):
-        home = os.path.expanduser(path)
-        if home == path:
-            raise UserError(f"{flag}: {path.split('/')[0]!r} names no user's home here; "
-                            "write the path out")
-        return home
-    return path
+    check_home(flag, path)  # the config's paths are judged by the same words
+    return os.path.expanduser(path)
 
 
 def check_local_target(flag: str, path: str, overwrite: bool, run_dir=None,
@@ -35,6 +32,10 @@ def check_local_target(flag: str, path: str, overwrite: bool, run_dir=None,
     Never a file of the run `run_dir` (its config, lock, records, data, checkpoints,
     chunks), whatever --overwrite says; `own`: names in the run this command itself writes."""
     target = Path(os.path.abspath(os.path.expanduser(path)))
+    longest = max(len(part.encode("utf-8", "surrogateescape")) for part in target.parts)
+    if longest > MAX_NAME_BYTES or len(str(target).encode("utf-8", "surrogateescape")) > 4000:
+        raise UserError(f"{flag}: {path[:80]}... is too long a path (a name of {longest} bytes; "
+                        f"keep each name under {MAX_NAME_BYTES} bytes)")
     real = Path(os.path.realpath(target))
     if run_dir is not None:
         _not_the_runs(flag, path, real, Path(os.path.realpath(run_dir)), own)

@@ -10,19 +10,40 @@ No torch and no numpy-heavy work here: the client verifies and assembles with th
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from enn_cluster.errors import UserError
 from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.storage.prediction_collapse import collapsed_outputs
+from enn_cluster.storage.run_files import read_run_text
 
 REQUEST = "request.json"  # name, checkpoint step, input entry, chunk plan (client-written)
 MANIFEST = "manifest.json"  # the committed prediction (rank 0, after every rank finished)
 INPUT = "input.npy"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def read_record(path: Path) -> dict:
+    """A JSON object of a prediction directory (request.json, chunk-<i>.json), read as a
+    run file: UserError naming it when it is not one; FileNotFoundError when missing."""
+    path = Path(path)
+    try:
+        record = json.loads(read_run_text(path))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        record = None
+    if not isinstance(record, dict):
+        raise UserError(f"{path.name}: {path} is not a JSON object (damaged or hand-edited); "
+                        f"start the prediction again under another --name")
+    return record
+
+
+def read_request(pdir: Path) -> dict:
+    return read_record(Path(pdir) / REQUEST)
 
 
 @dataclass(frozen=True)
@@ -98,7 +119,7 @@ def verify_chunks(pdir: Path, manifest: dict) -> list[str]:
         except FileNotFoundError:
             problems.append(f"{rec['file']}: missing")
             continue
-        except ValueError as exc:  # a checksum algorithm this version does not know
+        except (ValueError, UserError) as exc:  # an unknown checksum algorithm, a FIFO
             problems.append(f"{rec['file']}: {exc}")
             continue
         if size != rec["nbytes"] or checksum != rec["checksum"]:

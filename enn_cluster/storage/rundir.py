@@ -35,6 +35,12 @@ from enn_cluster.config.yaml_file import PlainLoader
 from enn_cluster.errors import UserError
 from enn_cluster.storage.lock_files import close_held, hold, take_aside
 from enn_cluster.storage.output_target import missing_parents, remove_empty
+from enn_cluster.storage.run_files import (
+    LOG_LIMIT,
+    append_run_file,
+    read_run_bytes,
+    read_run_text,
+)
 
 DIR_MODE = 0o2750  # group-readable, never world-writable
 RUN_UMASK = 0o027  # files 0640, directories 0750: the same for whatever the run writes
@@ -109,6 +115,12 @@ class RunDir:
         return self.path / "config.yaml"
 
     @property
+    def has_config(self) -> bool:
+        """Whether config.yaml is there in any form (a FIFO or a symlink loop included:
+        reading it refuses those by name); False for a path the system cannot look up."""
+        return os.path.lexists(self.config_path)
+
+    @property
     def data_dir(self) -> Path:
         return self.path / "data"
 
@@ -141,13 +153,13 @@ class RunDir:
         return self.path / "run.lock"
 
     def load_config(self) -> RunConfig:
-        if not self.config_path.exists():
+        if not self.has_config:
             raise UserError(f"RUN_DIR: {self.path} has no config.yaml; "
                             "is it a run directory made by enn-submit train?")
         try:
-            with open(self.config_path, encoding="utf-8") as fh:
-                data = yaml.load(fh, Loader=PlainLoader)  # noqa: S506 - a SafeLoader
-        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
+            data = yaml.load(read_run_text(self.config_path),  # noqa: S506 - a SafeLoader
+                             Loader=PlainLoader)
+        except (yaml.YAMLError, UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise UserError(f"config.yaml: {self.config_path} does not parse "
                             f"({type(exc).__name__}); {self._restore_hint()}") from None
         if not isinstance(data, dict):
@@ -167,20 +179,24 @@ class RunDir:
         """Append one launch record (job id, kind, shape); appends of one line are atomic."""
         fields.setdefault("time", time.time())
         line = json.dumps(fields, sort_keys=True) + "\n"
-        with run_umask(), open(self.path / "jobs.jsonl", "a", encoding="utf-8") as fh:
+        with run_umask(), append_run_file(self.path / "jobs.jsonl") as fh:
             fh.write(line)
 
     def jobs(self) -> list[dict]:
         try:
-            with open(self.path / "jobs.jsonl", encoding="utf-8") as fh:
-                records = [json.loads(line) for line in fh if line.strip()]
+            text = read_run_text(self.path / "jobs.jsonl", LOG_LIMIT)
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
         except FileNotFoundError:
             return []
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             records = None
         if records is None or not all(isinstance(r, dict) for r in records):
             raise UserError(f"jobs.jsonl: {self.path / 'jobs.jsonl'} holds a line that is not a "
                             "JSON object; remove that line")
+        if any(r.get("kind") == "slurm" and not str(r.get("job_id", "")).replace("_", "").isdigit()
+               for r in records):
+            raise UserError(f"jobs.jsonl: {self.path / 'jobs.jsonl'} holds a Slurm record without "
+                            "a job id (job_id); remove that line")
         return records
 
 
@@ -229,7 +245,7 @@ def update_config(run: RunDir, cfg: RunConfig) -> None:
     with run_umask():
         if not history.exists():
             _mkdir(history)
-        old = run.config_path.read_text(encoding="utf-8")
+        old = read_run_text(run.config_path)
         atomic_write_text(history / f"config-{time.time_ns()}.yaml", old)
         atomic_write_text(run.config_path, dump_config(cfg))
 
@@ -267,13 +283,13 @@ def read_lock(run: RunDir, settle_s: float = 0.5) -> Optional[dict]:
     deadline = time.monotonic() + settle_s
     while True:
         try:
-            raw = run.lock_path.read_bytes()
+            raw = read_run_bytes(run.lock_path)
         except FileNotFoundError:
             return None
         try:
             owner = json.loads(raw.decode("utf-8"))
             why = lock_format_problem(owner)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             why = f"not JSON ({str(exc)[:60]})"
         if why is None:
             return owner

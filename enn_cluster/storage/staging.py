@@ -28,6 +28,8 @@ from enn_cluster.storage.memmap_writer import (
     write_memmap,
 )
 from enn_cluster.storage.npy_header import check_layout, read_header
+from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
+from enn_cluster.storage.run_files import read_run_text
 from enn_cluster.storage.text_sources import is_text_data
 
 _BLOCK = 16 << 20
@@ -117,6 +119,19 @@ def _stage_stream(source: str, key: Optional[str], dest: Path,
             c.close()
 
 
+def _list_array(rows, name: str) -> np.ndarray:
+    """A list of rows as an array; rows of different lengths are refused, not taken for a
+    path (or for an array of Python objects)."""
+    try:
+        arr = np.asarray(rows)
+    except ValueError:  # numpy refuses an inhomogeneous list
+        arr = None
+    if arr is None or arr.dtype.kind == "O":
+        raise UserError(f"{name}: a list whose rows differ in length (or hold other than "
+                        "numbers); give rows of equal length, or a numpy array")
+    return arr
+
+
 def stage_array(source: Any, dest: Path, key: Optional[str] = None,
                 progress: Optional[TextIO] = None) -> dict:
     """Copy one array (ndarray, tensor, .npy/.npz path or URL) to `dest` as a memmap;
@@ -124,10 +139,15 @@ def stage_array(source: Any, dest: Path, key: Optional[str] = None,
     covers the data bytes only, whichever way they came."""
     if hasattr(source, "detach"):  # torch tensor, without importing torch here
         source = source.detach().cpu().numpy()
+    if isinstance(source, (list, tuple)):
+        source = _list_array(source, dest.stem)
     if isinstance(source, np.ndarray):
         entry = _stage_ndarray(np.ascontiguousarray(source), dest, progress)
         entry["source"] = "<array>"
         return entry
+    if not isinstance(source, (str, os.PathLike)):
+        raise UserError(f"{dest.stem}: a {type(source).__name__} is neither an array nor a "
+                        "path; give a numpy array, a tensor or a .npy/.npz path")
     source = str(source)
     if source.endswith(".npz"):
         entry = _stage_stream(source, key, dest, progress)
@@ -234,12 +254,11 @@ def read_manifest(data_dir: Path) -> dict:
     """The staged data's manifest; a missing or hand-edited one is one line, not a traceback."""
     path = Path(data_dir) / MANIFEST
     try:
-        with open(path, encoding="utf-8") as fh:
-            manifest = json.load(fh)
+        manifest = json.loads(read_run_text(path, field="data/manifest.json"))
     except FileNotFoundError:
         raise UserError(f"data/manifest.json: {path} is missing; the run's staged data is "
                         "incomplete: make the run again") from None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         manifest = None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), dict):
         raise UserError(f"data/manifest.json: {path} is not a manifest enn-submit wrote; "

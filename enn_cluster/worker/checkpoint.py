@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import ChecksummingWriter, ShardVerifier, safe_load
 from enn_cluster.storage.rundir import atomic_write_bytes, atomic_write_text
+from enn_cluster.storage.run_files import open_run_file
 from enn_cluster.worker.lanes import Lanes
 
 log = logging.getLogger("enn_cluster.worker.checkpoint")
@@ -268,13 +271,30 @@ def load(root: Path, step: int, model, optimizer, lanes: Lanes,
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={},
                        options=options)
     rng_file = path / "rng" / f"rank-{lanes.rank}.pt"
-    if rng_file.exists() and record.get("world_size") == lanes.world_size:
-        rng = torch.load(rng_file, weights_only=True)
+    if os.path.lexists(rng_file) and record.get("world_size") == lanes.world_size:
+        _restore_rng(rng_file)
+    trainer_file = path / TRAINER_STATE
+    return json.loads(trainer_file.read_text()) if trainer_file.exists() else {}
+
+
+def _restore_rng(path: Path) -> None:
+    """This rank's RNG state from its file, read as untrusted (weights-only unpickling of a
+    regular file): anything else is one line naming the file (exit 2), not a traceback."""
+    try:
+        with open_run_file(path) as fh:
+            rng = torch.load(fh, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    trainer_file = path / TRAINER_STATE
-    return json.loads(trainer_file.read_text()) if trainer_file.exists() else {}
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a hostile pickle fails in many ways
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = next((line for line in lines if line.startswith("Unsupported")),
+                   lines[0] if lines else type(exc).__name__)[:200]
+        raise UserError(f"{path.parent.parent.name}/rng/{path.name}: not an RNG state this "
+                        f"package saves ({why}); restore the checkpoint or start a new run "
+                        "from another one") from None
 
 
 def full_model_state(model) -> dict:

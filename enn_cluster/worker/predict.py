@@ -57,9 +57,9 @@ def denormalise(raw: np.ndarray, scaler) -> np.ndarray:
 def committed(pdir: Path, spec: pm.ChunkSpec) -> bool:
     """A record that matches its file (size and checksum): never redo that chunk."""
     try:
-        rec = json.loads((pdir / f"{spec.stem}.json").read_text())
+        rec = pm.read_record(pdir / f"{spec.stem}.json")
         size, checksum = file_checksum(pdir / rec["file"], like=rec["checksum"])
-    except (FileNotFoundError, ValueError, KeyError):
+    except (FileNotFoundError, ValueError, KeyError, TypeError, UserError):
         return False
     return size == rec["nbytes"] and checksum == rec["checksum"] and \
         rec["rows"] == [spec.start, spec.stop]
@@ -216,7 +216,7 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
     """Collective over all ranks: every chunk committed, then rank 0 commits the manifest."""
     pdir = run.predictions / pm.check_name(name)
     try:
-        request = json.loads((pdir / pm.REQUEST).read_text())
+        request = pm.read_request(pdir)
     except FileNotFoundError:
         raise UserError(f"--name: {pdir} holds no prediction request; start it with "
                         f"'enn-submit predict {run.path} --input X.npy --name {name}'")
@@ -278,7 +278,7 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
 def write_manifest(pdir: Path, request: dict, n_rows: int, world_size: int) -> dict:
     """Gather the chunk records; commit the manifest only when they cover every row once."""
     chunks = pm.plan_chunks(n_rows, request["chunk_rows"])
-    records = [json.loads((pdir / f"{c.stem}.json").read_text()) for c in chunks]
+    records = [pm.read_record(pdir / f"{c.stem}.json") for c in chunks]
     problems = pm.coverage_problems(records, n_rows)
     if problems:
         raise RuntimeError(f"prediction {pdir.name}: " + "; ".join(problems[:5]))

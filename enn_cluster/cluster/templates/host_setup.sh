@@ -2,6 +2,22 @@
 # Every value read at run time is data: it is checked to be digits before any arithmetic
 # (bash evaluates `a[$(cmd)]` inside $((...)), so a file holding that would run cmd).
 enn_digits() { case "$1" in ''|*[!0-9]*) return 1 ;; esac; [ "${#1}" -le 12 ]; }
+# RUN_DIR/requeue is writable by the job (often by a group): a file there is read only when
+# it is a regular file, never a symlink (a FIFO would block this shell until the time limit),
+# and written only by a rename into a requeue/ that is a real directory.
+enn_regular() { [ -f "$1" ] && [ ! -L "$1" ]; }
+enn_write_requeue() {
+  local dir="$ENN_RUN_DIR/requeue" tmp
+  if [ -L "$dir" ] || ! mkdir -p -- "$dir" || [ -L "$dir" ]; then
+    echo "enn: $dir is not a directory of this run; not writing $1" >&2
+    return 1
+  fi
+  tmp=$(mktemp -- "$dir/.enn-write.XXXXXX") || return 1
+  if ! { printf '%s\n' "$2" > "$tmp" && mv -f -T -- "$tmp" "$1"; }; then
+    rm -f -- "$tmp"
+    return 1
+  fi
+}
 # Rendezvous port from the job id, as the worker derives it: stable across requeues, in
 # @MASTER_PORT_BASE@-@MASTER_PORT_LAST@, below the kernel's ephemeral ports (32768-60999) that outgoing connections take.
 # This shell runs on the job's first node, where rank 0 listens: a port something already
@@ -31,14 +47,20 @@ enn_requeue_if_asked() {
   marker="$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
   refused="$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID"
   failures_file="$ENN_RUN_DIR/requeue/failures-$SLURM_JOB_ID"
-  if [ -e "$refused" ]; then
-    echo "enn: job $SLURM_JOB_ID refused its input (exit 2), not requeueing: $(head -n 1 -- "$refused" | head -c 400)" >&2
+  if [ -e "$refused" ] || [ -L "$refused" ]; then
+    why="(its note is not a regular file)"
+    enn_regular "$refused" && why=$(head -n 1 -- "$refused" | head -c 400)
+    echo "enn: job $SLURM_JOB_ID refused its input (exit 2), not requeueing: $why" >&2
     return 0
   elif [ -e "$marker" ]; then
     rm -f -- "$marker"
     why="stopped with a checkpoint"
   elif [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ]; then
-    [ -f "$failures_file" ] && failures=$(head -c 16 -- "$failures_file" | tr -d '\n')
+    if enn_regular "$failures_file"; then
+      failures=$(head -c 16 -- "$failures_file" | tr -d '\n')
+    elif [ -e "$failures_file" ] || [ -L "$failures_file" ]; then
+      failures="not a regular file"
+    fi
     if ! enn_digits "$failures"; then
       echo "enn: $failures_file does not hold a retry count; not requeueing (remove it to allow retries)" >&2
       return 0
@@ -48,7 +70,7 @@ enn_requeue_if_asked() {
       echo "enn: job $SLURM_JOB_ID failed (exit $rc) after $failures retries (limit $ENN_MAX_RESTARTS)" >&2
       return 0
     fi
-    echo "$((failures + 1))" > "$failures_file"
+    enn_write_requeue "$failures_file" "$((failures + 1))" || return 0
     why="failed (exit $rc), retry $((failures + 1)) of $ENN_MAX_RESTARTS"
   else
     return 0
@@ -78,7 +100,7 @@ enn_stop_file="$ENN_RUN_DIR/requeue/stop-$SLURM_JOB_ID"
 rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID" \
   "$ENN_RUN_DIR/requeue/relaunch-$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
 enn_request_stop() {
-  mkdir -p -- "$ENN_RUN_DIR/requeue" && date +%s > "$enn_stop_file"
+  enn_write_requeue "$enn_stop_file" "$(date +%s)" || return 0
   echo "enn: USR2: asked the workers to checkpoint and stop" >&2
 }
 trap enn_request_stop USR2
