@@ -62,9 +62,6 @@ def check_local_target(flag: str, path: str, overwrite: bool, run_dir=None,
         raise UserError(f"{flag}: {parent} is not writable; choose another path")
 
 
-ASSEMBLED = ("assembled.npy", "assembled-raw.npy")  # a prediction's own assembled outputs
-
-
 def _not_the_runs(flag: str, path: str, real: Path, run: Path, own: tuple) -> None:
     """Inside the run directory only a new file at its top level (or one of `own`)."""
     try:
@@ -74,8 +71,6 @@ def _not_the_runs(flag: str, path: str, real: Path, run: Path, own: tuple) -> No
     if rel.parts and len(rel.parts) == 1 and (rel.name in own or (
             rel.name not in RUN_CONTROL_NAMES and not os.path.lexists(real))):
         return
-    if len(rel.parts) == 3 and rel.parts[0] == "predictions" and rel.name in ASSEMBLED:
-        return  # where enn_cluster.predict assembles a prediction (its default `out`)
     raise UserError(f"{flag}: {path} is a file of the run {run} (or inside one of its "
                     "folders); write the output outside the run directory")
 
