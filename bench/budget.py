@@ -61,8 +61,10 @@ def slowdown(spent: dict, repeats: int) -> float:
 
 
 def round_fits(name: str, rest: list[str], repeats: int, elapsed_s: float, spent: dict,
-               budget_s: float) -> bool:
-    """Another round of `name` fits when it and the first rounds of the benchmarks still
-    to come (`rest`), at today's slowdown, end within the budget."""
+               budget_s: float, last_round_s: float = 0.0) -> bool:
+    """Another round of `name` fits when it (as long as its last round took, or its
+    estimate, whichever is longer) and the first rounds of the benchmarks still to come
+    (`rest`), at today's slowdown, end within the budget."""
     factor = slowdown(spent, repeats)
-    return elapsed_s + factor * (cost(name, repeats) + estimate(rest, repeats)) <= budget_s
+    again = max(factor * cost(name, repeats), last_round_s)
+    return elapsed_s + again + factor * estimate(rest, repeats) <= budget_s

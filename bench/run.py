@@ -99,26 +99,28 @@ def failure(exc: BaseException) -> str:
 
 
 def run_with_rounds(ctx: BenchContext, runner, chosen: list[str], rounds: int,
-                    more_fits=lambda: True) -> list[Result]:
+                    more_fits=lambda last_round_s: True) -> list[Result]:
     """Run a benchmark; while a figure's median interval holds its target, run it again
-    (up to `rounds` more times, while `more_fits()`) and pool the repeats: each round
+    (up to `rounds` more times, while `more_fits(seconds the last round took)`) and pool the repeats: each round
     alternates its sides, so the pooled repeats stay interleaved. Each round works in its
     own folder under the benchmark's `ctx.workdir`; a round that fails keeps the figures of
     the rounds before it (their notes say so)."""
     import dataclasses
 
+    t0 = time.perf_counter()
     results = runner(ctx, chosen)
     for k in range(1, rounds + 1):
         unsure = [r.name for r in results if r.straddles]
         if not unsure:
             break
-        if not more_fits():
+        if not more_fits(time.perf_counter() - t0):
             ctx.log(f"the interval of {', '.join(unsure)} holds the target; no time left in "
                     "the budget for another round")
             break
         ctx.log(f"the interval of {', '.join(unsure)} holds the target: another round")
         scratch = ctx.workdir / f"round-{k}"  # a round's runs and files never meet the last's
         scratch.mkdir()
+        t0 = time.perf_counter()
         try:
             more = {r.name: r for r in runner(dataclasses.replace(ctx, workdir=scratch), chosen)}
         except Exception as exc:  # the rounds before keep their figures
@@ -151,8 +153,9 @@ def run_all(ctx: BenchContext, runners, names: list[str], rounds: int,
             continue
         t0 = time.perf_counter()
         rest = [c[0] for c, _ in todo[i + 1:]]
-        fits = lambda: budget.round_fits(  # noqa: E731
-            key, rest, ctx.repeats, time.perf_counter() - started, spent, budget_s)
+        fits = lambda last_round_s: budget.round_fits(  # noqa: E731
+            key, rest, ctx.repeats, time.perf_counter() - started, spent, budget_s,
+            last_round_s)
         scratch = ctx.workdir / key
         scratch.mkdir(parents=True, exist_ok=True)
         try:

@@ -387,6 +387,9 @@ def test_the_budget_trades_repeats_and_rounds_for_time(tmp_path):
     assert budget.slowdown(spent, 5) == pytest.approx(2.0)
     assert not budget.round_fits("overhead", ["cli"], 5, spent["overhead"], spent, 600)
     assert budget.round_fits("overhead", ["cli"], 5, 10.0, {}, 3600)
+    # a round that took 50 min (its estimate: 4.4) is not run again in the hour's last 10
+    assert budget.round_fits("overhead", [], 5, 3010.0, {}, 3600)
+    assert not budget.round_fits("overhead", [], 5, 3010.0, {}, 3600, last_round_s=3000)
     calls = []
 
     def runner(ctx, chosen):
@@ -395,5 +398,6 @@ def test_the_budget_trades_repeats_and_rounds_for_time(tmp_path):
 
     ctx = BenchContext(quick=False, workdir=tmp_path, root=tmp_path, python=sys.executable,
                        repeats=3)
-    (fig,) = run.run_with_rounds(ctx, runner, ["x"], rounds=2, more_fits=lambda: False)
+    (fig,) = run.run_with_rounds(ctx, runner, ["x"], rounds=2,
+                                 more_fits=lambda last_round_s: False)
     assert len(calls) == 1 and fig.straddles
