@@ -72,30 +72,41 @@ def step(model, opt, x, y, rows) -> None:
     loss.item()
 
 
-def train(x_path: str, y_path: str, hidden: list[int], replicate: int, shard: int,
-          batch: int, steps: int, lr: float, seed: int) -> list[float]:
+def timed_loop(n_rows: int, gbatch: int, steps: int, seed: int, one_step) -> list[float]:
+    """`one_step(perm, pos)` `steps` times in the trainer's order (one seeded permutation
+    per epoch, the ragged tail dropped), Python's collector frozen over the heap before it
+    and run every 100 steps; then the process group ends. Rank 0 gets the time at the end
+    of every step."""
     import numpy as np
     import torch.distributed as dist
 
-    x, y, model, opt = setup(x_path, y_path, hidden, replicate, shard, lr, seed)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gbatch = batch * world
     perm, epoch, pos = None, -1, 0
     stamps = []
     gc.collect()
     gc.freeze()
     gc.disable()
     for n in range(1, steps + 1):
-        if perm is None or pos + gbatch > len(x):
+        if perm is None or pos + gbatch > n_rows:
             epoch, pos = epoch + 1, 0
-            perm = np.random.default_rng([seed, epoch]).permutation(len(x))
-        step(model, opt, x, y, perm[pos + rank * batch: pos + (rank + 1) * batch])
+            perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+        one_step(perm, pos)
         pos += gbatch
         if n % 100 == 0:
             gc.collect()
         stamps.append(time.time())
     gc.enable()
     gc.unfreeze()
+    rank = dist.get_rank()
     dist.barrier()
     dist.destroy_process_group()
     return stamps if rank == 0 else []
+
+
+def train(x_path: str, y_path: str, hidden: list[int], replicate: int, shard: int,
+          batch: int, steps: int, lr: float, seed: int) -> list[float]:
+    import torch.distributed as dist
+
+    x, y, model, opt = setup(x_path, y_path, hidden, replicate, shard, lr, seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return timed_loop(len(x), batch * world, steps, seed, lambda perm, pos: step(
+        model, opt, x, y, perm[pos + rank * batch: pos + (rank + 1) * batch]))

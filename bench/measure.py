@@ -68,7 +68,13 @@ class Result:
     check_failed: str = ""  # a non-timing check that failed (counts as a miss)
 
     @property
+    def failed(self) -> bool:
+        return self.skipped.startswith("failed:")
+
+    @property
     def verdict(self) -> str:
+        if self.failed:
+            return "failed"
         if self.skipped:
             return "not measured"
         if self.check_failed:

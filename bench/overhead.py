@@ -25,7 +25,7 @@ def _sizes(ctx: BenchContext) -> dict:
     return {"hidden": [1024] * 4, "features": 64, "batch": 64, "rows": 16384,
             "steps": 40 if ctx.quick else 100, "skip": 10, "lr": 1e-3, "seed": 0,
             # 5 pairs: on a shared 2-core machine single runs swing by 2x (see results)
-            "pairs": 1 if ctx.quick else 5}
+            "pairs": 1 if ctx.quick else ctx.repeats}
 
 
 def _data(ctx: BenchContext, s: dict) -> tuple[Path, Path]:

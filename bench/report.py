@@ -88,7 +88,8 @@ def machine() -> dict:
 
 
 def write(results: list[Result], out_dir: Path, quick: bool, elapsed: float,
-          stem: str = "results", busy_at_start: Optional[float] = None) -> str:
+          stem: str = "results", busy_at_start: Optional[float] = None,
+          bench_seconds: Optional[dict] = None) -> str:
     info = machine()
     git = info.get("git") or {}
     code = (f"code at {git.get('head')}" + (f" + uncommitted changes in "
@@ -103,7 +104,7 @@ def write(results: list[Result], out_dir: Path, quick: bool, elapsed: float,
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(text)
     doc = {"quick": quick, "elapsed_s": round(elapsed, 1), "machine": info,
-           "busy_at_start": busy_at_start,
+           "busy_at_start": busy_at_start, "bench_seconds": bench_seconds or {},
            "time": time.time(), "results": [r.to_dict() for r in results]}
     (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     return text

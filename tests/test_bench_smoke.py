@@ -1,6 +1,8 @@
 """Cheap checks of the `make bench` machinery (bench/): argument parsing, verdicts, the
-report files and the pure parts of the scale and collect benchmarks. Nothing is timed
-and no worker process starts; the benchmarks themselves run only under `make bench`."""
+report files, the budget, scratch folders and failures, and the pure parts of the scale
+and collect benchmarks. Nothing is timed; the one test that starts workers is the GPU
+benchmark's path on the CPU with a tiny model. The benchmarks themselves run only under
+`make bench`."""
 import json
 import os
 import sys
@@ -124,25 +126,48 @@ def test_collect_baseline_concatenates_chunk_data(tmp_path):
 
 
 def test_gpu_bench_counts_parameters_and_skips_without_cuda(tmp_path):
-    """bench/gpu.py's FLOP formula uses the model it builds (counted on the meta device),
-    and without CUDA it reports a skip instead of failing."""
+    """bench/gpu.py's FLOP formula counts the parameters of the Llama that transformers
+    builds from the same shape (on the meta device), and without CUDA run() reports a skip."""
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from bench import gpu
     from bench.measure import BenchContext
 
-    shape = gpu.Shape(dim=64, layers=3, heads=4, vocab=100, seq=32)
-    with torch.device("meta"):
-        model = gpu.build(shape)
-    counted = sum(p.numel() for n, p in model.named_parameters()
-                  if not n.startswith(("embed.", "head.")))
-    assert counted == shape.params()
-    assert shape.flops_per_token() == 6 * shape.params() + 12 * 3 * 64 * 32
+    for shape in (gpu.TINY, gpu.Shape()):
+        config = AutoConfig.for_model("llama", vocab_size=512, **shape.hf())
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        counted = sum(p.numel() for n, p in model.named_parameters()
+                      if not n.startswith(("model.embed_tokens.", "lm_head.")))
+        assert counted == shape.params()
+    assert 0.9e9 < gpu.Shape().params() < 1.1e9  # the ~1B of the benchmark's name
+    t = gpu.TINY
+    assert t.flops_per_token() == 6 * t.params() + 12 * t.layers * t.hidden * t.seq
     if not torch.cuda.is_available():
         ctx = BenchContext(quick=True, workdir=tmp_path, root=tmp_path, python=sys.executable,
                            repeats=1)
         (result,) = gpu.run(ctx)
         assert result.skipped.startswith("skipped: no CUDA") and result.verdict == "not measured"
+
+
+def test_gpu_bench_path_trains_the_product_on_the_cpu(tmp_path):
+    """The path the GPU figure takes, run on the CPU with the tiny Llama (gpus 0: 2 CPU
+    processes): `enn-submit train` on an hf: weights directory, tokens/s from its
+    metrics.jsonl. On CUDA only the process count, --gpus-per-node and bf16 change."""
+    from bench import gpu
+    from bench.measure import BenchContext
+
+    ctx = BenchContext(quick=True, workdir=tmp_path, root=ROOT, python=sys.executable,
+                       repeats=1)
+    (rate,) = gpu.measure(ctx, gpu.TINY, gpus=0, steps=3, repeats=1)
+    assert rate > 0
+    records = [json.loads(line) for line in
+               (tmp_path / "gpu" / "runs" / "gpu-0" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 3 + gpu.WARMUP + 1))
+    start = next(r for r in records if r["kind"] == "start")
+    assert start["world_size"] == 2 and start["global_batch"] == 2 * gpu.TINY.batch
 
 
 @pytest.mark.parametrize("device_name,peak", [
@@ -178,8 +203,7 @@ def test_gpu_bench_measures_a_tiny_decoder_on_cuda(tmp_path):
 
     ctx = BenchContext(quick=True, workdir=tmp_path, root=tmp_path, python=sys.executable,
                        repeats=1)
-    shape = gpu.Shape(dim=64, layers=2, heads=4, vocab=128, seq=32, batch=2)
-    (result,) = gpu.run(ctx, shape)
+    (result,) = gpu.run(ctx, gpu.TINY)
     assert not result.skipped and result.verdict == "info"
     assert len(result.ours.values) == 1 and result.ours.values[0] > 0
     if gpu.peak_tflops(torch.cuda.get_device_name(0)) is None:
@@ -269,3 +293,111 @@ def test_the_control_plane_simulation_commits_a_step_with_the_products_functions
     assert sorted(record["files"]) == sorted(
         [".metadata"] + [f"__{r}_0.distcp" for r in range(8)] + [f"rng/rank-{r}.pt" for r in range(8)])
     assert found["commit_bytes"] > 0 and found["metadata_bytes"] > found["plan_bytes"] > 0
+
+
+def _straddling(name: str, samples: list) -> Result:
+    return Result(name, f"{name} figure", ">=", 0.8, samples=list(samples),
+                  ours=Series("o", "x", list(samples)), baseline=Series("b", "x", [1.0] * 3))
+
+
+def test_two_benchmarks_with_extra_rounds_do_not_collide(tmp_path):
+    """Each benchmark works in its own scratch folder, its extra rounds inside it: two
+    benchmarks that both want another round both get it (it used to be one shared
+    workdir/round-1, and the second died with FileExistsError)."""
+    from bench.measure import BenchContext
+
+    seen = []
+
+    def runner(ctx, chosen):
+        seen.append(ctx.workdir)
+        (ctx.workdir / "run-0").mkdir()  # as a real benchmark makes its runs: once per folder
+        first = not ctx.workdir.name.startswith("round-")
+        return [_straddling(chosen[0], [0.7, 0.9, 0.85] if first else [0.95, 0.96, 0.97])]
+
+    ctx = BenchContext(quick=False, workdir=tmp_path, root=tmp_path, python=sys.executable,
+                       repeats=3)
+    results, spent = run.run_all(ctx, [(("a",), runner), (("b",), runner)], ["a", "b"], rounds=1)
+    assert [r.verdict for r in results] == ["pass", "pass"]
+    assert all(len(r.samples) == 6 and len(r.ours.values) == 6 for r in results)
+    assert seen == [tmp_path / "a", tmp_path / "a" / "round-1",
+                    tmp_path / "b", tmp_path / "b" / "round-1"]
+    assert set(spent) == {"a", "b"}
+
+
+def test_a_failing_benchmark_is_reported_and_the_others_keep_their_figures(tmp_path):
+    """A benchmark that raises (even after wiping its own scratch folder) is a "failed: why"
+    row in results.md and makes the exit code 1; the benchmarks before and after it keep
+    their figures and their files."""
+    import shutil
+
+    from bench.measure import BenchContext
+
+    def good(ctx, chosen):
+        (ctx.workdir / "figure.txt").write_text("kept")
+        return [Result(chosen[0], f"{chosen[0]} figure", ">=", 0.8, samples=[0.9, 0.95, 1.0])]
+
+    def broken(ctx, chosen):
+        shutil.rmtree(ctx.workdir)
+        raise FileExistsError("round-1 already there")
+
+    ctx = BenchContext(quick=False, workdir=tmp_path / "w", root=tmp_path,
+                       python=sys.executable, repeats=3)
+    results, _ = run.run_all(ctx, [(("a",), good), (("b", "b2"), broken), (("c",), good)],
+                             ["a", "b", "b2", "c"], rounds=2)
+    assert [(r.bench, r.verdict) for r in results] == [
+        ("a", "pass"), ("b", "failed"), ("b2", "failed"), ("c", "pass")]
+    assert (tmp_path / "w" / "a" / "figure.txt").read_text() == "kept"
+    assert (tmp_path / "w" / "c" / "figure.txt").read_text() == "kept"
+    md = report.write(results, tmp_path / "out", quick=False, elapsed=1.0)
+    assert "| b | info | failed: FileExistsError: round-1 already there |" in md
+    assert "| a figure | >= 0.8 | 0.950 [0.900 - 1.000] (n=3) |" in md
+    assert "| c figure |" in md and md.count("**failed**") == 2
+
+
+def test_an_extra_round_that_fails_keeps_the_first_rounds_figures(tmp_path):
+    from bench.measure import BenchContext
+
+    def runner(ctx, chosen):
+        if ctx.workdir.name.startswith("round-"):
+            raise RuntimeError("disk full")
+        return [_straddling("x", [0.7, 0.9, 0.85])]
+
+    ctx = BenchContext(quick=False, workdir=tmp_path, root=tmp_path, python=sys.executable,
+                       repeats=3)
+    (fig,) = run.run_with_rounds(ctx, runner, ["x"], rounds=2)
+    assert fig.samples == [0.7, 0.9, 0.85] and fig.verdict == "pass"
+    assert "extra round 1 failed: RuntimeError: disk full" in fig.note
+
+
+def test_the_budget_trades_repeats_and_rounds_for_time(tmp_path):
+    from bench import budget
+    from bench.measure import BenchContext
+
+    keys = [group[0] for group, _ in run.RUNNERS if group[0] in run.DEFAULT]
+    assert set(keys) <= set(budget.COSTS)  # every benchmark has an estimate
+    full = budget.choose_repeats(keys, 30 * 60)
+    assert full == budget.MAX_REPEATS and budget.estimate(keys, full) <= 30 * 60
+    assert budget.choose_repeats(keys, 20 * 60) < full
+    assert budget.choose_repeats(keys, 60) == budget.MIN_REPEATS  # never fewer than 3
+    assert run.parse_args(["--budget", "20"]).budget == 20.0
+    with pytest.raises(SystemExit):
+        run.parse_args(["--budget", "0"])
+    # a machine running twice as slow as the estimates leaves no time for an extra round
+    spent = {"overhead": 2 * budget.cost("overhead", 5)}
+    assert budget.slowdown(spent, 5) == pytest.approx(2.0)
+    assert not budget.round_fits("overhead", ["cli"], 5, spent["overhead"], spent, 600)
+    assert budget.round_fits("overhead", ["cli"], 5, 10.0, {}, 3600)
+    # a round that took 50 min (its estimate: 4.4) is not run again in the hour's last 10
+    assert budget.round_fits("overhead", [], 5, 3010.0, {}, 3600)
+    assert not budget.round_fits("overhead", [], 5, 3010.0, {}, 3600, last_round_s=3000)
+    calls = []
+
+    def runner(ctx, chosen):
+        calls.append(1)
+        return [_straddling("x", [0.7, 0.9, 0.85])]
+
+    ctx = BenchContext(quick=False, workdir=tmp_path, root=tmp_path, python=sys.executable,
+                       repeats=3)
+    (fig,) = run.run_with_rounds(ctx, runner, ["x"], rounds=2,
+                                 more_fits=lambda last_round_s: False)
+    assert len(calls) == 1 and fig.straddles

@@ -1,0 +1,70 @@
+"""How many repeats and extra rounds fit in `python -m bench.run --budget MINUTES`.
+
+COSTS holds each benchmark's estimated seconds on 2 quiet cores at the full sizes: a
+fixed part (set-up, the sides that do not repeat) and a part per repeat of `ctx.repeats`
+(0 where a benchmark keeps its own count). They are estimates from the dated runs in
+bench/README.md and from each benchmark's sizes; every run writes what each benchmark
+really took to results.json (`bench_seconds`), from which to correct them. The pure
+functions here choose; run.py measures and asks.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+DEFAULT_BUDGET_MIN = 30.0  # the default full run, on 2 quiet cores
+MIN_REPEATS = 3  # fewer gives no interval for the median
+MAX_REPEATS = 5
+
+# name -> (fixed s, s per repeat); one entry per runner (named by its first --only name)
+COSTS = {
+    "checkpoint": (150.0, 0.0),  # 9 repeats of save/load/resume at 1.6 and 0.4 GB, async
+    "staging": (5.0, 3.0),
+    "text_staging": (10.0, 28.0),  # 200,000 documents tokenized twice per repeat
+    "collect": (5.0, 3.0),
+    "overhead": (5.0, 52.0),  # one pair of 100-step 4-process runs per repeat
+    "lm_overhead": (20.0, 70.0),  # one pair of 40-step 4-process LM runs per repeat
+    "prefetch": (10.0, 5.0),
+    "predict": (10.0, 20.0),  # world 1, world 2 and the bare loop per repeat
+    "metadata": (60.0, 0.0),
+    "recovery": (120.0, 0.0),  # 3 pairs of kill-and-restart runs
+    "control": (270.0, 0.0),  # 64 .. 1,024 simulated ranks, 3 repeats each
+    "submit": (120.0, 0.0),  # a dev Slurm cluster (root only) and 3 pairs
+    "cli": (3.0, 1.0),
+    "gpu": (0.0, 0.0),  # skipped without CUDA; on a GPU machine it runs alone (--only gpu)
+    "scale": (600.0, 0.0),
+}
+
+
+def cost(name: str, repeats: int) -> float:
+    fixed, per = COSTS.get(name, (60.0, 0.0))
+    return fixed + per * repeats
+
+
+def estimate(names: Iterable[str], repeats: int) -> float:
+    return sum(cost(n, repeats) for n in names)
+
+
+def choose_repeats(names: list[str], budget_s: float) -> int:
+    """The most repeats (MIN_REPEATS .. MAX_REPEATS) whose first rounds fit the budget;
+    MIN_REPEATS when none does (the run then says it will overrun)."""
+    for repeats in range(MAX_REPEATS, MIN_REPEATS - 1, -1):
+        if estimate(names, repeats) <= budget_s:
+            return repeats
+    return MIN_REPEATS
+
+
+def slowdown(spent: dict, repeats: int) -> float:
+    """How much slower than the estimates this machine runs today (>= 1): the benchmarks
+    done so far, their time over their estimate."""
+    est = sum(cost(n, repeats) for n in spent)
+    return max(1.0, sum(spent.values()) / est) if est > 0 else 1.0
+
+
+def round_fits(name: str, rest: list[str], repeats: int, elapsed_s: float, spent: dict,
+               budget_s: float, last_round_s: float = 0.0) -> bool:
+    """Another round of `name` fits when it (as long as its last round took, or its
+    estimate, whichever is longer) and the first rounds of the benchmarks still to come
+    (`rest`), at today's slowdown, end within the budget."""
+    factor = slowdown(spent, repeats)
+    again = max(factor * cost(name, repeats), last_round_s)
+    return elapsed_s + again + factor * estimate(rest, repeats) <= budget_s
