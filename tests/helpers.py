@@ -37,6 +37,11 @@ def small_config(tmp_path: Path, name: str = "run", **over) -> dict:
         "checkpoint": {"every_steps": 8, "keep_last": 5},
         "parallel": {"nodes": 2, "procs_per_node": 2},
     }
+    return with_sections(cfg, over)
+
+
+def with_sections(cfg: dict, over: dict) -> dict:
+    """`cfg` with each section of `over` merged into its own (a plain value replaces)."""
     for key, value in over.items():
         cfg.setdefault(key, {}).update(value) if isinstance(value, dict) else cfg.update({key: value})
     return cfg

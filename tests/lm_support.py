@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from enn_cluster.client.llm_assets import corpus, write_texts, write_tiny_model
+from helpers import with_sections
 
 
 def tiny_model(root: Path, arch: str = "llama", **shape) -> Path:
@@ -58,9 +59,7 @@ def lm_config(tmp: Path, model_dir: Path, name: str, rows: int = 64, length: int
         "checkpoint": {"every_steps": 4, "keep_last": 5},
         "parallel": {"nodes": 1, "procs_per_node": 2},
     }
-    for key, value in over.items():
-        cfg.setdefault(key, {}).update(value) if isinstance(value, dict) else cfg.update({key: value})
-    return cfg
+    return with_sections(cfg, over)
 
 
 def hf_loss(model_dir: Path, ids: np.ndarray, labels: np.ndarray) -> float:

@@ -116,39 +116,40 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") 
         model = Run(run.path).load_model(step)
     input_shape = tuple(manifest["entries"]["train_x"]["shape"][1:])
     program = export_program(model, input_shape, cfg.model.name) if fmt == "export" else None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        tmp.mkdir()
+
+    def fill(tmp: Path) -> None:
         state = {k: v.detach().to(torch.float32).contiguous().clone()
                  for k, v in model.state_dict().items()}
         torch.save(state, tmp / STATE_FILE)
         if program is not None:
             torch.export.save(program, str(tmp / PROGRAM_FILE))
-        _write_record(tmp, run, step, fmt, input_shape, manifest)
-        fsync_dir(tmp)
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return _write_artifact(out, fill, run, step, fmt, input_shape, manifest)
 
 
 def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict) -> Path:
-    """A causal LM as a Hugging Face directory (or peft adapter), written under a temporary
-    name and renamed, with export.json."""
+    """A causal LM as a Hugging Face directory (or peft adapter)."""
     from enn_cluster.client.lm_artifacts import write_hf
 
     if cfg.model.task != "causal_lm":
         raise UserError(f"--format: {fmt} is for Hugging Face causal LMs (model.name: hf:DIR); "
                         f"{cfg.model.name} exports with --format torch or export")
+    return _write_artifact(out, lambda tmp: write_hf(cfg, store.step_dir(run.checkpoints, step),
+                                                     tmp, fmt),
+                           run, step, fmt, tuple(manifest["entries"]["train_x"]["shape"][1:]),
+                           manifest)
+
+
+def _write_artifact(out: Path, fill, run: RunDir, step: int, fmt: str, input_shape: tuple,
+                    manifest: dict) -> Path:
+    """`fill(tmp)` writes the artifact's files into a temporary directory beside `out`, which
+    gets export.json and is renamed into place: a failed export leaves nothing."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         tmp.mkdir()
-        write_hf(cfg, store.step_dir(run.checkpoints, step), tmp, fmt)
-        _write_record(tmp, run, step, fmt, tuple(manifest["entries"]["train_x"]["shape"][1:]),
-                      manifest)
+        fill(tmp)
+        _write_record(tmp, run, step, fmt, input_shape, manifest)
         fsync_dir(tmp)
         os.rename(tmp, out)
         fsync_dir(out.parent)
