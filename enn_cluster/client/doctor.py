@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.config.run_config import is_hf_model
+from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.config.memory_plan import DEFAULT_GPU_MEM_GB, ModelShape, refusal
-from enn_cluster.config.run_config import HF_PREFIX, RunConfig, is_hf_model
+from enn_cluster.config.lm_config import HF_PREFIX, is_hf_model
+from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
 

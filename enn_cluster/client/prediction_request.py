@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from enn_cluster.config.run_config import LM_TASK
+from enn_cluster.config.lm_config import LM_TASK
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import prediction_manifest as pm

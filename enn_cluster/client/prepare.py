@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
-from enn_cluster.config.run_config import LM_TASK, MeshPlan, RunConfig, is_hf_model, plan_mesh
+from enn_cluster.config.lm_config import LM_TASK, is_hf_model
+from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
 from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources

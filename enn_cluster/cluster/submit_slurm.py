@@ -139,7 +139,7 @@ def model_mounts(cfg, mounts) -> tuple[str, ...]:
     covers it. A model in the local HF cache mounts its whole cache entry (the snapshot's
     files are links into its blobs)."""
     from enn_cluster.cluster import pyxis
-    from enn_cluster.config.run_config import is_hf_model
+    from enn_cluster.config.lm_config import is_hf_model
 
     if not is_hf_model(cfg.model.name):
         return ()

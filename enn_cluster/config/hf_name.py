@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from enn_cluster.config.run_config import HF_PREFIX
+from enn_cluster.config.lm_config import HF_PREFIX
 from enn_cluster.errors import UserError
 
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from enn_cluster.config.run_config import RunConfig, is_hf_model, plan_mesh
+from enn_cluster.config.lm_config import is_hf_model
+
+from enn_cluster.config.run_config import RunConfig, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch
 
 GB = 1e9

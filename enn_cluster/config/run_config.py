@@ -30,6 +30,7 @@ from enn_cluster.config.checks import (
     check_metrics_path,
     no_credentials_in_url,
 )
+from enn_cluster.config.lm_config import HF_PREFIX, LM_TASK, LoraConfig, is_hf_model
 from enn_cluster.errors import UserError
 
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
@@ -38,14 +39,6 @@ MAX_WRITER_THREADS = 16  # DCP writes one file per thread and rank
 GPU_LOG_EVERY_STEPS = 10  # logging.every_steps 0 on GPU (torchtitan's log_freq)
 GPU_WRITER_THREADS = 4
 MAX_NAME_BYTES = 200  # run_name: a path component, with room for '.NAME.creating-PID'
-
-
-HF_PREFIX = "hf:"  # model.name of a Hugging Face causal LM: hf:/weights/dir or hf:cached-name
-LM_TASK = "causal_lm"
-
-
-def is_hf_model(name: str) -> bool:
-    return str(name).startswith(HF_PREFIX)
 
 
 @dataclass
@@ -92,35 +85,7 @@ class ModelConfig:
         _no_secret_keys("model.kwargs", self.kwargs)
 
 
-MAX_LORA_RANK = 4096
 MAX_TEXT_LENGTH = 1 << 20  # tokens per row
-
-
-@dataclass
-class LoraConfig:
-    r: int = 0  # 0: full fine-tune; > 0: LoRA adapters of rank r, base weights frozen
-    alpha: float = 32.0
-    dropout: float = 0.05
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
-                                                          "o_proj"])
-
-    @property
-    def enabled(self) -> bool:
-        return self.r > 0
-
-    def validate(self) -> None:
-        _non_negative("lora.r", self.r)
-        _bounded("lora.r", max(self.r, 1), MAX_LORA_RANK)
-        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) \
-                or not 0 < self.alpha < 1e6:
-            raise UserError(f"lora.alpha: {self.alpha!r} must be a number > 0, e.g. 32")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"lora.dropout: {self.dropout!r} must be in [0, 1), e.g. 0.05")
-        if not self.target_modules or not all(
-                isinstance(m, str) and m.replace("_", "").replace(".", "").isalnum()
-                for m in self.target_modules):
-            raise UserError("lora.target_modules: must be a non-empty list of module names, "
-                            "e.g. [q_proj, k_proj, v_proj, o_proj]")
 
 
 @dataclass

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enn_cluster.config.run_config import ModelConfig, RunConfig, is_hf_model
+from enn_cluster.config.lm_config import is_hf_model
+
+from enn_cluster.config.run_config import ModelConfig, RunConfig
 from enn_cluster.errors import UserError
 
 

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from enn_cluster.config.hf_name import weights_dir
-from enn_cluster.config.run_config import LoraConfig, RunConfig
+from enn_cluster.config.lm_config import LoraConfig
+from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)

@@ -16,7 +16,9 @@ from typing import Any, Optional, TextIO
 
 import numpy as np
 
-from enn_cluster.config.run_config import LM_TASK, DataConfig, ModelConfig, SyntheticConfig
+from enn_cluster.config.lm_config import LM_TASK
+
+from enn_cluster.config.run_config import DataConfig, ModelConfig, SyntheticConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage.checksum import RunningChecksum
 from enn_cluster.storage.data_sources import local_path, open_npy_stream

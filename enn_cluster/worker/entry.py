@@ -195,7 +195,7 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
     backends are process-wide) are what the task will run with."""
     import torch.distributed as dist
 
-    from enn_cluster.config.run_config import is_hf_model
+    from enn_cluster.config.lm_config import is_hf_model
     from enn_cluster.models import import_factory
     from enn_cluster.worker.model_setup import use_bf16
 

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.errors import UserError
 from enn_cluster.models.causal_lm import CausalLM, hf_name, is_adapter
+from enn_cluster.storage.base_weights import identity
 from enn_cluster.worker.meta_init import copy_local, name_generator
 
 log = logging.getLogger("enn_cluster.worker.lm_weights")
@@ -70,3 +72,12 @@ def load_base(model: nn.Module, weights: Path, group) -> None:
                         f"config.json describes ({first[:200]}); point hf: at the directory "
                         "save_pretrained wrote") from None
     log.info("base weights: %d tensors read from %s (this rank's shards)", len(targets), weights)
+
+
+def frozen_base_identity(cfg, model, lanes):
+    """The identity of the base weights a LoRA run trains on (rank 0 reads the files, every
+    rank gets it); None when every weight trains (the checkpoints hold them all)."""
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return lanes.broadcast_object(identity(weights_dir(cfg.model.name)) if lanes.rank == 0
+                                  else None)

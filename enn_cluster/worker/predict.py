@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from enn_cluster.config.run_config import is_hf_model
+from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.errors import UserError
 from enn_cluster.storage import prediction_collapse
 from enn_cluster.storage import prediction_manifest as pm

@@ -37,6 +37,7 @@ from enn_cluster.worker.evaluation import eval_arrays, mean_eval_loss
 from enn_cluster.worker.fault_injection import maybe_inject_fault, maybe_inject_oom
 from enn_cluster.worker.lanes import Lanes
 from enn_cluster.storage.base_weights import check_same_base
+from enn_cluster.worker.lm_weights import frozen_base_identity
 from enn_cluster.worker.loader import BatchLoader, gather_rows
 from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradient_sync
 from enn_cluster.worker import oom_governor
@@ -63,18 +64,6 @@ from enn_cluster.worker.stop_signals import arm_hard_exit, install_stop_handlers
 from enn_cluster.worker.watchdog import Progress, Watchdog, rank_log_stream
 
 log = logging.getLogger("enn_cluster.worker.trainer")
-
-
-def frozen_base_identity(cfg: RunConfig, model, lanes: Lanes):
-    """The identity of the base weights a LoRA run trains on (rank 0 reads the files, every
-    rank gets it); None when every weight trains (the checkpoints hold them all)."""
-    if all(p.requires_grad for p in model.parameters()):
-        return None
-    from enn_cluster.config.hf_name import weights_dir
-    from enn_cluster.storage.base_weights import identity
-
-    return lanes.broadcast_object(identity(weights_dir(cfg.model.name)) if lanes.rank == 0
-                                  else None)
 
 
 class TrainingAborted(RuntimeError):

@@ -1,0 +1,45 @@
+"""The language-model pieces of the run config: what names a Hugging Face model, its task,
+and the `lora` section (peft adapters over a frozen base)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from enn_cluster.config.checks import _bounded, _non_negative
+from enn_cluster.errors import UserError
+
+HF_PREFIX = "hf:"  # model.name of a Hugging Face causal LM: hf:/weights/dir or hf:cached-name
+LM_TASK = "causal_lm"
+
+
+def is_hf_model(name: str) -> bool:
+    return str(name).startswith(HF_PREFIX)
+
+
+MAX_LORA_RANK = 4096
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # 0: full fine-tune; > 0: LoRA adapters of rank r, base weights frozen
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
+                                                          "o_proj"])
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def validate(self) -> None:
+        _non_negative("lora.r", self.r)
+        _bounded("lora.r", max(self.r, 1), MAX_LORA_RANK)
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) \
+                or not 0 < self.alpha < 1e6:
+            raise UserError(f"lora.alpha: {self.alpha!r} must be a number > 0, e.g. 32")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora.dropout: {self.dropout!r} must be in [0, 1), e.g. 0.05")
+        if not self.target_modules or not all(
+                isinstance(m, str) and m.replace("_", "").replace(".", "").isalnum()
+                for m in self.target_modules):
+            raise UserError("lora.target_modules: must be a non-empty list of module names, "
+                            "e.g. [q_proj, k_proj, v_proj, o_proj]")
