@@ -670,7 +670,7 @@ TAMPERED_MORE = {  # name: (setup, field, commands), as TAMPER
 }
 for tname, tsetup in (("commit-files-list", TAMPERED_MORE["commit-files-list"][0]),
                       ("metadata-payload", TAMPER["metadata-payload"][0])):
-    TRACEBACKS.append(Case(f"run-{tname}-export", RUN_COMMANDS["export"], "--step", tsetup))
+    TRACEBACKS.append(Case(f"run-{tname}-export", RUN_COMMANDS["export"], "step-2", tsetup))
 for tname, (tsetup, tfield, commands) in TAMPERED_MORE.items():
     for command in commands:
         TRACEBACKS.append(Case(f"run-{tname}-{command}", RUN_COMMANDS[command], tfield,

@@ -79,7 +79,8 @@ def choose_step(run: RunDir, step: Optional[int]) -> int:
     committed = store.committed_steps(run.checkpoints)
     if step is None:
         if not committed:
-            raise UserError(f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
+            raise UserError(store.resume_refusal(run.checkpoints) or
+                            f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
                             "resume it first")
         step = committed[-1]
     elif step not in committed:
