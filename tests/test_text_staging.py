@@ -323,5 +323,6 @@ def test_a_cached_model_name_is_found_offline_and_a_missing_one_refused(tmp_path
     cfg["model"]["name"], cfg["run_name"] = "hf:acme/absent", "lm2"
     res = prepare(tmp_path, cfg, env)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "'acme/absent' is neither a directory nor in the local Hugging Face cache" in res.stderr
+    assert "'hf:acme/absent' names no directory with a config.json (and no model in the " \
+        "local Hugging Face cache)" in res.stderr
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["lm"]

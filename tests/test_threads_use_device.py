@@ -21,6 +21,8 @@ from enn_cluster.worker import checkpoint_async, loader, placement
 PACKAGE = Path(__file__).resolve().parents[1] / "enn_cluster"
 STARTS_THREAD = re.compile(r"threading\.Thread\(|ThreadPoolExecutor\(")
 HOST_ONLY = {"storage/staging.py": "runs on the submit host before any worker; no device",
+             "storage/text_staging.py": "tokenizes on the submit host before any worker; "
+                                        "no device",
              "worker/watchdog.py": "reads the progress record, dumps stacks, exits: no torch call"}
 CHECKED_BELOW = {"worker/loader.py", "worker/checkpoint_async.py"}
 

@@ -19,6 +19,7 @@ from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.errors import UserError
 from enn_cluster.models.causal_lm import CausalLM, hf_name, is_adapter
 from enn_cluster.storage.base_weights import identity
+from enn_cluster.storage.dcp_io import SafeLoadPlanner
 from enn_cluster.worker.meta_init import copy_local, name_generator
 
 log = logging.getLogger("enn_cluster.worker.lm_weights")
@@ -65,7 +66,7 @@ def load_base(model: nn.Module, weights: Path, group) -> None:
     targets = base_targets(model)
     try:
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(weights)),
-                 process_group=group)
+                 planner=SafeLoadPlanner(), process_group=group)
     except Exception as exc:  # DCP wraps every rank's error; the first line says which key
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise UserError(f"model.name: the weights in {weights} do not fit the model its "
