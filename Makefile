@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps demo demo-llm test test-torch-floor bench clean
+.PHONY: venv system-deps demo demo-llm test test-fast test-torch-floor bench clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,12 @@ demo-llm: venv
 
 test: venv system-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The edit-test loop, under 5 minutes: no Slurm, podman or Pyxis, and none of the tests a
+# measured full run found slow (tests/tiers.py). `make test` and CI stay the full run.
+test-fast: venv
+	ENN_TEST_TIER=fast $(BIN)/python -m pytest -q -ra -m 'not slurm and not podman and not slow' \
+		$(PYTEST_ARGS)
 
 # The lowest torch we claim (pyproject.toml) runs the core tests in its own venv. PyPI's
 # wheel is a CUDA build (several GB with its nvidia-* dependencies) that runs on CPU, so this

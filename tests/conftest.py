@@ -11,6 +11,20 @@ pytest_plugins = ["slurm_fixture", "pyxis_fixture"]
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test-fast` (ENN_TEST_TIER=fast): the tests a full run timed as slow are left out
+    (tests/tiers.py); every other run keeps them all."""
+    if os.environ.get("ENN_TEST_TIER") != "fast":
+        return
+    from tiers import listed
+
+    slow = listed()
+    keep = [item for item in items if item.nodeid not in slow]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid in slow])
+        items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory):
     """One uninterrupted 2x2 HSDP run of helpers.small_config, shared read-only by the

@@ -134,7 +134,7 @@ def _fix_yaml_floats(data: Any) -> Any:
 def config_from_dict(data: Any) -> RunConfig:
     _check_tree(data, "config")
     cfg = _build(RunConfig, data, "").validate()
-    for key, value in data.items():  # after the fields' own checks, with their wording
+    for key, value in (data or {}).items():  # after the fields' own checks, with their wording
         no_secret_values(str(key), value)
     return cfg
 
