@@ -226,7 +226,7 @@ def test_a_built_in_model_is_planned_from_its_data(tmp_path):
 
 
 @pytest.mark.parametrize("config_json, why", [
-    (None, "no usable config.json"),
+    (None, "names no directory with a config.json"),
     ('{"model_type": "no-such-arch"}', "no usable config.json"),
     ('{"model_type": "t5"}', "'t5' is not a causal LM transformers can build"),
 ])
@@ -237,6 +237,6 @@ def test_a_weights_directory_plan_cannot_build_is_one_line(tmp_path, config_json
     if config_json is not None:
         (tmp_path / "config.json").write_text(config_json)
     cfg = config_from_dict(small_config(tmp_path, model={"name": f"hf:{tmp_path}"}))
-    with pytest.raises(UserError, match=f"^model.name: hf:{tmp_path}: ") as err:
+    with pytest.raises(UserError, match=f"^model.name: '?hf:{tmp_path}'?:? ") as err:
         model_shape(cfg)
     assert why in str(err.value) and "\n" not in str(err.value)

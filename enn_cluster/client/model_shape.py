@@ -6,12 +6,11 @@ for `hf:` models).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from typing import Optional
 
 from enn_cluster.config.memory_plan import DEFAULT_GPU_MEM_GB, ModelShape, refusal
-from enn_cluster.config.lm_config import HF_PREFIX, is_hf_model
+from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
@@ -49,10 +48,13 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     import torch
 
     if is_hf_model(cfg.model.name):
+        from enn_cluster.models import repeated_blocks
+        from enn_cluster.models.causal_lm import bare_lm
+
         with torch.device("meta"):
-            model = _hf_model(cfg.model.name[len(HF_PREFIX):].strip())
+            model = bare_lm(cfg.model.name)
         config = model.config.get_text_config()
-        return _measure(model, _hf_layers(model), int(config.hidden_size), 0,
+        return _measure(model, repeated_blocks(model), int(config.hidden_size), 0,
                         int(config.vocab_size))
     from enn_cluster.models import FeatureTransformer, build_model, model_blocks
 
@@ -66,37 +68,6 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     else:
         tokens, hidden = 1, max(widths, default=1)
     return _measure(model, model_blocks(model), hidden, tokens, 0)
-
-
-def _hf_model(name: str):
-    """`AutoModelForCausalLM.from_config` of the local config.json (never the network)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    where = Path(name).expanduser()
-    try:
-        config = AutoConfig.from_pretrained(str(where) if where.is_dir() else name,
-                                            local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"model.name: {HF_PREFIX}{name}: no usable config.json "
-                        f"({str(exc).splitlines()[0][:160]}); give a weights directory holding "
-                        "config.json, or a name in the local Hugging Face cache") from None
-    try:
-        return AutoModelForCausalLM.from_config(config)
-    except ValueError as exc:
-        raise UserError(f"model.name: {HF_PREFIX}{name}: {config.model_type!r} is not a causal "
-                        f"LM transformers can build ({str(exc).splitlines()[0][:160]})") from None
-
-
-def _hf_layers(model) -> list:
-    """The decoder layers: the ModuleList of the model's `_no_split_modules` class, else the
-    longest ModuleList of blocks of one class."""
-    from torch import nn
-
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
-             and len({type(b) for b in m}) == 1]
-    named = [m for m in lists if type(m[0]).__name__ in names]
-    return list(max(named or lists, key=len, default=[]))
 
 
 def _measure(model, blocks: list, hidden: int, tokens: int, vocab: int) -> ModelShape:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enn_cluster.config.hf_name import weights_dir
-from enn_cluster.config.lm_config import LoraConfig
+from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
@@ -29,9 +29,28 @@ ADAPTER = "default"  # peft's adapter name
 
 
 def hf_config(path: Path):
+    """The weights directory's config.json (never the network); one line when unusable."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"model.name: {HF_PREFIX}{path}: no usable config.json "
+                        f"({str(exc).splitlines()[0][:160]}); give the directory "
+                        "save_pretrained wrote") from None
+
+
+def bare_lm(name: str) -> nn.Module:
+    """The transformers model `name` (`hf:...`) names, built from its config on the current
+    default device, weights random; no LoRA."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(weights_dir(name))
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise UserError(f"model.name: {name}: {config.model_type!r} is not a causal LM "
+                        f"transformers can build ({str(exc).splitlines()[0][:160]})") from None
 
 
 def with_lora(lm: nn.Module, lora: LoraConfig) -> nn.Module:
@@ -94,10 +113,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def build_causal_lm(cfg: RunConfig) -> CausalLM:
     """The model of `cfg` on the current default device, with LoRA where `lora.r` > 0.
     Its weights are random here (meta in the workers): the caller loads the base weights."""
-    from transformers import AutoModelForCausalLM
-
-    config = hf_config(weights_dir(cfg.model.name))
-    lm = AutoModelForCausalLM.from_config(config)
+    lm = bare_lm(cfg.model.name)
     if cfg.lora.enabled:
         lm = with_lora(lm, cfg.lora)
     return CausalLM(lm)
