@@ -76,6 +76,12 @@ def test_predicted_scores_equal_a_plain_transformers_forward(trained):
     from transformers import AutoModelForCausalLM
 
     x, scores = _predict(trained, "scores")
+    logs = max((d for d in (trained["run"] / "logs").iterdir() if d.is_dir()),
+               key=lambda d: d.stat().st_mtime)
+    said = [(logs / f"rank-{r}.log").read_text() for r in range(2)]
+    # one node of 2 ranks: rank 0 reads the base weights and the checkpoint, rank 1 receives
+    assert "tensors from the checkpoint, the rest from" in said[0], said[0][-2000:]
+    assert "LM replica of step-" in said[1] and "received from rank 0" in said[1], said[1][-2000:]
     model = AutoModelForCausalLM.from_pretrained(str(trained["tmp"] / "hf")).eval()
     for row, (mean, n) in zip(x, scores):
         ids = torch.from_numpy(row[row >= 0]).long()[None]

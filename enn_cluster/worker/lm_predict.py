@@ -7,7 +7,8 @@ N tokens (greedy, or sampled from a generator seeded by the request's seed and t
 index, so a restarted chunk draws the same), padded with -1 after the end-of-sequence token.
 
 Each rank holds a whole replica: the base weights read from the weights directory, the
-checkpoint's tensors (all of them, or a LoRA run's adapters, then merged) on top.
+checkpoint's tensors (all of them, or a LoRA run's adapters, then merged) on top, read by
+the first rank of each node and handed to the node's other ranks (as predict_weights does).
 """
 from __future__ import annotations
 
@@ -23,32 +24,49 @@ from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import safe_load
 from enn_cluster.storage.model_structure import with_storage
 from enn_cluster.worker import lm_weights
+from enn_cluster.worker.lm_weights import frozen_base_identity
+from enn_cluster.worker.predict_weights import fill, node_readers
 
 log = logging.getLogger("enn_cluster.worker.predict")
 PAD = -1  # a position past the row's end
 
 
-def lm_replica(cfg, checkpoints, step: int, lanes, dtype: torch.dtype) -> CausalLM:
-    """The model of step-N, whole on this rank, in `dtype`, LoRA merged (collective)."""
+@torch.no_grad()
+def lm_replica(cfg, checkpoints, step: int, lanes, node: int, dtype: torch.dtype) -> CausalLM:
+    """The model of step-N, whole on this rank, in `dtype`, LoRA merged (collective). The
+    first rank of each node reads the base weights and the checkpoint; the node's other
+    ranks receive every tensor from it (predict_weights.node_readers)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     with torch.device("meta"):
         model = build_causal_lm(cfg)
     with_storage(model, lanes.device)
     path = store.step_dir(checkpoints, step)
-    lm_weights.initialize(model, weights_dir(cfg.model.name), cfg.training.seed, lanes.control)
-    if model.has_lora:
-        saved = base_weights.identity(weights_dir(cfg.model.name))
-        base_weights.check_same_base(store.read_commit(path).get("base_weights"), saved, step)
-    held = {k.removeprefix("model.") for k in FileSystemReader(str(path)).read_metadata()
-            .state_dict_metadata if k.startswith("model.")}
-    state = {k: v for k, v in model.state_dict().items() if k in held}
-    safe_load({"model": state}, path, process_group=lanes.control)
+    weights = weights_dir(cfg.model.name)
+    _check_base(path, step, frozen_base_identity(cfg, model, lanes))
+    lm_weights.init_computed(model, cfg.training.seed)  # buffers and adapters: every rank
+    with node_readers(lanes, node, cfg) as (src, readers, group):
+        state = model.state_dict()
+        held = []
+        if lanes.rank == src:
+            lm_weights.load_base(model, weights, readers)
+            held = [k.removeprefix("model.") for k in FileSystemReader(str(path))
+                    .read_metadata().state_dict_metadata if k.startswith("model.")]
+            safe_load({"model": {k: state[k] for k in held if k in state}}, path,
+                      process_group=readers)
+        fill(state, dict(state) if lanes.rank == src else None, src, group)
     if model.has_lora:
         model = CausalLM(model.lm.merge_and_unload())
-    log.info("LM replica of step-%d: %d tensors from the checkpoint, the rest from %s",
-             step, len(state), weights_dir(cfg.model.name))
+    log.info("LM replica of step-%d: %s", step, f"{len(held)} tensors from the checkpoint, "
+             f"the rest from {weights}" if lanes.rank == src else f"received from rank {src}")
     return model.to(dtype).eval()
+
+
+def _check_base(path, step: int, base) -> None:
+    """A LoRA checkpoint predicts only over the base weights it was trained on (every rank
+    decides alike: `base` is rank 0's reading, broadcast)."""
+    if base is not None:
+        base_weights.check_same_base(store.read_commit(path).get("base_weights"), base, step)
 
 
 def score(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
@@ -92,10 +110,8 @@ def sharded_lm(cfg, run, chosen: int, env, lanes, input_shape: tuple):
 
     sm = build_sharded_model(cfg, read_manifest(run.data_dir), env, lanes, input_shape)
     ckpt.load(run.checkpoints, chosen, sm.model, None, lanes)
-    if any(not p.requires_grad for p in sm.model.parameters()):
-        base_weights.check_same_base(
-            store.read_commit(store.step_dir(run.checkpoints, chosen)).get("base_weights"),
-            base_weights.identity(weights_dir(cfg.model.name)), chosen)
+    _check_base(store.step_dir(run.checkpoints, chosen), chosen,
+                frozen_base_identity(cfg, sm.model, lanes))
     log.info("LM of step-%d sharded over %d ranks (%s)", chosen, lanes.world_size,
              sm.plan.strategy)
     return sm.model.eval()

@@ -28,12 +28,19 @@ log = logging.getLogger("enn_cluster.worker.lm_weights")
 @torch.no_grad()
 def initialize(model: CausalLM, weights: Path, seed: int, group) -> None:
     """Fill a model whose tensors have storage but no values (collective over `group`)."""
+    init_computed(model, seed)
+    load_base(model, weights, group)
+
+
+@torch.no_grad()
+def init_computed(model: CausalLM, seed: int) -> None:
+    """What no file holds, computed alike on every rank: the non-persistent buffers
+    (transformers' own rule: rotary inv_freq) and the adapters (seeded by name)."""
     base = model.base()
     for module in base.modules():
         if module._non_persistent_buffers_set:
-            base._init_weights(module)  # transformers' own rule (rotary inv_freq)
+            base._init_weights(module)
     init_adapters(model, seed)
-    load_base(model, weights, group)
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:

@@ -242,8 +242,8 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
     elif is_hf_model(cfg.model.name):
         from enn_cluster.worker.lm_predict import lm_replica
 
-        writer = LMChunkWriter(pdir, lm_replica(cfg, run.checkpoints, chosen, lanes, dtype), x,
-                               request, lanes)
+        model = lm_replica(cfg, run.checkpoints, chosen, lanes, env.node_rank, dtype)
+        writer = LMChunkWriter(pdir, model, x, request, lanes)
         first_done = False
     else:
         model, first_fp32 = load_replica(run, cfg, chosen, x.shape[1:], lanes, env.node_rank,

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Optional
 
@@ -99,7 +100,7 @@ def _fp32_forward(model: nn.Module, weights: dict, rows: np.ndarray) -> torch.Te
 
 
 @torch.no_grad()
-def _fill(state: dict, read: Optional[dict], src: int, group) -> None:
+def fill(state: dict, read: Optional[dict], src: int, group) -> None:
     """Fill the replica one tensor at a time: a reader casts rank 0's fp32 tensors into it
     (each freed as it goes), the node's other ranks receive every tensor from `src`
     (through one host tensor at a time where the replica is on a GPU)."""
@@ -119,6 +120,28 @@ def _fill(state: dict, read: Optional[dict], src: int, group) -> None:
             dst.copy_(host)
 
 
+@contextmanager
+def node_readers(lanes, node: int, cfg):
+    """(the rank that reads for this node, the readers' group, this node's group or None):
+    the first rank of each node reads the shared filesystem (the readers together, through
+    DCP) and hands each tensor to its node's other ranks (collective; the groups are
+    destroyed on exit). With one rank per node every rank reads and no node group exists."""
+    leaders, members = node_groups(lanes.gather_objects(node))
+    src = members[node][0]
+    if len(leaders) == lanes.world_size:
+        yield src, lanes.control, None
+        return
+    wait = timedelta(seconds=cfg.checkpoint.barrier_timeout_s or cfg.parallel.timeout_s)
+    readers = dist.new_group(leaders, backend="gloo", timeout=wait)
+    groups = {n: dist.new_group(ranks, backend="gloo", timeout=wait)
+              for n, ranks in sorted(members.items())}
+    try:
+        yield src, readers, groups[node]
+    finally:
+        for group in [readers, *groups.values()]:
+            dist.destroy_process_group(group)
+
+
 def load_replica(run: RunDir, cfg, step: int, input_shape: tuple, lanes, node: int,
                  dtype: torch.dtype, check_rows: Optional[np.ndarray] = None):
     """(this rank's replica with the weights of step-N, the fp32 output on `check_rows`
@@ -128,25 +151,16 @@ def load_replica(run: RunDir, cfg, step: int, input_shape: tuple, lanes, node: i
     model = empty_replica(cfg, read_manifest(run.data_dir), input_shape, dtype, lanes.device)
     state = model.state_dict()
     path = store.step_dir(run.checkpoints, step)
-    leaders, members = node_groups(lanes.gather_objects(node))
-    src = members[node][0]
-    read = _read_targets(state, fp32=check_rows is not None) if lanes.rank == src else None
     reference = None
-    everyone = len(leaders) == lanes.world_size  # one rank per node: everyone reads
-    wait = timedelta(seconds=cfg.checkpoint.barrier_timeout_s or cfg.parallel.timeout_s)
-    readers = None if everyone else dist.new_group(leaders, backend="gloo", timeout=wait)
-    groups = {} if everyone else {n: dist.new_group(ranks, backend="gloo", timeout=wait)
-                                  for n, ranks in sorted(members.items())}
-    if read is not None:
-        ckpt.safe_load({"model": read}, path,
-                       process_group=lanes.control if everyone else readers)
-        if check_rows is not None:
-            reference = _fp32_forward(model, read, check_rows)
-    _fill(state, read, src, groups.get(node))
+    with node_readers(lanes, node, cfg) as (src, readers, group):
+        read = _read_targets(state, fp32=check_rows is not None) if lanes.rank == src else None
+        if read is not None:
+            ckpt.safe_load({"model": read}, path, process_group=readers)
+            if check_rows is not None:
+                reference = _fp32_forward(model, read, check_rows)
+        fill(state, read, src, group)
     log.info("weights of step-%d: %s (%s%s)", step, "read from the checkpoint for this node"
-             if read is not None else f"received from rank {src} on this node",
+             if lanes.rank == src else f"received from rank {src} on this node",
              "read in float32 for the precision check, " if reference is not None else "",
              str(dtype).replace("torch.", ""))
-    for group in ([] if everyone else [readers, *groups.values()]):
-        dist.destroy_process_group(group)
     return model, reference
