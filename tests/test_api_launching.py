@@ -11,29 +11,38 @@ import textwrap
 
 import pytest
 
-from enn_cluster.client.api import _shape, _slurm_request
+from enn_cluster.client.api import _plan, _slurm_request
 from enn_cluster.client.cli import build_parser
-from enn_cluster.client.cli_ops import slurm_request
-from enn_cluster.client.launching import check_slurm_spec
+from enn_cluster.client.cli_ops import plan_from_flags, slurm_request
 from enn_cluster.config.loading import config_from_dict
+from enn_cluster.storage.rundir import run_dir_for
 from helpers import ROOT, metrics, small_config
+
+
+def _api_job(cfg, cluster):
+    """The Slurm job the API's `cluster=` dict plans for a new run of `cfg`."""
+    return _plan(cfg, cluster, "train", _slurm_request(cluster)).for_job(
+        run_dir_for(cfg).path).spec
+
+
+def _cli_job(cfg, argv):
+    """The Slurm job `enn-submit ARGV` plans for a new run of `cfg`."""
+    return plan_from_flags(build_parser().parse_args(argv), cfg,
+                           run_dir=run_dir_for(cfg).path).spec
 
 
 def test_api_cluster_dict_and_cli_flags_build_the_same_slurm_job(tmp_path, monkeypatch):
     monkeypatch.delenv("ENN_SITE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)
     cfg = config_from_dict(small_config(tmp_path, "same"))
-    flags = build_parser().parse_args([
+    flags = [
         "train", "--cluster", "slurm", "--nodes", "2-3", "--gpus-per-node", "4",
         "--partition", "gpu", "--account", "proj", "--time", "30", "--container", "/img/e.sqsh",
-        "--mount", "/data:/data", "--exclusive", "--job-name", "exp-1"])
+        "--mount", "/data:/data", "--exclusive", "--job-name", "exp-1"]
     cluster = {"nodes": "2-3", "gpus_per_node": 4, "partition": "gpu", "account": "proj",
                "time": "30", "container": "/img/e.sqsh", "mounts": ["/data:/data"],
                "exclusive": True, "job_name": "exp-1"}
-    slurm = _slurm_request(cluster)
-    shape = _shape(cfg, cluster, slurm)
-    from_cli = check_slurm_spec(slurm_request(flags), cfg, "train", shape, 1)
-    from_api = check_slurm_spec(slurm, cfg, "train", shape, 1)
+    from_cli, from_api = _cli_job(cfg, flags), _api_job(cfg, cluster)
     assert from_api == from_cli
     assert from_cli.node_range == (2, 3) and from_cli.exclusive and from_cli.job_name == "exp-1"
 
@@ -133,12 +142,8 @@ def test_memory_per_node_from_site_and_flag_reaches_the_job(tmp_path, monkeypatc
     monkeypatch.setenv("ENN_SITE_CONFIG", str(site))
     cfg = config_from_dict(small_config(tmp_path, "mem"))
     base = ["train", "--cluster", "slurm", "--container", "/img/e.sqsh", "--nodes", "2"]
-    shape = _shape(cfg, {"nodes": 2}, _slurm_request({"nodes": 2}))
-    from_site = check_slurm_spec(slurm_request(build_parser().parse_args(base)), cfg, "train", shape, 0)
-    from_flag = check_slurm_spec(slurm_request(build_parser().parse_args(base + ["--mem-gb", "64"])),
-                                 cfg, "train", shape, 0)
-    from_api = check_slurm_spec(_slurm_request({"nodes": 2, "container": "/img/e.sqsh",
-                                                "mem_gb": 0}), cfg, "train", shape, 0)
+    from_site, from_flag = _cli_job(cfg, base), _cli_job(cfg, base + ["--mem-gb", "64"])
+    from_api = _api_job(cfg, {"nodes": 2, "container": "/img/e.sqsh", "mem_gb": 0})
     assert (from_site.mem_gb, from_flag.mem_gb, from_api.mem_gb) == (32, 64, 0)
     assert "#SBATCH --mem=64G" in job_spec.render_batch_script(from_flag) or \
         "--mem=64" in job_spec.render_batch_script(from_flag)

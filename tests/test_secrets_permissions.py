@@ -83,9 +83,9 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     from enn_cluster.cluster import job_spec
     from enn_cluster.client.cli import build_parser
     from enn_cluster.client.cli_ops import slurm_request
-    from enn_cluster.client.launching import check_slurm_spec
+    from enn_cluster.client.launch_plan import LaunchShape, plan_shape
     from enn_cluster.config.loading import config_from_dict
-    from enn_cluster.client.prepare import LaunchShape
+    from enn_cluster.storage.rundir import run_dir_for
     from render_support import make_submitit_script
 
     tokens = secrets()
@@ -98,7 +98,8 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     args = build_parser().parse_args(["train", "--cluster", "slurm", "--container",
                                       "/shared/images/enn.sqsh", "--site", str(site)])
     cfg = config_from_dict(small_config(tmp_path, "sec"))
-    spec = check_slurm_spec(slurm_request(args), cfg, "train", LaunchShape(2, 2), 0)
+    spec = plan_shape(cfg, LaunchShape(2, 2), slurm=slurm_request(args)).for_job(
+        run_dir_for(cfg).path).spec
     text = repr(job_spec.submitit_parameters(spec)) + repr(job_spec.submitit_executor_kwargs(spec))
     text += make_submitit_script(spec, str(tmp_path / "submitit"))
     text += job_spec.render_batch_script(spec)

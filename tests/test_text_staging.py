@@ -214,7 +214,8 @@ def prepare(tmp_path, cfg: dict, env=None):
 
 
 def test_prepare_stages_once_and_resume_never_tokenizes_again(tmp_path, model_dir):
-    from enn_cluster.client.prepare import LaunchShape, prepare_resume
+    from enn_cluster.client.launch_plan import LaunchShape, plan_shape
+    from enn_cluster.client.prepare import prepare_resume, resumed_config
     from enn_cluster.storage.rundir import RunDir
 
     weights = tmp_path / "weights"
@@ -231,7 +232,9 @@ def test_prepare_stages_once_and_resume_never_tokenizes_again(tmp_path, model_di
     train.unlink()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (weights / name).unlink()
-    cfg = prepare_resume(run, run.load_config(), LaunchShape(1, 2), ["training.epochs=2"])
+    loaded = run.load_config()
+    cfg = prepare_resume(run, loaded, plan_shape(resumed_config(loaded, ["training.epochs=2"]),
+                                                 LaunchShape(1, 2)))
     assert cfg.parallel.procs_per_node == 2 and cfg.training.epochs == 2
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
              for p in run.data_dir.iterdir()}

@@ -18,18 +18,18 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from enn_cluster.client.launch_plan import LaunchPlan, Machine, ShapeRequest, plan_launch
 from enn_cluster.client.launching import (
-    checked_shape,
     create_train_run,
     launch_detached,
     removed_if_never_run,
     resolved_config,
-    slurm_spec,
+    submit_plan,
     wait_for_job,
 )
-from enn_cluster.client.prepare import LaunchShape, run_local
+from enn_cluster.client.prepare import run_local
 from enn_cluster.client.run_handle import Run
-from enn_cluster.cluster.submit_slurm import SlurmRequest, submit
+from enn_cluster.cluster.submit_slurm import SlurmRequest
 from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
@@ -147,13 +147,17 @@ def _slurm_request(cluster: Optional[dict], read_site=None) -> Optional[SlurmReq
                         site_config=(read_site or _site_reader(cluster))())
 
 
-def _shape(cfg: RunConfig, cluster: Optional[dict], slurm: Optional[SlurmRequest]) -> LaunchShape:
-    c = cluster or {}
-    gpus = c.get("gpus_per_node")
-    if slurm is not None and gpus is None:  # a Slurm job: the site config may know
-        gpus = slurm.site_config.gpus_per_node
-    return checked_shape(cfg, c.get("nodes"), gpus, c.get("procs_per_node"),
-                         local=slurm is None)
+def _plan(cfg: RunConfig, cluster: Optional[dict], task: str,
+          slurm: Optional[SlurmRequest]) -> LaunchPlan:
+    """The CLI's launch plan for the API's `cluster=` dict (a dict: Slurm; None: here); its
+    warnings as Python's."""
+    import warnings
+
+    plan = plan_launch(cfg, ShapeRequest.from_cluster(cluster), task, slurm=slurm,
+                       machine=Machine.here() if slurm is None else None)
+    for line in plan.warnings:
+        warnings.warn(line, RuntimeWarning, stacklevel=3)
+    return plan
 
 
 def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[dict] = None,
@@ -176,8 +180,6 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
     if isinstance(model, str):
         cfg.model.name = model
     slurm = _slurm_request(cluster, read_site)
-    shape = _shape(cfg, cluster, slurm)
-    restarts = cfg.parallel.max_restarts
 
     def populate(run: RunDir) -> None:
         if structure is not None:
@@ -188,30 +190,26 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
         final = Path(cfg.runs_root).expanduser().resolve() / cfg.run_name
         cfg.model.name = FACTORY
         cfg.model.kwargs = {"path": str(final / MODEL_PICKLE)}
-    run, frozen, spec = create_train_run(cfg, shape, restarts, slurm,
-                                         arrays=_arrays(X, y, eval_data), populate_extra=populate)
-    return _start(run, "train", shape, restarts, slurm, wait, cfg=frozen, spec=spec)
+    run, plan = create_train_run(_plan(cfg, cluster, "train", slurm),
+                                 arrays=_arrays(X, y, eval_data), populate_extra=populate)
+    return _start(run, plan, wait, fresh=True)
 
 
-def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int,
-           slurm: Optional[SlurmRequest], wait: bool,
-           name: Optional[str] = None, step: Optional[int] = None, *, cfg: RunConfig,
-           spec=None) -> Run:
+def _start(run: RunDir, plan: LaunchPlan, wait: bool, name: Optional[str] = None,
+           step: Optional[int] = None, *, fresh: bool = False) -> Run:
     """The API's launch: the CLI's functions, with its own returns (a Run, an exception).
-    `spec`: the JobSpec of a run `train` just made (refused: the run is removed, as the
-    CLI's is)."""
-    if slurm is not None:
-        with removed_if_never_run(run) if spec is not None else nullcontext():
-            job = submit(run, spec or slurm_spec(slurm, run, task, shape, restarts, name=name,
-                                                 cfg=cfg), step=step, cfg=cfg)
+    `fresh`: a run `train` just made (refused by sbatch: the run is removed, as the CLI's is)."""
+    if plan.slurm is not None:
+        with removed_if_never_run(run) if fresh else nullcontext():
+            job = submit_plan(run, plan, name, step)
         if wait and wait_for_job(job, run=run) != 0:
             raise RuntimeError(f"Slurm job {job} for {run.path} did not complete; "
                                f"see 'enn-submit logs {run.path}'")
         return Run.open(run.path)
     if not wait:
-        launch_detached(run, task, shape, restarts)
+        launch_detached(run, plan)
         return Run.open(run.path)
-    code = run_local(run, task, shape, restarts, name=name, step=step, cfg=cfg)
+    code = run_local(run, plan, name=name, step=step)
     if code != 0:
         raise RuntimeError(f"workers for {run.path} exited with code {code}; "
                            f"see 'enn-submit logs {run.path}'")
@@ -245,15 +243,13 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
 
     run = RunDir(Path(getattr(run_or_dir, "path", run_or_dir)).resolve())
     cfg = run.load_config()
-    slurm = _slurm_request(cluster)
-    shape = _shape(cfg, cluster, slurm)
+    plan = _plan(cfg, cluster, "predict", _slurm_request(cluster))
     check_prediction_inputs(run, cfg, X)
     request = prepare_prediction(run, X, name=name, step=step,
                                  chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS,
                                  batch_size=batch_size or DEFAULT_BATCH_SIZE, cfg=cfg)
     if not request.complete:
-        _start(run, "predict", shape, cfg.parallel.max_restarts, slurm, True,
-               name=request.name, step=request.step, cfg=cfg)
+        _start(run, plan, True, name=request.name, step=request.step)
     target = out or str(request.path / ASSEMBLED[1 if raw else 0])
     result = collect(run, request.name, target, raw=raw, overwrite=out is None)
     for line in result.warnings:

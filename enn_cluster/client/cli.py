@@ -15,17 +15,14 @@ from enn_cluster.client.cli_ops import (
     cmd_cancel,
     cmd_logs,
     cmd_render,
-    launch_from_flags,
-    launch_shape,
+    plan_from_flags,
     site_config,
-    slurm_request,
 )
 from enn_cluster.client.launching import (
     check_control_files,
     create_train_run,
     launch,
     load_flagged_config,
-    max_restarts,
     removed_if_never_run,
 )
 from enn_cluster.errors import UserError
@@ -165,25 +162,15 @@ def _load_train_config(args):
                                args.runs_root, read_site=lambda: site_config(args))
 
 
-def _site_shape_defaults(args) -> None:
-    """A Slurm job's GPUs per node come from the site config when the flag is not given."""
-    if getattr(args, "gpus_per_node", 0) is None and \
-            (getattr(args, "cluster", None) == "slurm" or args.command == "render"):
-        args.gpus_per_node = site_config(args).gpus_per_node
-
-
 def cmd_train(args) -> int:
     cfg = _load_train_config(args)
-    shape = launch_shape(args, cfg)
-    restarts = max_restarts(args.max_restarts, cfg)
-    slurm = slurm_request(args) if args.cluster == "slurm" else None
-    run, cfg, spec = create_train_run(cfg, shape, restarts, slurm,
-                                      gpu_mem_gb=site_config(args).gpu_mem_gb)
-    if slurm is None:
+    run, plan = create_train_run(plan_from_flags(args, cfg),
+                                 gpu_mem_gb=site_config(args).gpu_mem_gb)
+    if plan.slurm is None:
         print(f"run directory: {run.path}", file=sys.stderr)
-        return launch(run, "train", shape, restarts, cfg=cfg)
+        return launch(run, plan)
     with removed_if_never_run(run):
-        code = launch(run, "train", shape, restarts, slurm, spec=spec, cfg=cfg)
+        code = launch(run, plan)
     print(f"run directory: {run.path}", file=sys.stderr)
     return code
 
@@ -194,12 +181,13 @@ def cmd_prepare(args) -> int:
     import shlex
 
     from enn_cluster.client.model_shape import check_fits
-    from enn_cluster.client.prepare import prepare_run, shape_from_flags
+    from enn_cluster.client.prepare import prepare_run_and_config
 
     cfg = _load_train_config(args)
-    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
-    check_fits(cfg, shape.nodes, shape.gpus_per_node, site_config(args).gpu_mem_gb)
-    run = prepare_run(cfg, shape)
+    plan = plan_from_flags(args, cfg, machine=False)  # the external launcher places them
+    shape = plan.shape
+    check_fits(plan.cfg, shape.nodes, shape.gpus_per_node, site_config(args).gpu_mem_gb)
+    run, _ = prepare_run_and_config(plan)
     path = shlex.quote(str(run.path))
     print(run.path)
     print(f"start every task with: python -m enn_cluster.worker {path} --task train\n"
@@ -209,7 +197,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from enn_cluster.client.prepare import prepare_resume
+    from enn_cluster.client.prepare import prepare_resume, resumed_config
     from enn_cluster.storage.rundir import RunDir
 
     run = RunDir(Path(args.run_dir).resolve())
@@ -220,10 +208,9 @@ def cmd_resume(args) -> int:
     refusal = resume_refusal(run.checkpoints)
     if refusal:
         raise UserError(refusal)
-    shape = launch_shape(args, cfg)
-    cfg = prepare_resume(run, cfg, shape, args.overrides)
-    return launch_from_flags(args, run, "train", shape, max_restarts(args.max_restarts, cfg),
-                             cfg=cfg)
+    plan = plan_from_flags(args, resumed_config(cfg, args.overrides), run_dir=run.path)
+    prepare_resume(run, cfg, plan)
+    return launch(run, plan)
 
 
 def cmd_build(args) -> int:
@@ -356,7 +343,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        _site_shape_defaults(args)
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"enn-submit: error: {one_line(str(exc))}", file=sys.stderr)

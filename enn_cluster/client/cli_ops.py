@@ -7,14 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from enn_cluster.client.launching import (
-    ConfigOnlyRun,
-    cancel_run,
-    checked_shape,
-    launch,
-    load_flagged_config,
-    slurm_spec,
-)
+from enn_cluster.client.launch_plan import LaunchPlan, Machine, ShapeRequest, plan_launch
+from enn_cluster.client.launching import cancel_run, load_flagged_config
 from enn_cluster.cluster.submit_slurm import SlurmRequest
 from enn_cluster.errors import UserError
 from enn_cluster.storage.attempts import attempt_dirs
@@ -51,25 +45,25 @@ def slurm_request(args) -> SlurmRequest:
         wait=bool(getattr(args, "wait", False)))
 
 
-def launch_shape(args, cfg):
-    """The shape the flags ask for; a local run's also checked against this machine."""
-    return checked_shape(cfg, args.nodes, args.gpus_per_node, args.procs_per_node,
-                         local=getattr(args, "cluster", "local") != "slurm")
-
-
-def launch_from_flags(args, run: RunDir, task: str, shape, restarts: int, name=None,
-                      step=None, cfg=None) -> int:
-    """Start the workers where --cluster says, for a run that exists (resume, predict);
-    `cfg`: the run's config as the command loaded it."""
-    slurm = slurm_request(args) if args.cluster == "slurm" else None
-    return launch(run, task, shape, restarts, slurm, name=name, step=step, cfg=cfg)
+def plan_from_flags(args, cfg, task: str = "train", run_dir=None, *,
+                    machine: bool = True) -> LaunchPlan:
+    """The launch plan of a command's flags (launch_plan.plan_launch): on Slurm with
+    --cluster slurm (render: always), else checked against this machine (`machine`: the
+    processes start here). Its warnings are printed here, once."""
+    slurm = slurm_request(args) if getattr(args, "cluster", None) == "slurm" or \
+        args.command == "render" else None
+    plan = plan_launch(cfg, ShapeRequest.from_flags(args), task, slurm=slurm,
+                       machine=Machine.here() if slurm is None and machine else None,
+                       run_dir=run_dir, name=getattr(args, "name", None) if run_dir else None)
+    for line in plan.warnings:
+        print(f"enn-submit: warning: {line}", file=sys.stderr)
+    return plan
 
 
 def cmd_render(args) -> int:
     """Print, byte for byte, the batch script `train`/`resume`/`predict --cluster slurm`
     would hand to sbatch for this run (dry run, nothing written); CPUs per task sized as
     submit sizes them, from the partition's nodes where Slurm can be asked from here."""
-    from enn_cluster.client.prepare import shape_from_flags
     from enn_cluster.cluster.submit_slurm import (
         batch_script,
         sized_for_nodes,
@@ -86,12 +80,8 @@ def cmd_render(args) -> int:
         cfg = load_flagged_config(str(target), args.overrides, args.site,
                                   read_site=lambda: site_config(args))
         run = run_dir_for(cfg)
-    shape = shape_from_flags(cfg, args.nodes, args.gpus_per_node, args.procs_per_node)
-    restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
-
-    spec_run = run if run.has_config else ConfigOnlyRun(run.path, cfg)
-    spec, warning = sized_for_nodes(
-        slurm_spec(slurm_request(args), spec_run, args.task, shape, restarts, args.name))
+    plan = plan_from_flags(args, cfg, args.task, run.path)
+    spec, warning = sized_for_nodes(plan.spec)
     sys.stdout.write(batch_script(slurm_executor(spec, submitit_folder(run.path))))
     if warning:  # submit refuses a GPU job that this line names
         print(f"enn-submit: warning: submit refuses this job: {warning}"

@@ -42,8 +42,8 @@ def register(sub, add_shape_flags, commands) -> None:
 
 
 def cmd_predict(args) -> int:
-    from enn_cluster.client.cli_ops import launch_from_flags, launch_shape
-    from enn_cluster.client.launching import max_restarts
+    from enn_cluster.client.cli_ops import plan_from_flags
+    from enn_cluster.client.launching import launch
     from enn_cluster.client.prediction_request import (
         DEFAULT_BATCH_SIZE,
         DEFAULT_CHUNK_ROWS,
@@ -55,9 +55,8 @@ def cmd_predict(args) -> int:
     run = RunDir(Path(args.run_dir).resolve())
     cfg = run.load_config()
     check_prediction_inputs(run, cfg, args.input)
-    shape = launch_shape(args, cfg)
-    restarts = max_restarts(args.max_restarts, cfg)
-    sharded = sharded_prediction(args, cfg, shape)
+    plan = plan_from_flags(args, cfg, "predict")
+    sharded = sharded_prediction(args, cfg, plan.shape)
     request = prepare_prediction(
         run, args.input, name=args.name, step=args.step,
         chunk_rows=DEFAULT_CHUNK_ROWS if args.chunk_rows is None else args.chunk_rows,
@@ -69,8 +68,7 @@ def cmd_predict(args) -> int:
               file=sys.stderr)
         print(request.name)
         return 0
-    code = launch_from_flags(args, run, "predict", shape, restarts, name=request.name,
-                             step=request.step, cfg=cfg)
+    code = launch(run, plan, name=request.name, step=request.step)
     if args.cluster == "local":  # on Slurm, stdout carries the job id
         if code == 0:
             print(f"prediction {request.name} committed; assemble it with: {hint}",

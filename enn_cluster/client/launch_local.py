@@ -24,6 +24,7 @@ from typing import Optional
 from enn_cluster.errors import UserError
 from enn_cluster.config.launch_env import (
     ATTEMPT_VAR,
+    GPUS_REQUESTED_VAR,
     LAUNCH_ID_VAR,
     LAUNCHER_PID_VAR,
     LOCK_HELD_VAR,
@@ -101,7 +102,7 @@ def _environ(updates: dict):
 
 
 def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per_node: int = 2,
-                 max_restarts: int = 0, name: Optional[str] = None,
+                 gpus_per_node: int = 0, max_restarts: int = 0, name: Optional[str] = None,
                  step: Optional[int] = None, launch_id: str = "local",
                  stop_grace_s: float = 60.0) -> int:
     """Run the worker on nodes x procs_per_node local processes; return the job's exit code.
@@ -110,6 +111,7 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
     may take to checkpoint after a TERM or INT before the agent kills it."""
     worker_env = {
         SIM_NODES_VAR: str(nodes),
+        GPUS_REQUESTED_VAR: str(gpus_per_node),  # the backend report's gpus_requested
         "PYTHONPATH": caller_pythonpath(sys.path, tuple({sys.prefix, sys.base_prefix,
                                                           sys.exec_prefix}),
                                         os.environ.get("PYTHONPATH", "")),

@@ -1,6 +1,6 @@
 """Run a task of a run, watch it, cancel it: the functions behind both the CLI and the
-Python API. They take values (a LaunchShape, a SlurmRequest), never parsed CLI flags, so
-the two front ends cannot drift; each front end only turns its own input into these.
+Python API. They take a LaunchPlan (launch_plan.plan_launch), never parsed CLI flags, so
+the two front ends cannot drift; each front end only turns its own input into a plan.
 
 No torch here: these must answer fast on a login node.
 """
@@ -15,16 +15,15 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec, submit, submitit_folder
+from enn_cluster.client.launch_plan import LaunchPlan
+from enn_cluster.cluster.submit_slurm import submit, submitit_folder
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir, read_lock, run_dir_for
 from enn_cluster.storage.run_files import check_run_file
-
-if TYPE_CHECKING:  # prepare stages data (numpy): imported by the commands that launch
-    from enn_cluster.client.prepare import LaunchShape
 
 
 def load_flagged_config(config: Optional[str], overrides: list, site: Optional[str],
@@ -59,34 +58,22 @@ def resolved_config(data: dict, overrides: list, verbatim: dict, read_site):
     return layered_config(data, overrides, verbatim)
 
 
-def checked_shape(cfg, nodes, gpus_per_node: Optional[int], procs_per_node: Optional[int], *,
-                  local: bool) -> "LaunchShape":
-    """The shape asked for (the CLI's flags, the API's `cluster=` dict); a local run's also
-    checked against this machine."""
-    from enn_cluster.client.prepare import shape_from_flags
-
-    shape = shape_from_flags(cfg, nodes, gpus_per_node, procs_per_node)
-    if local:
-        check_local_capacity(shape, procs_per_node is not None)
-    return shape
-
-
-def create_train_run(cfg, shape: "LaunchShape", restarts: int, slurm: Optional[SlurmRequest],
-                     arrays: Optional[dict] = None, populate_extra=None,
-                     gpu_mem_gb: Optional[float] = None):
+def create_train_run(plan: LaunchPlan, arrays: Optional[dict] = None, populate_extra=None,
+                     gpu_mem_gb: Optional[float] = None) -> tuple[RunDir, LaunchPlan]:
     """A new run for `train`: a job Slurm cannot take and a plan that cannot fit the GPUs
     (`gpu_mem_gb` each; default: the site's, else 80) are refused before anything is
-    written, then the run directory with its staged data. Returns (run, the config frozen into it,
-    the JobSpec built for Slurm or None)."""
+    written, then the run directory with its staged data. Returns the run and the plan
+    with its Slurm job built for it."""
     from enn_cluster.client.model_shape import check_fits
     from enn_cluster.client.prepare import prepare_run_and_config
 
-    spec = check_slurm_spec(slurm, cfg, "train", shape, restarts) if slurm is not None else None
-    if gpu_mem_gb is None and slurm is not None:
-        gpu_mem_gb = slurm.site_config.gpu_mem_gb
-    check_fits(cfg, shape.nodes, shape.gpus_per_node, gpu_mem_gb, arrays_given=bool(arrays))
-    run, frozen = prepare_run_and_config(cfg, shape, arrays=arrays, populate_extra=populate_extra)
-    return run, frozen, spec
+    plan = plan.for_job(run_dir_for(plan.cfg).path)
+    if gpu_mem_gb is None and plan.slurm is not None:
+        gpu_mem_gb = plan.slurm.site_options().gpu_mem_gb
+    check_fits(plan.cfg, plan.shape.nodes, plan.shape.gpus_per_node, gpu_mem_gb,
+               arrays_given=bool(arrays))
+    run, frozen = prepare_run_and_config(plan, arrays=arrays, populate_extra=populate_extra)
+    return run, replace(plan, cfg=frozen)
 
 
 @contextmanager
@@ -101,13 +88,6 @@ def removed_if_never_run(run: RunDir):
         raise
 
 
-def max_restarts(requested: Optional[int], cfg) -> int:
-    value = cfg.parallel.max_restarts if requested is None else requested
-    if value < 0:
-        raise UserError(f"--max-restarts: {value} must be >= 0")
-    return value
-
-
 def check_control_files(run: RunDir) -> None:
     """A hand-edited run.lock or jobs.jsonl, or a metrics file that is not a regular file
     (the workers would block opening a FIFO), is refused in one line before anything is
@@ -117,71 +97,45 @@ def check_control_files(run: RunDir) -> None:
     check_run_file(run.metrics)
 
 
-LOCAL_PROCS_PER_CPU = 4  # the most local processes per CPU we start without being told to
-
-
-def check_local_capacity(shape: LaunchShape, procs_given: bool, cpus: Optional[int] = None) -> None:
-    """The local launcher starts every process on this machine: a shape meant for GPU nodes
-    (`--nodes 4 --gpus-per-node 8`) would start 32 trainers on a login node. Refused beyond a
-    few processes per CPU unless --procs-per-node says the number on purpose."""
-    cpus = cpus or os.cpu_count() or 1
-    cap = max(8, LOCAL_PROCS_PER_CPU * cpus)
-    if not procs_given and shape.world > cap:
-        raise UserError(f"--procs-per-node: a local run would start {shape.nodes} x "
-                        f"{shape.procs_per_node} = {shape.world} processes on this machine "
-                        f"({cpus} CPUs; at most {cap} unless asked for); pass --procs-per-node "
-                        "to mean it, or --cluster slurm to run on the cluster")
-
-
-def launch(run: RunDir, task: str, shape: LaunchShape, restarts: int,
-           slurm: Optional[SlurmRequest] = None, name: Optional[str] = None,
-           step: Optional[int] = None, spec=None, cfg=None) -> int:
-    """Start the workers: through Slurm when `slurm` is given, else here (local launcher).
-    `spec`: the JobSpec already built from `slurm` for this run (built once per submit).
-    `cfg`: the run's config as the command holds it; read from the run only when not given
-    (the detached launcher, a command that has not loaded it)."""
+def launch(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
+           step: Optional[int] = None) -> int:
+    """The CLI's launch: start the workers through Slurm when the plan is for Slurm (its
+    job id on stdout), else here (local launcher), and say what came of it."""
     from enn_cluster.client.prepare import run_local
 
-    cfg = run.load_config() if cfg is None else cfg
-    if slurm is not None:
-        return submit_to_slurm(slurm, run, task, shape, restarts, name=name, step=step,
-                               spec=spec, cfg=cfg)
-    code = run_local(run, task, shape, restarts, name=name, step=step, cfg=cfg)
-    if code == 0 and task == "train":
+    if plan.slurm is not None:
+        job_id = submit_plan(run, plan, name, step)
+        print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
+        print(job_id)
+        return wait_for_job(job_id, run=run) if plan.slurm.wait else 0
+    code = run_local(run, plan, name=name, step=step)
+    if code == 0 and plan.task == "train":
         print(f"done: checkpoints in {run.checkpoints}, metrics in "
-              f"{run.path / cfg.logging.metrics_path}", file=sys.stderr)
+              f"{run.path / plan.cfg.logging.metrics_path}", file=sys.stderr)
     elif code == 75:
         print(f"stopped with a committed checkpoint; continue with: enn-submit resume {run.path}",
               file=sys.stderr)
     return code
 
 
-def launch_detached(run: RunDir, task: str, shape: LaunchShape, restarts: int) -> subprocess.Popen:
+def submit_plan(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
+                step: Optional[int] = None) -> str:
+    """Hand the plan's job for `run` (built once: reused when the plan holds it) to Slurm;
+    returns the job id."""
+    spec = plan.for_job(run.path, name).spec
+    return submit(run, spec, step=step, cfg=plan.cfg)
+
+
+def launch_detached(run: RunDir, plan: LaunchPlan) -> subprocess.Popen:
     """`launch` (local) in a process of its own session that outlives the caller: a
     notebook's `wait=False`. Its output goes to logs/api-launcher.log."""
-    spec = json.dumps({"run": str(run.path), "task": task, "nodes": shape.nodes,
+    shape = plan.shape
+    spec = json.dumps({"run": str(run.path), "task": plan.task, "nodes": shape.nodes,
                        "procs_per_node": shape.procs_per_node,
-                       "gpus_per_node": shape.gpus_per_node, "restarts": restarts})
+                       "gpus_per_node": shape.gpus_per_node, "restarts": plan.restarts})
     with open(run.logs / "api-launcher.log", "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "enn_cluster.client.launching", spec],
                                 stdout=log, stderr=log, start_new_session=True)
-
-
-def slurm_spec(request: SlurmRequest, run: RunDir, task: str, shape: LaunchShape,
-               restarts: int, name: Optional[str] = None, cfg=None):
-    """The JobSpec for `run`; `cfg` as in `launch` (`render` passes none)."""
-    return build_spec(request, run, task, shape, restarts, name=name,
-                      cfg=run.load_config() if cfg is None else cfg)
-
-
-def submit_to_slurm(request: SlurmRequest, run: RunDir, task: str, shape: LaunchShape,
-                    restarts: int, name: Optional[str] = None, step: Optional[int] = None,
-                    spec=None, *, cfg) -> int:
-    spec = spec or slurm_spec(request, run, task, shape, restarts, name, cfg=cfg)
-    job_id = submit(run, spec, step=step, cfg=cfg)
-    print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
-    print(job_id)
-    return wait_for_job(job_id, run=run) if request.wait else 0
 
 
 def wait_for_job(job_id: str, poll_s: float = 1.0, run: Optional[RunDir] = None) -> int:
@@ -231,27 +185,6 @@ def failed_job_lines(run_dir: Path, job_id: str, tail_lines: int = 20) -> list[s
     except OSError as exc:
         lines = [f"Slurm job {job_id}: no batch log to show ({exc.strerror}: {log})"]
     return lines + [f"the ranks' logs: enn-submit logs {shlex.quote(str(run_dir))} --rank R"]
-
-
-class ConfigOnlyRun(RunDir):
-    """A run directory that does not exist yet: render needs its path and config only."""
-
-    def __init__(self, path: Path, cfg) -> None:
-        object.__setattr__(self, "path", path)
-        object.__setattr__(self, "_cfg", cfg)
-
-    def load_config(self):
-        return self._cfg
-
-
-def check_slurm_spec(request: SlurmRequest, cfg, task: str, shape: LaunchShape, restarts: int,
-                     name: Optional[str] = None):
-    """Build (and so validate) the job for a run that does not exist yet: bad Slurm flags,
-    a run directory path Pyxis cannot carry, are refused before anything is written."""
-    from enn_cluster.client.prepare import with_shape
-
-    return slurm_spec(request, run_dir_for(cfg), task, shape, restarts, name,
-                      cfg=with_shape(cfg, shape))
 
 
 def cancel_run(run: RunDir) -> int:
@@ -311,13 +244,15 @@ def _stop_launcher(run: RunDir, owner: dict) -> int:
 
 
 if __name__ == "__main__":  # launch_detached's child
-    from enn_cluster.client.prepare import LaunchShape
+    from enn_cluster.client.launch_plan import LaunchShape
 
     _spec = json.loads(sys.argv[1])
+    _run = RunDir(Path(_spec["run"]))
     try:
-        sys.exit(launch(RunDir(Path(_spec["run"])), _spec["task"],
-                        LaunchShape(_spec["nodes"], _spec["procs_per_node"], _spec["gpus_per_node"]),
-                        _spec["restarts"]))
+        sys.exit(launch(_run, LaunchPlan(
+            _run.load_config(), _spec["task"],
+            LaunchShape(_spec["nodes"], _spec["procs_per_node"], _spec["gpus_per_node"]),
+            _spec["restarts"])))
     except UserError as exc:
         print(f"enn-submit: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
+from enn_cluster.client.launch_plan import (  # noqa: F401  (LaunchShape, shape_from_flags: API)
+    LaunchPlan,
+    LaunchShape,
+    batch_plans,
+    plan_shape,
+    shape_from_flags,
+)
 from enn_cluster.config.lm_config import LM_TASK, is_hf_model
-from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
-from enn_cluster.config.schedule import plan_batch, requested_global_batch, total_steps
+from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
 from enn_cluster.storage.text_sources import check_text_sources, is_text_data
@@ -28,67 +33,6 @@ from enn_cluster.storage.rundir import (
     update_config,
 )
 from enn_cluster.storage.staging import read_manifest, stage_run_data
-
-
-@dataclass(frozen=True)
-class LaunchShape:
-    """How many processes, where: nodes x procs per node (one per GPU on GPU nodes)."""
-
-    nodes: int
-    procs_per_node: int
-    gpus_per_node: int = 0
-    max_nodes: int = 0  # --nodes MIN-MAX on Slurm: any count up to this may be granted
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.procs_per_node
-
-    @property
-    def node_counts(self) -> tuple:
-        return tuple(range(self.nodes, max(self.max_nodes, self.nodes) + 1))
-
-
-def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],
-                     procs_per_node: Optional[int]) -> LaunchShape:
-    nodes, max_nodes = node_range(nodes) if nodes is not None else (cfg.parallel.nodes,) * 2
-    gpus = gpus_per_node or 0
-    if not 0 <= gpus <= MAX_PROCS_PER_NODE:
-        raise UserError(f"--gpus-per-node: {gpus} must be >= 0 and at most {MAX_PROCS_PER_NODE}")
-    procs = procs_per_node if procs_per_node is not None else (gpus or cfg.parallel.procs_per_node)
-    if not 1 <= procs <= MAX_PROCS_PER_NODE:
-        raise UserError(f"--procs-per-node: {procs} must be >= 1 and at most {MAX_PROCS_PER_NODE}")
-    if gpus and procs != gpus:
-        raise UserError(f"--procs-per-node: {procs} differs from --gpus-per-node {gpus}; "
-                        "GPU runs use one process per GPU")
-    return LaunchShape(nodes, procs, gpus, max_nodes)
-
-
-def mesh_plans(cfg: RunConfig, shape: LaunchShape) -> dict[int, MeshPlan]:
-    """The mesh at every node count the job may get, fewest first: planned once per launch
-    and passed to the checks below (a mesh Slurm could grant but we cannot build is refused
-    here, not at start)."""
-    return {nodes: plan_mesh(cfg.parallel, nodes * shape.procs_per_node, shape.procs_per_node)
-            for nodes in shape.node_counts}
-
-
-def check_shape(cfg: RunConfig, shape: LaunchShape, meshes: dict[int, MeshPlan],
-                n_rows: Optional[int] = None) -> None:
-    """Everything that would make workers fail at start, checked before launch: the split of
-    the run's global batch over each mesh, and the step budget once the rows are known."""
-    for plan in meshes.values():
-        batch = plan_batch(cfg.training, plan.world, shape.procs_per_node)
-        if n_rows is not None:
-            total_steps(cfg.training, n_rows, batch.global_batch)
-
-
-def freeze_global_batch(cfg: RunConfig, meshes: dict[int, MeshPlan]) -> RunConfig:
-    """The first launch fixes the run's global batch (per-device x accumulation x ranks),
-    at the most nodes it may get: fewer nodes then accumulate more, never a bigger micro-batch."""
-    if cfg.training.global_batch_size:
-        return cfg
-    world = meshes[max(meshes)].world
-    gb = requested_global_batch(cfg.training, world)
-    return replace(cfg, training=replace(cfg.training, global_batch_size=gb))
 
 
 def check_model_importable(name: str) -> None:
@@ -143,26 +87,18 @@ def check_hf_model(name: str) -> None:
                         "save_pretrained(..., safe_serialization=True) there")
 
 
-def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:
-    return replace(cfg, parallel=replace(cfg.parallel, nodes=shape.nodes,
-                                         procs_per_node=shape.procs_per_node))
-
-
 def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = None,
                 populate_extra=None) -> RunDir:
     """Validate, then create the run directory with staged data (all or nothing)."""
-    return prepare_run_and_config(cfg, shape, arrays, populate_extra)[0]
+    return prepare_run_and_config(plan_shape(cfg, shape), arrays, populate_extra)[0]
 
 
-def prepare_run_and_config(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = None,
+def prepare_run_and_config(plan: LaunchPlan, arrays: Optional[dict] = None,
                            populate_extra=None) -> tuple[RunDir, RunConfig]:
-    """`prepare_run`, and the config frozen into its config.yaml: the launch that follows
-    is handed this one rather than reading the file back."""
-    cfg = with_shape(replace(cfg, runs_root=str(Path(cfg.runs_root).expanduser().resolve())),
-                     shape)
-    meshes = mesh_plans(cfg, shape)  # the mesh before the batch
-    cfg = freeze_global_batch(cfg, meshes)
-    check_shape(cfg, shape, meshes)
+    """`prepare_run` for a plan: the run directory, and the config frozen into its
+    config.yaml (the plan's), which the launch that follows is handed rather than reading
+    the file back."""
+    cfg = replace(plan.cfg, runs_root=str(Path(plan.cfg.runs_root).expanduser().resolve()))
     check_model_importable(cfg.model.name)
     if cfg.model.task == LM_TASK and not arrays and is_text_data(cfg.data):
         check_text_sources(cfg.data, cfg.model)
@@ -171,36 +107,42 @@ def prepare_run_and_config(cfg: RunConfig, shape: LaunchShape, arrays: Optional[
 
     def populate(run: RunDir) -> None:
         manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays, progress=sys.stderr)
-        check_shape(cfg, shape, meshes, manifest["train_rows"][1] - manifest["train_rows"][0])
+        batch_plans(cfg, plan.shape, plan.meshes,
+                    manifest["train_rows"][1] - manifest["train_rows"][0])
         if populate_extra is not None:
             populate_extra(run)
 
     return create_run_dir(cfg, populate), cfg
 
 
-def prepare_resume(run: RunDir, cfg: RunConfig, shape: LaunchShape,
-                   overrides: list[str]) -> RunConfig:
-    """Re-freeze the run's config (`cfg`, as loaded by the caller) with a new shape and any
-    overrides; data stays as staged."""
+def resumed_config(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """A run's config (as loaded) with `resume --set` overrides applied."""
     from enn_cluster.config.loading import apply_overrides, config_from_dict, config_to_dict
 
-    data = apply_overrides(config_to_dict(cfg), overrides) if overrides else config_to_dict(cfg)
-    new = with_shape(config_from_dict(data), shape)
+    return config_from_dict(apply_overrides(config_to_dict(cfg), overrides)) if overrides \
+        else cfg
+
+
+def prepare_resume(run: RunDir, cfg: RunConfig, plan: LaunchPlan) -> RunConfig:
+    """Re-freeze the run's config (`cfg`, as loaded by the caller) as the plan has it (a new
+    shape, any overrides), once its batch is checked against the staged rows."""
     manifest = read_manifest(run.data_dir)
-    check_shape(new, shape, mesh_plans(new, shape),
+    batch_plans(plan.cfg, plan.shape, plan.meshes,
                 manifest["train_rows"][1] - manifest["train_rows"][0])
-    if new != cfg:
-        update_config(run, new)
-    return new
+    if plan.cfg != cfg:
+        update_config(run, plan.cfg)
+    return plan.cfg
 
 
-def run_local(run: RunDir, task: str, shape: LaunchShape, max_restarts: int,
-              name: Optional[str] = None, step: Optional[int] = None, *, cfg: RunConfig) -> int:
-    """Hold the run lock while local workers run; record the launch in jobs.jsonl. `cfg`:
-    the run's config as the command holds it (for the MLflow run the workers log into)."""
+def run_local(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
+              step: Optional[int] = None) -> int:
+    """Hold the run lock while local workers run; record the launch in jobs.jsonl. The
+    plan's config is the run's as the command holds it (for the MLflow run the workers
+    log into)."""
     from enn_cluster.client.launch_local import launch_local
     from enn_cluster.storage.tracking import ensure_run
 
+    cfg, shape, task = plan.cfg, plan.shape, plan.task
     owner = acquire_lock(run, lock_owner())
     try:
         ensure_run(run, cfg)
@@ -209,7 +151,8 @@ def run_local(run: RunDir, task: str, shape: LaunchShape, max_restarts: int,
         with run_umask():  # the workers inherit it: checkpoints, logs, metrics
             return launch_local(str(run.path), task, nodes=shape.nodes,
                                 procs_per_node=shape.procs_per_node,
-                                max_restarts=max_restarts, name=name, step=step,
+                                gpus_per_node=shape.gpus_per_node,
+                                max_restarts=plan.restarts, name=name, step=step,
                                 launch_id=f"local-{len(run.jobs())}",
                                 stop_grace_s=cfg.parallel.stop_grace_s)
     finally:

@@ -90,9 +90,9 @@ class SlurmRequest:
         return self.nodes if self.nodes and "-" in self.nodes else None
 
 
-def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: int,
+def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts: int,
                name: Optional[str] = None, *, cfg):
-    """Flags win over the site config, which wins over defaults (site.merge). `cfg`: the
+    """The job for the run at `run_dir` (which need not exist yet). Flags win over the site config, which wins over defaults (site.merge). `cfg`: the
     run's config as the command holds it (the default job name is its run_name's). A job
     asking for every GPU of a node gets it whole (slurm_values.whole_node_request). CPUs
     per task that neither sets are left to `sized_for_nodes`, when the job is handed over."""
@@ -116,7 +116,7 @@ def build_spec(req: SlurmRequest, run: RunDir, task: str, shape, max_restarts: i
                                            bool(req.exclusive), opts["mem_gb"])
     return JobSpec(
         job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
-        run_dir=str(run.path),
+        run_dir=str(run_dir),
         task=task, predict_name=name, nodes=req.nodes_range or shape.nodes,
         gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
         gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=mem_gb,

@@ -3,6 +3,9 @@ the rendezvous port: the one contract between the launching side (local launcher
 path, batch scripts) and the worker, kept where both import it so that neither imports the
 other."""
 SIM_NODES_VAR = "ENN_SIM_NODES"  # local launcher: how many nodes the processes pretend to be
+# local launcher: the GPUs per node the run asked for (its ranks may run on the CPU; the
+# backend report says so, as SLURM_GPUS_ON_NODE lets it under Slurm)
+GPUS_REQUESTED_VAR = "ENN_GPUS_REQUESTED"
 LOCK_HELD_VAR = "ENN_LOCK_HELD"  # the launcher holds the run lock for its workers
 LAUNCHER_PID_VAR = "ENN_LAUNCHER_PID"  # workers die with the local launcher
 LAUNCH_ID_VAR = "ENN_LAUNCH_ID"  # one id per local launch: names its log directory

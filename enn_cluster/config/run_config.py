@@ -266,7 +266,8 @@ class ParallelConfig:
         if not 0 <= self.watchdog_s <= MAX_WAIT_S:
             raise UserError(f"parallel.watchdog_s: {self.watchdog_s!r} must be >= 0 (0: "
                             f"timeout_s + 60) and at most {MAX_WAIT_S:.0f} seconds (a week)")
-        plan_mesh(self, self.nodes * self.procs_per_node, self.procs_per_node)
+        # the mesh (replicate x shard) is checked by the launch plan, against the world the
+        # launch flags give (client/launch_plan.py): nodes and procs_per_node are defaults
 
 
 @dataclass

@@ -209,12 +209,24 @@ def gather(rank: int, device, lane_backends: Mapping[str, str], bf16: bool,
                  "math": torch.backends.cuda.math_sdp_enabled()},
         "nccl_profile": environ.get(nccl.PROFILE_VAR, "auto"),
         "nccl_version": None, "nccl_transport": None, "expected_fabric": None,
-        "gpus_requested": int(environ.get("SLURM_GPUS_ON_NODE", "0") or 0),
+        "gpus_requested": gpus_requested(environ),
     }
     if cuda:
         report.update(fabric_fields(environ, nccl_log,
                                     ".".join(map(str, torch.cuda.nccl.version()))))
     return report
+
+
+def gpus_requested(environ: Mapping[str, str]) -> int:
+    """GPUs per node the job asked for: Slurm's grant, else what the local launcher was
+    asked (its ranks run on the CPU where this machine has none); 0 when unreadable."""
+    from enn_cluster.config.launch_env import GPUS_REQUESTED_VAR
+
+    for name in ("SLURM_GPUS_ON_NODE", GPUS_REQUESTED_VAR):
+        value = environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def fabric_fields(environ: Mapping[str, str], nccl_log: Optional[Path],
