@@ -2,7 +2,7 @@
 
 Ours: `enn-submit train`, 4 CPU processes on a 2x2 HSDP mesh (overhead.py's model and
 data), a checkpoint at step `save_at`, and rank 1 SIGKILLed after step `die_at`
-(training.fail_at_step); the local launcher restarts every rank (parallel.max_restarts=1),
+(ENN_TEST_FAULTS fail_at_step); the local launcher restarts every rank (parallel.max_restarts=1),
 which resume from the checkpoint (verified while loading) and train on. Time of death: the
 fault marker's mtime, written just before the kill. First step: the `time` of the first
 train record after the resume record. Baseline: bare_recover.py, the same model, data and
@@ -31,15 +31,16 @@ def _plan(ctx: BenchContext) -> dict:
 
 def _ours(ctx: BenchContext, s: dict, x: Path, y: Path, i: int) -> dict:
     name = f"recover-{i}"
-    cfg = mlp_run(ctx, name, s, x, y, training={"max_steps": s["die_at"] + 1,
-                                                "fail_at_step": s["die_at"], "fail_rank": 1},
+    cfg = mlp_run(ctx, name, s, x, y, training={"max_steps": s["die_at"] + 1},
                   checkpoint={"every_steps": s["save_at"], "keep_last": 2},
                   parallel={"strategy": "hsdp", "max_restarts": 1, **SHAPE})
     path = ctx.workdir / "overhead" / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", "train", "--config",
                           str(path)], capture_output=True, text=True,
-                         env=ctx.subprocess_env(), timeout=600)
+                         env=ctx.subprocess_env(
+                             ENN_TEST_FAULTS=f"fail_at_step={s['die_at']},fail_rank=1"),
+                         timeout=600)
     if res.returncode != 0:
         raise RuntimeError(f"enn-submit train exited {res.returncode}: {res.stderr[-800:]}")
     run = ctx.workdir / "runs" / name

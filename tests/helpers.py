@@ -27,6 +27,12 @@ def write_config(path: Path, **sections) -> Path:
     return path
 
 
+def faults(**steps: int) -> dict:
+    """The environment that injects test faults in the workers (worker/fault_injection.py),
+    e.g. faults(fail_at_step=13, fail_rank=3): pass it as a launch's env."""
+    return {"ENN_TEST_FAULTS": ",".join(f"{k}={v}" for k, v in steps.items())}
+
+
 def small_config(tmp_path: Path, name: str = "run", **over) -> dict:
     cfg = {
         "run_name": name, "runs_root": str(tmp_path / "runs"),

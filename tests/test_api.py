@@ -114,11 +114,11 @@ def test_a_structure_run_without_a_checkpoint_that_verifies_refuses_to_train(tmp
     assert store.committed_steps(run.path / "checkpoints") == [0]
 
 
-def test_failing_worker_is_restarted_and_run_completes(tmp_path):
+def test_failing_worker_is_restarted_and_run_completes(tmp_path, monkeypatch):
     x, y = _data()
+    monkeypatch.setenv("ENN_TEST_FAULTS", "fail_at_step=7,fail_rank=1")  # workers inherit it
     run = enn_cluster.train("api_models:tiny", x, y, run_dir=str(tmp_path / "r"),
-                            training={"epochs": 1, "per_device_train_batch_size": 16,
-                                      "fail_at_step": 7, "fail_rank": 1},
+                            training={"epochs": 1, "per_device_train_batch_size": 16},
                             checkpoint={"every_steps": 5},
                             parallel={"nodes": 1, "procs_per_node": 2, "max_restarts": 1})
     assert (run.path / "faults" / "fired-step-7").exists()

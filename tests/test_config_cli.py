@@ -111,3 +111,25 @@ def test_a_bad_profiling_window_is_one_line(tmp_path, value, why):
     res = cli("prepare", "--config", cfg, "--set", f"profiling.steps={value}")
     assert res.returncode == 2 and "profiling.steps" in res.stderr and why in res.stderr
     assert res.stderr.strip().count("\n") == 0 and not (tmp_path / "runs").exists()
+
+
+def test_test_only_faults_live_in_the_environment_not_the_config(tmp_path):
+    """Issue 26 section 4: training.fail_at_step/fail_rank/oom_at_step are not config keys
+    (a user's config naming one is refused like any unknown key); a run made before, whose
+    config.yaml froze them, still loads; the tests' faults come from ENN_TEST_FAULTS."""
+    from enn_cluster.storage.rundir import RunDir
+    from enn_cluster.worker.fault_injection import Faults, test_faults
+
+    with pytest.raises(UserError, match="training.fail_at_step: unknown key"):
+        config_from_dict({"training": {"fail_at_step": 3}})
+    old = config_from_dict(small_config(tmp_path, "old"))
+    data = yaml.safe_load(yaml.safe_dump(__import__("dataclasses").asdict(old)))
+    data["training"].update(fail_at_step=0, fail_rank=0, oom_at_step=0)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.yaml").write_text(yaml.safe_dump(data))
+    assert RunDir(tmp_path / "old").load_config() == old
+    assert test_faults({}) == Faults()
+    assert test_faults({"ENN_TEST_FAULTS": "fail_at_step=13, fail_rank=3"}) == \
+        Faults(fail_at_step=13, fail_rank=3)
+    with pytest.raises(UserError, match="ENN_TEST_FAULTS: 'fail_step=2'"):
+        test_faults({"ENN_TEST_FAULTS": "fail_step=2"})

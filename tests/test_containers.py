@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from enn_cluster.storage import commits as store
-from helpers import ROOT, cli, metrics, small_config, wait_for_file, write_config
+from helpers import ROOT, cli, faults, metrics, small_config, wait_for_file, write_config
 from pyxis_fixture import IMAGE_CACHE, build_test_image
 
 pytestmark = [pytest.mark.slurm, pytest.mark.podman]
@@ -26,8 +26,8 @@ def _slurm(image: Path) -> tuple[str, ...]:
     return ("--cluster", "slurm", "--container", str(image), "--time", "10")
 
 
-def _submit(*args) -> str:
-    res = cli(*args, timeout=180)
+def _submit(*args, env=None) -> str:
+    res = cli(*args, timeout=180, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout.strip().splitlines()[-1]
 
@@ -100,16 +100,17 @@ def test_predict_in_the_container_then_collect_equals_local(pyxis_cluster, test_
 
 def test_killed_rank_in_the_container_fails_fast_and_retry_resumes(pyxis_cluster, test_image,
                                                                    tmp_path):
-    """Rank 2 (on n2) is SIGKILLed at step 25 (training.fail_at_step: the worker kills
+    """Rank 2 (on n2) is SIGKILLed at step 25 (ENN_TEST_FAULTS fail_at_step: the worker kills
     itself, so no test signals a pid read from a file). Its peers must not hang on it: the
     step fails within seconds, the host-side trap requeues once (--max-restarts 1), and the
     retry resumes from the newest commit on disk."""
     cluster = pyxis_cluster(1)
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "kill", training={"max_steps": 120, "fail_at_step": 25, "fail_rank": 2},
+        tmp_path, "kill", training={"max_steps": 120},
         checkpoint={"every_steps": 10, "keep_last": 100}))  # every commit record stays
     job = _submit("train", "--config", cfg, *_slurm(test_image), "--nodes", "2",
-                  "--gpus-per-node", "2", "--max-restarts", "1")
+                  "--gpus-per-node", "2", "--max-restarts", "1",
+                  env=faults(fail_at_step=25, fail_rank=2))
     run = tmp_path / "runs" / "kill"
     marker = run / "faults" / "fired-step-25"
     wait_for_file(marker, timeout=240)

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from helpers import cli, metrics, write_config
+from helpers import cli, faults, metrics, write_config
 from lm_support import copy_model, hf_loss, lm_config, tiny_model
 
 
@@ -46,9 +46,9 @@ def test_lora_stopped_at_world_4_resumed_at_2_matches_the_uninterrupted_run(mode
     base = lm_config(tmp_path, model_dir, "through", parallel={"nodes": 2, "procs_per_node": 2})
     res = cli("train", "--config", write_config(tmp_path / "a.yaml", **base), timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
-    moved = lm_config(tmp_path, model_dir, "moved", parallel={"nodes": 2, "procs_per_node": 2},
-                      training={"fail_at_step": 6, "fail_rank": 1})
-    res = cli("train", "--config", write_config(tmp_path / "b.yaml", **moved), timeout=400)
+    moved = lm_config(tmp_path, model_dir, "moved", parallel={"nodes": 2, "procs_per_node": 2})
+    res = cli("train", "--config", write_config(tmp_path / "b.yaml", **moved), timeout=400,
+              env=faults(fail_at_step=6, fail_rank=1))
     assert res.returncode not in (0, 2), res.stderr[-3000:]
     run = tmp_path / "runs" / "moved"
     res = cli("resume", run, "--nodes", 1, "--procs-per-node", 2, timeout=400)

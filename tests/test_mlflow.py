@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import cli, metrics, small_config, write_config
+from helpers import cli, faults, metrics, small_config, write_config
 
 mlflow = pytest.importorskip("mlflow", reason="the dev extra installs mlflow-skinny")
 TOKEN = "tok-9f3e1c-never-on-disk"
@@ -16,12 +16,12 @@ TOKEN = "tok-9f3e1c-never-on-disk"
 def test_one_mlflow_run_across_restart_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     store = f"file://{tmp_path / 'mlruns'}"
-    cfg = small_config(tmp_path, "tracked", training={"max_steps": 30, "fail_at_step": 17},
+    cfg = small_config(tmp_path, "tracked", training={"max_steps": 30},
                        checkpoint={"every_steps": 10},
                        parallel={"nodes": 1, "procs_per_node": 2, "max_restarts": 1},
                        logging={"mlflow_tracking_uri": store, "mlflow_experiment": "enn-test"},
                        profiling={"steps": "3-4"})  # issue 13 item 8: traces, as artifacts
-    env = {"MLFLOW_TRACKING_TOKEN": TOKEN}
+    env = {"MLFLOW_TRACKING_TOKEN": TOKEN, **faults(fail_at_step=17)}
     done = cli("train", "--config", write_config(tmp_path / "c.yaml", **cfg), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "tracked"

@@ -9,14 +9,14 @@ import time
 
 from enn_cluster.storage.metrics import read_metrics, scan_metrics
 from enn_cluster.client.plot import plot_series
-from helpers import ROOT, cli, small_config, write_config
+from helpers import ROOT, cli, faults, small_config, write_config
 
 
 def test_follow_a_live_run_then_plot_it_with_its_restart(tmp_path):
-    cfg = small_config(tmp_path, "live", training={"max_steps": 60, "fail_at_step": 25},
+    cfg = small_config(tmp_path, "live", training={"max_steps": 60},
                        checkpoint={"every_steps": 10},
                        parallel={"nodes": 1, "procs_per_node": 2, "max_restarts": 1})
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **faults(fail_at_step=25))
     train = subprocess.Popen([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
                               str(write_config(tmp_path / "c.yaml", **cfg))],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

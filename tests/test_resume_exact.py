@@ -11,7 +11,7 @@ import json
 import pytest
 
 from enn_cluster.storage.dcp_metadata import load_metadata
-from helpers import assert_same_run, cli, metrics, small_config, write_config
+from helpers import assert_same_run, cli, faults, metrics, small_config, write_config
 
 
 @pytest.fixture
@@ -25,9 +25,9 @@ def _crash_then_resume(tmp_path, first: tuple, then: tuple, between=None, checkp
     at `then` (after `between(run)`, when given). Returns the run directory."""
     extra = {"checkpoint": checkpoint} if checkpoint else {}
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "moved", training={"fail_at_step": 13, "fail_rank": 1, **training},
+        tmp_path, "moved", training=training,
         parallel={"nodes": first[0], "procs_per_node": first[1]}, **extra))
-    res = cli("train", "--config", cfg, timeout=240)
+    res = cli("train", "--config", cfg, timeout=240, env=faults(fail_at_step=13, fail_rank=1))
     assert res.returncode not in (0, 2), res.stderr
     run = tmp_path / "runs" / "moved"
     if between is not None:
@@ -118,9 +118,8 @@ def test_out_of_memory_halves_the_micro_batch_and_the_run_matches(uninterrupted,
     step 8 with micro-batch 4 x accumulation 2 instead of 8 x 1, the same global batch, and
     the run ends as the uninterrupted one did, within float tolerance."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "oom", training={"oom_at_step": 13, "fail_rank": 1},
-        parallel={"max_restarts": 1}))
-    res = cli("train", "--config", cfg, timeout=240)
+        tmp_path, "oom", parallel={"max_restarts": 1}))
+    res = cli("train", "--config", cfg, timeout=240, env=faults(oom_at_step=13, fail_rank=1))
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "runs" / "oom"
     assert_same_run(run, uninterrupted, resumed_at_world=4)
@@ -143,9 +142,9 @@ def test_out_of_memory_halves_the_micro_batch_and_the_run_matches(uninterrupted,
 
 def test_out_of_memory_at_micro_batch_1_stops_with_the_figures(tmp_path):
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "floor", training={"oom_at_step": 2, "per_device_train_batch_size": 1},
+        tmp_path, "floor", training={"per_device_train_batch_size": 1},
         parallel={"nodes": 1, "procs_per_node": 1, "max_restarts": 2}))
-    res = cli("train", "--config", cfg, timeout=240)
+    res = cli("train", "--config", cfg, timeout=240, env=faults(oom_at_step=2))
     assert res.returncode == 2, res.stderr[-3000:]
     assert "out of memory at step 2 on rank 0 with micro-batch 1 (memory: device cpu, " \
         "peak_rss_mb" in res.stderr and "nothing left to halve" in res.stderr, res.stderr

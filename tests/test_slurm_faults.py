@@ -11,7 +11,16 @@ import sys
 import pytest
 
 from enn_cluster.storage import commits as store
-from helpers import ROOT, cli, metrics, small_config, train_tiny, wait_train_step, write_config
+from helpers import (
+    ROOT,
+    cli,
+    faults,
+    metrics,
+    small_config,
+    train_tiny,
+    wait_train_step,
+    write_config,
+)
 from slurm_fixture import CLUSTER_SH
 
 pytestmark = pytest.mark.slurm
@@ -156,10 +165,10 @@ def test_a_rank_refusing_its_input_alone_is_never_requeued(slurm_cluster, tmp_pa
     143, not 2; the rank's refusal marker, not srun's code, keeps the host-side trap from
     requeueing, though --max-restarts allows 3."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "refused", training={"oom_at_step": 2, "fail_rank": 1,
-                                       "per_device_train_batch_size": 1}))
+        tmp_path, "refused", training={"per_device_train_batch_size": 1}))
     res = cli("train", "--config", cfg, *SLURM, "--nodes", "1", "--gpus-per-node", "0",
-              "--procs-per-node", "2", "--max-restarts", "3", "--wait", timeout=240)
+              "--procs-per-node", "2", "--max-restarts", "3", "--wait", timeout=240,
+              env=faults(oom_at_step=2, fail_rank=1))
     job = res.stdout.strip().splitlines()[-1]
     assert res.returncode == 1 and slurm_cluster.job_state(job)[0] == "FAILED", res.stderr
     _, text = slurm_cluster.job_state(job)

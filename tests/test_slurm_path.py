@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_same_run, cli, metrics, small_config, wait_train_step, write_config
+from helpers import (
+    assert_same_run,
+    cli,
+    faults,
+    metrics,
+    small_config,
+    wait_train_step,
+    write_config,
+)
 
 pytestmark = pytest.mark.slurm
 SLURM = ("--cluster", "slurm", "--container", "none", "--time", "10")
@@ -62,10 +70,11 @@ def test_a_node_range_resumes_exactly_on_the_nodes_granted(slurm_cluster, baseli
     with n2 drained the same request gets one node (world 2), and the run ends as the
     uninterrupted local 2x2 run did: same steps, exact LR, losses within tolerance."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "range", training={"fail_at_step": 13, "fail_rank": 3}))
+        tmp_path, "range"))
     shape = ("--nodes", "1-2", "--gpus-per-node", "2", "--wait")
     slurm_cluster.wait_idle()  # both nodes free: the first job must span n1 and n2
-    first = cli("train", "--config", cfg, *SLURM, *shape, timeout=240)
+    first = cli("train", "--config", cfg, *SLURM, *shape, timeout=240,
+                env=faults(fail_at_step=13, fail_rank=3))
     assert first.returncode not in (0, 2), first.stderr
     run = tmp_path / "runs" / "range"
     assert metrics(run, "start")[0]["world_size"] == 4

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from enn_cluster.storage import commits as store
-from helpers import ROOT, cli, full_params, metrics, small_config, write_config
+from helpers import ROOT, cli, faults, full_params, metrics, small_config, write_config
 
 PACKAGE = ROOT / "enn_cluster"
 DOCKERFILE = ROOT / "containers" / "Dockerfile"
@@ -114,10 +114,9 @@ def test_without_optional_torch_apis_async_saves_and_resumes_take_the_stock_path
     assert cli("train", "--config", plain).returncode == 0
     hidden = small_config(tmp_path, "hidden", **over)
     hidden["checkpoint"]["async_save"] = True
-    hidden["training"].update(fail_at_step=12, fail_rank=1)
     log = tmp_path / "hidden.log"
     monkeypatch.setenv("PYTHONPATH", str(hide))  # helpers.cli puts the repo in front
-    env = {"ENN_TEST_HIDDEN_LOG": str(log)}
+    env = {"ENN_TEST_HIDDEN_LOG": str(log), **faults(fail_at_step=12, fail_rank=1)}
     res = cli("train", "--config", write_config(tmp_path / "hidden.yaml", **hidden),
               "--max-restarts", "1", env=env)
     assert res.returncode == 0, res.stderr[-3000:]

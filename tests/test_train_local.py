@@ -8,7 +8,7 @@ import math
 import shutil
 
 
-from helpers import cli, full_params, metrics, small_config, write_config
+from helpers import cli, faults, full_params, metrics, small_config, write_config
 
 
 def test_baseline_trains_checkpoints_and_learns(baseline):
@@ -34,8 +34,9 @@ def test_rank_death_restart_resumes_to_identical_parameters(baseline, tmp_path):
     """A rank dies hard at step 13 (after the step-8 checkpoint); the elastic launcher
     restarts the group, which resumes from step 8 and ends bit-identical to the baseline."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "crash", training={"fail_at_step": 13, "fail_rank": 3}))
-    res = cli("train", "--config", cfg, "--max-restarts", "1")
+        tmp_path, "crash"))
+    res = cli("train", "--config", cfg, "--max-restarts", "1",
+              env=faults(fail_at_step=13, fail_rank=3))
     assert res.returncode == 0, res.stderr
     run = tmp_path / "runs" / "crash"
     assert (run / "faults" / "fired-step-13").exists()
@@ -74,8 +75,8 @@ def test_the_agent_waits_for_the_checkpoint_a_stopped_worker_may_take():
 
 def test_rank_death_without_restarts_fails_fast(tmp_path):
     cfg = write_config(tmp_path / "run.yaml", **small_config(
-        tmp_path, "dies", training={"fail_at_step": 3, "fail_rank": 1}))
-    res = cli("train", "--config", cfg, timeout=120)
+        tmp_path, "dies"))
+    res = cli("train", "--config", cfg, timeout=120, env=faults(fail_at_step=3, fail_rank=1))
     assert res.returncode != 0
 
 

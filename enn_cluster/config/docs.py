@@ -135,13 +135,6 @@ DESCRIPTIONS = {
                                  "`skip_then_abort` after `max_nonfinite_steps` in a row. "
                                  "Each skip writes `nonfinite/step-N.json` (rows, "
                                  "per-parameter counts, lr, norm); checked on log steps.",
-    "training.fail_at_step": "Fault injection for tests: rank `fail_rank` is killed "
-                             "(SIGKILL) at this step (once per run); 0 disables it.",
-    "training.fail_rank": "The rank that `training.fail_at_step` kills (and that "
-                          "`training.oom_at_step` runs out of memory).",
-    "training.oom_at_step": "Fault injection for tests: rank `fail_rank` raises "
-                            "`torch.OutOfMemoryError` at this step (once per run), which the "
-                            "OOM governor handles; 0 disables it.",
     # checkpoint
     "checkpoint.every_steps": "Save a checkpoint every N optimizer steps; 0 saves only at "
                               "the end, on a requested stop and every `every_minutes`.",

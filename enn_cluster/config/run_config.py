@@ -160,9 +160,6 @@ class TrainingConfig:
     compile: bool = False  # torch.compile each block (the first steps pay for compilation)
     max_nonfinite_steps: int = 5  # abort after this many non-finite losses in a row
     nonfinite_policy: str = "skip_then_abort"  # skip | abort | skip_then_abort
-    fail_at_step: int = 0  # fault injection for tests: rank fail_rank is SIGKILLed at this step
-    fail_rank: int = 0
-    oom_at_step: int = 0  # fault injection for tests: rank fail_rank runs out of memory here
 
     def validate(self) -> None:
         _bounded("training.epochs", self.epochs, MAX_COUNT)
@@ -176,9 +173,6 @@ class TrainingConfig:
         _bounded("training.global_batch_size", max(self.global_batch_size, 1), MAX_GLOBAL_BATCH)
         _positive("training.max_nonfinite_steps", self.max_nonfinite_steps)
         _seed("training.seed", self.seed)
-        _non_negative("training.fail_at_step", self.fail_at_step)
-        _non_negative("training.fail_rank", self.fail_rank)
-        _non_negative("training.oom_at_step", self.oom_at_step)
         if not self.lr > 0:
             raise UserError(f"training.lr: {self.lr} must be > 0, e.g. 1e-3")
         if self.weight_decay < 0 or self.grad_clip < 0:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import yaml
 
-from enn_cluster.config.loading import config_from_dict, dump_config
+from enn_cluster.config.loading import config_from_dict, dump_config, without_retired_keys
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import PlainLoader
 from enn_cluster.errors import UserError
@@ -166,7 +166,7 @@ class RunDir:
             raise UserError(f"config.yaml: {self.config_path} is not a mapping; "
                             f"{self._restore_hint()}")
         try:
-            return config_from_dict(data)
+            return config_from_dict(without_retired_keys(data))
         except UserError as exc:
             raise UserError(f"config.yaml: {exc}") from None
 

@@ -34,7 +34,11 @@ from enn_cluster.worker import checkpoint as ckpt
 from enn_cluster.worker.checkpoint_async import new_stager, save_async
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.evaluation import eval_arrays, mean_eval_loss
-from enn_cluster.worker.fault_injection import maybe_inject_fault, maybe_inject_oom
+from enn_cluster.worker.fault_injection import (
+    maybe_inject_fault,
+    maybe_inject_oom,
+    test_faults,
+)
 from enn_cluster.worker.lanes import Lanes
 from enn_cluster.storage.base_weights import check_same_base
 from enn_cluster.worker.lm_weights import frozen_base_identity
@@ -191,7 +195,7 @@ class Trainer:
         self.progress.at("accelerator", f"step {step}: forward/backward (FSDP all-gather, "
                                         "reduce-scatter)")
         try:
-            maybe_inject_oom(t, self.run.path, self.lanes.rank, step)
+            maybe_inject_oom(test_faults(), self.run.path, self.lanes.rank, step)
             for k, (xb, yb) in enumerate(self.loader.batches(rows)):
                 with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
                     loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
@@ -363,7 +367,7 @@ class Trainer:
         stop_file = StopPoller(self.run.path, self.env.job_id, self.env.rank)  # batch shell's USR2
         log_step = True
         while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
-            maybe_inject_fault(cfg.training, self.run.path, self.lanes.rank, self.step)
+            maybe_inject_fault(test_faults(), self.run.path, self.lanes.rank, self.step)
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
