@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: render's)
+    batch_script,
+    refused_errors,
+    slurm_executor,
+    submit_call,
+    unreadable_reply,
+)
 from enn_cluster.config.launch_env import SUBMISSION_VAR
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import (
@@ -234,39 +241,6 @@ def submitit_folder(run_dir: Path) -> Path:
     return Path(run_dir) / "slurm" / "%j"
 
 
-def slurm_executor(spec, folder: Path):
-    """The submitit executor that submits `spec`, and that `render` asks for the script.
-    Building it needs no srun here (submitit checks for one; sbatch is what needs Slurm)."""
-    import shutil
-
-    import submitit
-    from submitit.slurm.slurm import SlurmExecutor
-
-    from enn_cluster.cluster.job_spec import submitit_executor_kwargs, submitit_parameters
-
-    original = SlurmExecutor.__dict__["affinity"]
-    if shutil.which("srun") is None:
-        SlurmExecutor.affinity = classmethod(lambda cls: 2)
-    try:
-        executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
-                                         **submitit_executor_kwargs(spec))
-    finally:
-        SlurmExecutor.affinity = original
-    executor.update_parameters(**submitit_parameters(spec))
-    # submitit writes --wckey=submitit unless told None, which AutoExecutor drops as "not
-    # set": the site's wckey or none goes to its Slurm executor (sites enforcing wckeys
-    # reject "submitit")
-    executor._executor.update_parameters(wckey=spec.wckey)
-    return executor
-
-
-def batch_script(executor) -> str:
-    """The exact text `executor.submit` writes and hands to sbatch: submitit's own
-    rendering with the command it submits (`enn-submit render` prints this)."""
-    inner = executor._executor
-    return inner._make_submission_file_text(inner._submitit_command_str, "")
-
-
 def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     """Submit and record; refuse while another live job holds the run (`cfg`: the run's
     config as the command holds it, for the MLflow run the job logs into).
@@ -297,21 +271,20 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         ensure_run(run, cfg)  # exported to the job with the environment
         executor = slurm_executor(spec, submitit_folder(run.path))
         with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
-            job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
-                                  step, code_identity())  # the job refuses other code
+            job_id = submit_call(executor, worker_entry, str(run.path), spec.task,
+                                 spec.predict_name, step, code_identity())  # refuses other code
     except unreadable_reply() as exc:
         release_lock(run, claim)
         said = " ".join(str(exc).split('"')[1].split())[:160] if '"' in str(exc) else "?"
         raise UserError(f"sbatch: its reply {said!r} names no job id (a site wrapper around "
                         "sbatch?); check 'squeue --me' before submitting again") from None
-    except subprocess_errors() as exc:
+    except refused_errors() as exc:
         release_lock(run, claim)
         raise UserError("sbatch refused the job: "
                         + ((str(exc).strip().splitlines() or ["no message"])[-1]))
     except BaseException:
         release_lock(run, claim)
         raise
-    job_id = str(job.job_id)
     if warning:
         print(warning, file=sys.stderr)
     replace_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
@@ -336,20 +309,6 @@ def exported(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
-
-
-def unreadable_reply():
-    from submitit.core.utils import FailedSubmissionError
-
-    return FailedSubmissionError
-
-
-def subprocess_errors():
-    import subprocess
-
-    import submitit
-
-    return (subprocess.CalledProcessError, submitit.core.utils.FailedJobError)
 
 
 def _check_lock(run: RunDir, job_alive) -> None:
