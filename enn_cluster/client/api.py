@@ -29,7 +29,7 @@ from enn_cluster.client.launching import (
 )
 from enn_cluster.client.prepare import LaunchShape, run_local
 from enn_cluster.client.run_handle import Run
-from enn_cluster.cluster.submit_slurm import SlurmRequest, submit
+from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here, submit
 from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
@@ -201,6 +201,8 @@ def _start(run: RunDir, task: str, shape: LaunchShape, restarts: int,
     `spec`: the JobSpec of a run `train` just made (refused: the run is removed, as the
     CLI's is)."""
     if slurm is not None:
+        if spec is None:  # train's was checked before its run was made
+            check_slurm_here()
         with removed_if_never_run(run) if spec is not None else nullcontext():
             job = submit(run, spec or slurm_spec(slurm, run, task, shape, restarts, name=name,
                                                  cfg=cfg), step=step, cfg=cfg)

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec, submit, submitit_folder
+from enn_cluster.cluster.slurm_watch import wait_for_job
+from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec, check_slurm_here, submit
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir, read_lock, run_dir_for
 from enn_cluster.storage.run_files import check_run_file
@@ -81,6 +80,8 @@ def create_train_run(cfg, shape: "LaunchShape", restarts: int, slurm: Optional[S
     from enn_cluster.client.model_shape import check_fits
     from enn_cluster.client.prepare import prepare_run_and_config
 
+    if slurm is not None:
+        check_slurm_here()  # before the image and the rest of the job are looked for
     spec = check_slurm_spec(slurm, cfg, "train", shape, restarts) if slurm is not None else None
     if gpu_mem_gb is None and slurm is not None:
         gpu_mem_gb = slurm.site_config.gpu_mem_gb
@@ -177,60 +178,12 @@ def slurm_spec(request: SlurmRequest, run: RunDir, task: str, shape: LaunchShape
 def submit_to_slurm(request: SlurmRequest, run: RunDir, task: str, shape: LaunchShape,
                     restarts: int, name: Optional[str] = None, step: Optional[int] = None,
                     spec=None, *, cfg) -> int:
+    check_slurm_here()  # before the image and the rest of the job are looked for
     spec = spec or slurm_spec(request, run, task, shape, restarts, name, cfg=cfg)
     job_id = submit(run, spec, step=step, cfg=cfg)
     print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
     print(job_id)
     return wait_for_job(job_id, run=run) if request.wait else 0
-
-
-def wait_for_job(job_id: str, poll_s: float = 1.0, run: Optional[RunDir] = None) -> int:
-    """Block until the job leaves Slurm's live states, printing each new state and reason;
-    0 only when it COMPLETED. A job Slurm will never start as asked is cancelled at once.
-    A job that ended otherwise shows the end of its batch log (srun's and the host-side
-    trap's lines) and the command for the ranks' logs, where `run` is known."""
-    from enn_cluster.storage.slurm_jobs import (
-        LIVE_STATES,
-        cancel,
-        describe,
-        job_state,
-        never_starts,
-    )
-
-    shown = None
-    while True:
-        state = job_state(job_id)
-        if describe(state) != shown:
-            shown = describe(state)
-            print(f"Slurm job {job_id}: {shown}", file=sys.stderr, flush=True)
-        if never_starts(state):
-            cancel(job_id)
-            raise UserError(f"Slurm job {job_id} can never start: Reason={state['reason']} "
-                            "(beyond the partition's, account's or QOS's limits); cancelled "
-                            "it: ask for fewer nodes, GPUs, CPUs (--cpus-per-task; unset, it "
-                            "is sized from the partition's nodes) or less --time, or another "
-                            "--partition")
-        if state["state"] not in LIVE_STATES:
-            if state["state"] == "COMPLETED":
-                return 0
-            if run is not None:
-                print("\n".join(failed_job_lines(run.path, job_id)), file=sys.stderr)
-            return 1
-        time.sleep(poll_s)
-
-
-def failed_job_lines(run_dir: Path, job_id: str, tail_lines: int = 20) -> list[str]:
-    """The end of a finished job's batch log (its last 8 KiB at most) and where to look next."""
-    log = Path(str(submitit_folder(run_dir)).replace("%j", job_id)) / f"{job_id}_0_log.err"
-    lines = [f"Slurm job {job_id}: batch log {log}:"]
-    try:
-        with open(log, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 8192))
-            text = fh.read().decode("utf-8", errors="replace")
-        lines += [f"  | {line}" for line in text.splitlines()[-tail_lines:]]
-    except OSError as exc:
-        lines = [f"Slurm job {job_id}: no batch log to show ({exc.strerror}: {log})"]
-    return lines + [f"the ranks' logs: enn-submit logs {shlex.quote(str(run_dir))} --rank R"]
 
 
 class ConfigOnlyRun(RunDir):

@@ -241,6 +241,46 @@ def submitit_folder(run_dir: Path) -> Path:
     return Path(run_dir) / "slurm" / "%j"
 
 
+# What Slurm's clients say where no slurm.conf, SLURM_CONF or DNS SRV record names a cluster.
+NO_CONFIG = "Could not establish a configuration source"
+NOT_CONFIGURED = "Slurm is not configured on this machine (no slurm.conf, SLURM_CONF or DNS record)"
+SLURM_FIX = ("submit from a Slurm login node, or run here without --cluster slurm "
+             "(`enn-submit render` shows the script from anywhere)")
+
+
+def slurm_problem(has_sbatch: bool, ping) -> Optional[str]:
+    """Why this machine cannot submit to Slurm, or None: from whether sbatch is on PATH and
+    `scontrol ping`'s result (None: no scontrol, or no answer in time; then sbatch says).
+    Only what Slurm's clients say plainly is refused here; anything else is sbatch's to say."""
+    if not has_sbatch:
+        return f"--cluster slurm: this machine has no Slurm (no sbatch on PATH); {SLURM_FIX}"
+    if ping is None or ping.returncode == 0:
+        return None
+    said = f"{ping.stdout}\n{ping.stderr}"
+    if NO_CONFIG in said:
+        return f"--cluster slurm: {NOT_CONFIGURED}; {SLURM_FIX}"
+    down = next((line.strip() for line in said.splitlines() if line.rstrip().endswith(" DOWN")),
+                None)
+    if down:
+        return (f"--cluster slurm: the Slurm controller does not answer (scontrol ping: "
+                f"{down}); try again when it is back, or ask the cluster's admins")
+    return None
+
+
+def check_slurm_here() -> None:
+    """Refuse, in one line, a Slurm launch from a machine that cannot submit one: before
+    anything else about the job is looked for (its image, its run directory)."""
+    import shutil
+
+    from enn_cluster.storage.slurm_jobs import slurm_client
+
+    has_sbatch = shutil.which("sbatch") is not None
+    problem = slurm_problem(has_sbatch, slurm_client(["scontrol", "ping"], timeout=15)
+                            if has_sbatch else None)
+    if problem:
+        raise UserError(problem)
+
+
 def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     """Submit and record; refuse while another live job holds the run (`cfg`: the run's
     config as the command holds it, for the MLflow run the job logs into).
@@ -250,14 +290,11 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     refused, never both. The claim's token reaches the job (SUBMISSION_VAR), so a job that
     starts before the hand-over knows the lock is its own."""
     import secrets
-    import shutil
 
     from enn_cluster.storage.slurm_jobs import job_alive
     from enn_cluster.storage.tracking import ensure_run
 
-    if shutil.which("sbatch") is None:
-        raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
-                        "login node (`enn-submit render` shows the script from anywhere)")
+    check_slurm_here()
     _check_lock(run, job_alive)
     problem = node_local_problem(run.path, _read_mounts())
     if problem:
@@ -280,8 +317,11 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
                         "sbatch?); check 'squeue --me' before submitting again") from None
     except refused_errors() as exc:
         release_lock(run, claim)
-        raise UserError("sbatch refused the job: "
-                        + ((str(exc).strip().splitlines() or ["no message"])[-1]))
+        said = (str(exc).strip().splitlines() or ["no message"])[-1]
+        if NO_CONFIG in said:
+            raise UserError(f"--cluster slurm: {NOT_CONFIGURED} (sbatch: {NO_CONFIG}); "
+                            f"{SLURM_FIX}") from None
+        raise UserError(f"sbatch refused the job: {said}")
     except BaseException:
         release_lock(run, claim)
         raise
