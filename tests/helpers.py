@@ -184,3 +184,14 @@ def as_gpu_ranks_on_sockets(run: Path, site_profile: str = "efa") -> None:
                    nccl_profile=site_profile,
                    **br.fabric_fields({PROFILE_VAR: site_profile}, nccl_log, "2.23.4"))
         br.write_report(log_dir, rep)
+
+
+def controller_up_scontrol(bin_dir: Path) -> None:
+    """An scontrol in `bin_dir` whose `ping` says the controller is up (the words of a real
+    one, tests/data/slurm/ping_up.txt) and that knows nothing else: a spy sbatch beside it
+    is reached past submit's check that Slurm answers here."""
+    stub = bin_dir / "scontrol"
+    up = (Path(__file__).parent / "data" / "slurm" / "ping_up.txt").read_text().splitlines()[0]
+    stub.write_text(f'#!/bin/sh\n[ "$1" = ping ] && echo "{up}" && exit 0\n'
+                    'echo "scontrol: error: unexpected" >&2\nexit 1\n')
+    stub.chmod(0o755)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from helpers import cli, small_config, write_config
+from helpers import cli, controller_up_scontrol, small_config, write_config
 
 SLURM = ("--cluster", "slurm", "--container", "none", "--time", "10", "--gpus-per-node", "0",
          "--procs-per-node", "2")
@@ -20,6 +20,7 @@ def _spy_sbatch(tmp_path, says: str = "echo 'sbatch: error: spy' >&2") -> tuple[
     spy = bin_dir / "sbatch"
     spy.write_text(f"#!/bin/sh\necho \"$@\" >> {mark}\n{says}\nexit 1\n")
     spy.chmod(0o755)
+    controller_up_scontrol(bin_dir)
     site = tmp_path / "site.yaml"
     site.write_text("python: python3\n")
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",

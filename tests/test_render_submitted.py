@@ -61,6 +61,6 @@ def test_render_needs_no_slurm_and_submit_says_where_to_run(tmp_path):
     assert "#SBATCH --cpus-per-task" not in bare.stdout
     res = cli("train", "--config", cfg, "--cluster", "slurm", *FLAGS,
               env={"PATH": "/nonexistent"})
-    assert res.returncode == 2 and "no sbatch on this machine" in res.stderr
+    assert res.returncode == 2 and "this machine has no Slurm (no sbatch on PATH)" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs" / "noslurm").exists()

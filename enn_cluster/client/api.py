@@ -29,7 +29,7 @@ from enn_cluster.client.launching import (
 )
 from enn_cluster.client.prepare import run_local
 from enn_cluster.client.run_handle import Run
-from enn_cluster.cluster.submit_slurm import SlurmRequest
+from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
 from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
@@ -153,6 +153,8 @@ def _plan(cfg: RunConfig, cluster: Optional[dict], task: str,
     warnings as Python's."""
     import warnings
 
+    if slurm is not None:
+        check_slurm_here()  # before the image and the rest of the job are looked for
     plan = plan_launch(cfg, ShapeRequest.from_cluster(cluster), task, slurm=slurm,
                        machine=Machine.here() if slurm is None else None)
     for line in plan.warnings:

@@ -281,10 +281,12 @@ def _follow_status(path: Path, interval: float) -> int:
     import time
 
     from enn_cluster.client.status import live, progress_line, run_status
+    from enn_cluster.cluster.slurm_watch import SlurmWatch
 
     tty, previous, verified = sys.stdout.isatty(), None, {}
+    slurm = SlurmWatch(clock=time.monotonic)  # asks Slurm less often as the job lasts
     while True:
-        st = run_status(path, verified)  # a checkpoint's bytes are read once
+        st = run_status(path, verified, slurm)  # a checkpoint's bytes are read once
         line = one_line(progress_line(st))
         if line != previous:
             sys.stdout.write(f"\r\033[K{line}" if tty else line + "\n")

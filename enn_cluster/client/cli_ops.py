@@ -9,7 +9,7 @@ from pathlib import Path
 
 from enn_cluster.client.launch_plan import LaunchPlan, Machine, ShapeRequest, plan_launch
 from enn_cluster.client.launching import cancel_run, load_flagged_config
-from enn_cluster.cluster.submit_slurm import SlurmRequest
+from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
 from enn_cluster.errors import UserError
 from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.rundir import RunDir, read_lock
@@ -52,6 +52,8 @@ def plan_from_flags(args, cfg, task: str = "train", run_dir=None, *,
     processes start here). Its warnings are printed here, once."""
     slurm = slurm_request(args) if getattr(args, "cluster", None) == "slurm" or \
         args.command == "render" else None
+    if slurm is not None and args.command != "render":
+        check_slurm_here()  # before the image and the rest of the job are looked for
     plan = plan_launch(cfg, ShapeRequest.from_flags(args), task, slurm=slurm,
                        machine=Machine.here() if slurm is None and machine else None,
                        run_dir=run_dir, name=getattr(args, "name", None) if run_dir else None)

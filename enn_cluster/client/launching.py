@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from enn_cluster.client.launch_plan import LaunchPlan
-from enn_cluster.cluster.submit_slurm import submit, submitit_folder
+from enn_cluster.cluster.slurm_watch import wait_for_job
+from enn_cluster.cluster.submit_slurm import submit
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir, read_lock, run_dir_for
 from enn_cluster.storage.run_files import check_run_file
@@ -138,53 +137,6 @@ def launch_detached(run: RunDir, plan: LaunchPlan) -> subprocess.Popen:
                                 stdout=log, stderr=log, start_new_session=True)
 
 
-def wait_for_job(job_id: str, poll_s: float = 1.0, run: Optional[RunDir] = None) -> int:
-    """Block until the job leaves Slurm's live states, printing each new state and reason;
-    0 only when it COMPLETED. A job Slurm will never start as asked is cancelled at once.
-    A job that ended otherwise shows the end of its batch log (srun's and the host-side
-    trap's lines) and the command for the ranks' logs, where `run` is known."""
-    from enn_cluster.storage.slurm_jobs import (
-        LIVE_STATES,
-        cancel,
-        describe,
-        job_state,
-        never_starts,
-    )
-
-    shown = None
-    while True:
-        state = job_state(job_id)
-        if describe(state) != shown:
-            shown = describe(state)
-            print(f"Slurm job {job_id}: {shown}", file=sys.stderr, flush=True)
-        if never_starts(state):
-            cancel(job_id)
-            raise UserError(f"Slurm job {job_id} can never start: Reason={state['reason']} "
-                            "(beyond the partition's, account's or QOS's limits); cancelled "
-                            "it: ask for fewer nodes, GPUs, CPUs (--cpus-per-task; unset, it "
-                            "is sized from the partition's nodes) or less --time, or another "
-                            "--partition")
-        if state["state"] not in LIVE_STATES:
-            if state["state"] == "COMPLETED":
-                return 0
-            if run is not None:
-                print("\n".join(failed_job_lines(run.path, job_id)), file=sys.stderr)
-            return 1
-        time.sleep(poll_s)
-
-
-def failed_job_lines(run_dir: Path, job_id: str, tail_lines: int = 20) -> list[str]:
-    """The end of a finished job's batch log (its last 8 KiB at most) and where to look next."""
-    log = Path(str(submitit_folder(run_dir)).replace("%j", job_id)) / f"{job_id}_0_log.err"
-    lines = [f"Slurm job {job_id}: batch log {log}:"]
-    try:
-        with open(log, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 8192))
-            text = fh.read().decode("utf-8", errors="replace")
-        lines += [f"  | {line}" for line in text.splitlines()[-tail_lines:]]
-    except OSError as exc:
-        lines = [f"Slurm job {job_id}: no batch log to show ({exc.strerror}: {log})"]
-    return lines + [f"the ranks' logs: enn-submit logs {shlex.quote(str(run_dir))} --rank R"]
 
 
 def cancel_run(run: RunDir) -> int:

@@ -17,8 +17,12 @@ from enn_cluster.storage.rundir import RunDir, read_lock
 from enn_cluster.storage.run_files import read_run_text
 
 
-def run_status(path: Path, verified: Optional[dict] = None) -> dict:
-    """`verified`: checksum results to reuse between calls (status --follow)."""
+def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
+    """`verified`: checksum results to reuse between calls (status --follow); `slurm`: the
+    SlurmWatch that asks Slurm (status --follow keeps one, which backs off)."""
+    from enn_cluster.cluster.slurm_watch import SlurmWatch
+
+    slurm = slurm or SlurmWatch()
     run = RunDir(Path(path))
     last_train, last_eval, resumes, start, lost = None, None, 0, None, []
     found, unreadable = scan_metrics(run.metrics)
@@ -49,7 +53,7 @@ def run_status(path: Path, verified: Optional[dict] = None) -> dict:
         "samples_per_s": last_train.get("samples_per_s") if last_train else None,
         "checkpoints": store.committed_steps(run.checkpoints),
         "jobs": jobs,
-        "lock": live_lock(run),
+        "lock": live_lock(run, slurm.job_alive),
         "node_losses": lost,
     }
     # "last complete" is a step whose bytes match their checksums, as resume will find it
@@ -62,9 +66,7 @@ def run_status(path: Path, verified: Optional[dict] = None) -> dict:
     status["oom"] = oom_record.read_record(run.path)
     slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
     if slurm_jobs:
-        from enn_cluster.storage.slurm_jobs import job_state
-
-        status["slurm"] = job_state(str(slurm_jobs[-1]["job_id"]))
+        status["slurm"] = slurm.job_state(str(slurm_jobs[-1]["job_id"]))
         status["probing_since"] = node_loss.probing_since(run.path, str(slurm_jobs[-1]["job_id"]))
     return status
 
@@ -98,15 +100,15 @@ def with_unrecorded_slurm_jobs(jobs: list[dict], log_dirs: list[tuple[str, float
     return sorted(jobs + extra, key=lambda j: j.get("time", 0.0))
 
 
-def live_lock(run: RunDir):
+def live_lock(run: RunDir, job_alive=None):
     """The lock's owner, only while it is alive (a finished job leaves its lock behind)."""
     owner = read_lock(run)
     if not owner:
         return None
     if owner.get("slurm_job_id"):
-        from enn_cluster.storage.slurm_jobs import job_alive
+        from enn_cluster.storage.slurm_jobs import job_alive as ask
 
-        return owner if job_alive(str(owner["slurm_job_id"])) else None
+        return owner if (job_alive or ask)(str(owner["slurm_job_id"])) else None
     from enn_cluster.storage.rundir import owner_alive
 
     return owner if owner_alive(owner) else None
@@ -156,15 +158,27 @@ def format_status(st: dict) -> str:
     if st.get("nonfinite"):
         lines.append(f"non-finite:      {nonfinite_line(st['nonfinite'])}")
     if st.get("slurm"):
-        s = st["slurm"]
-        lines.append(f"slurm job:       {s.get('job_id')} {s.get('state')} "
-                     f"(restarts {s.get('restarts', 0)})")
+        lines += slurm_lines(st["slurm"])
     lines += node_loss_lines(st)
     if st["lock"]:
         owner = st["lock"]
         lines.append(f"in use by:       pid {owner.get('pid')} on {owner.get('host')}"
                      + (f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else ""))
     return "\n".join(lines)
+
+
+def slurm_lines(s: dict) -> list[str]:
+    """The job's state, and what Slurm is doing with it when that is not plain."""
+    from enn_cluster.cluster.slurm_watch import node_hint
+    from enn_cluster.storage.slurm_jobs import held_until
+
+    lines = [f"slurm job:       {s.get('job_id')} {s.get('state')} "
+             f"(restarts {s.get('restarts', 0)})"]
+    if held_until(s):
+        lines.append(f"held:            {held_until(s)}")
+    if node_hint(s):
+        lines.append(f"node down:       {node_hint(s)}")
+    return lines
 
 
 def node_loss_lines(st: dict) -> list[str]:
@@ -195,6 +209,18 @@ def _num(value) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)  # "nan" strings
 
 
+def slurm_part(s: dict) -> str:
+    """'slurm RUNNING', 'slurm PENDING (held until 2026-11-25 22:44:51)', 'slurm RUNNING,
+    node n2 not answering': the Slurm part of the live line."""
+    from enn_cluster.storage.slurm_jobs import held_until
+
+    text = f"slurm {s.get('state')}"
+    if held_until(s):
+        when = (s.get("start_time") or "").replace("T", " ")
+        text += f" (held until {when})" if " until " in held_until(s) else " (held)"
+    return text + "".join(f", node {n} not answering" for n in sorted(s.get("dead_nodes") or {}))
+
+
 def live(st: dict) -> bool:
     """Is something still going to happen to this run (a live lock or a live Slurm job)?"""
     if st["lock"]:
@@ -221,6 +247,6 @@ def progress_line(st: dict) -> str:
     last = st["last_checkpoint"]
     parts.append(f"ckpt {'step-%d' % last if last is not None else 'none'}")
     if st.get("slurm"):
-        parts.append(f"slurm {st['slurm'].get('state')}")
+        parts.append(slurm_part(st["slurm"]))
     parts.append("running" if st["lock"] else "not running")
     return " | ".join(parts)

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: render's)
+    batch_script,
+    refused_errors,
+    slurm_executor,
+    submit_call,
+    unreadable_reply,
+)
 from enn_cluster.config.launch_env import SUBMISSION_VAR
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import (
@@ -234,37 +241,44 @@ def submitit_folder(run_dir: Path) -> Path:
     return Path(run_dir) / "slurm" / "%j"
 
 
-def slurm_executor(spec, folder: Path):
-    """The submitit executor that submits `spec`, and that `render` asks for the script.
-    Building it needs no srun here (submitit checks for one; sbatch is what needs Slurm)."""
+# What Slurm's clients say where no slurm.conf, SLURM_CONF or DNS SRV record names a cluster.
+NO_CONFIG = "Could not establish a configuration source"
+NOT_CONFIGURED = "Slurm is not configured on this machine (no slurm.conf, SLURM_CONF or DNS record)"
+SLURM_FIX = ("submit from a Slurm login node, or run here without --cluster slurm "
+             "(`enn-submit render` shows the script from anywhere)")
+
+
+def slurm_problem(has_sbatch: bool, ping) -> Optional[str]:
+    """Why this machine cannot submit to Slurm, or None: from whether sbatch is on PATH and
+    `scontrol ping`'s result (None: no scontrol, or no answer in time; then sbatch says).
+    Only what Slurm's clients say plainly is refused here; anything else is sbatch's to say."""
+    if not has_sbatch:
+        return f"--cluster slurm: this machine has no Slurm (no sbatch on PATH); {SLURM_FIX}"
+    if ping is None or ping.returncode == 0:
+        return None
+    said = f"{ping.stdout}\n{ping.stderr}"
+    if NO_CONFIG in said:
+        return f"--cluster slurm: {NOT_CONFIGURED}; {SLURM_FIX}"
+    down = next((line.strip() for line in said.splitlines() if line.rstrip().endswith(" DOWN")),
+                None)
+    if down:
+        return (f"--cluster slurm: the Slurm controller does not answer (scontrol ping: "
+                f"{down}); try again when it is back, or ask the cluster's admins")
+    return None
+
+
+def check_slurm_here() -> None:
+    """Refuse, in one line, a Slurm launch from a machine that cannot submit one: before
+    anything else about the job is looked for (its image, its run directory)."""
     import shutil
 
-    import submitit
-    from submitit.slurm.slurm import SlurmExecutor
+    from enn_cluster.storage.slurm_jobs import slurm_client
 
-    from enn_cluster.cluster.job_spec import submitit_executor_kwargs, submitit_parameters
-
-    original = SlurmExecutor.__dict__["affinity"]
-    if shutil.which("srun") is None:
-        SlurmExecutor.affinity = classmethod(lambda cls: 2)
-    try:
-        executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
-                                         **submitit_executor_kwargs(spec))
-    finally:
-        SlurmExecutor.affinity = original
-    executor.update_parameters(**submitit_parameters(spec))
-    # submitit writes --wckey=submitit unless told None, which AutoExecutor drops as "not
-    # set": the site's wckey or none goes to its Slurm executor (sites enforcing wckeys
-    # reject "submitit")
-    executor._executor.update_parameters(wckey=spec.wckey)
-    return executor
-
-
-def batch_script(executor) -> str:
-    """The exact text `executor.submit` writes and hands to sbatch: submitit's own
-    rendering with the command it submits (`enn-submit render` prints this)."""
-    inner = executor._executor
-    return inner._make_submission_file_text(inner._submitit_command_str, "")
+    has_sbatch = shutil.which("sbatch") is not None
+    problem = slurm_problem(has_sbatch, slurm_client(["scontrol", "ping"], timeout=15)
+                            if has_sbatch else None)
+    if problem:
+        raise UserError(problem)
 
 
 def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
@@ -276,14 +290,11 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     refused, never both. The claim's token reaches the job (SUBMISSION_VAR), so a job that
     starts before the hand-over knows the lock is its own."""
     import secrets
-    import shutil
 
     from enn_cluster.storage.slurm_jobs import job_alive
     from enn_cluster.storage.tracking import ensure_run
 
-    if shutil.which("sbatch") is None:
-        raise UserError("--cluster slurm: no sbatch on this machine; submit from a Slurm "
-                        "login node (`enn-submit render` shows the script from anywhere)")
+    check_slurm_here()
     _check_lock(run, job_alive)
     problem = node_local_problem(run.path, _read_mounts())
     if problem:
@@ -297,21 +308,23 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         ensure_run(run, cfg)  # exported to the job with the environment
         executor = slurm_executor(spec, submitit_folder(run.path))
         with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
-            job = executor.submit(worker_entry, str(run.path), spec.task, spec.predict_name,
-                                  step, code_identity())  # the job refuses other code
+            job_id = submit_call(executor, worker_entry, str(run.path), spec.task,
+                                 spec.predict_name, step, code_identity())  # refuses other code
     except unreadable_reply() as exc:
         release_lock(run, claim)
         said = " ".join(str(exc).split('"')[1].split())[:160] if '"' in str(exc) else "?"
         raise UserError(f"sbatch: its reply {said!r} names no job id (a site wrapper around "
                         "sbatch?); check 'squeue --me' before submitting again") from None
-    except subprocess_errors() as exc:
+    except refused_errors() as exc:
         release_lock(run, claim)
-        raise UserError("sbatch refused the job: "
-                        + ((str(exc).strip().splitlines() or ["no message"])[-1]))
+        said = (str(exc).strip().splitlines() or ["no message"])[-1]
+        if NO_CONFIG in said:
+            raise UserError(f"--cluster slurm: {NOT_CONFIGURED} (sbatch: {NO_CONFIG}); "
+                            f"{SLURM_FIX}") from None
+        raise UserError(f"sbatch refused the job: {said}")
     except BaseException:
         release_lock(run, claim)
         raise
-    job_id = str(job.job_id)
     if warning:
         print(warning, file=sys.stderr)
     replace_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
@@ -336,20 +349,6 @@ def exported(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
-
-
-def unreadable_reply():
-    from submitit.core.utils import FailedSubmissionError
-
-    return FailedSubmissionError
-
-
-def subprocess_errors():
-    import subprocess
-
-    import submitit
-
-    return (subprocess.CalledProcessError, submitit.core.utils.FailedJobError)
 
 
 def _check_lock(run: RunDir, job_alive) -> None:

@@ -5,6 +5,7 @@ answers later where accounting is configured. The parsing is pure and tested wit
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from typing import Optional
@@ -24,9 +25,49 @@ NEVER_STARTS = frozenset({
 
 
 def describe(state: dict) -> str:
-    """'PENDING (Reason=Priority)' or 'RUNNING': what `--wait` prints when it changes."""
+    """'PENDING (Reason=Priority)' or 'RUNNING': what `--wait` prints when it changes; a
+    job Slurm holds until a time says until when (held_until)."""
     reason = state.get("reason")
-    return f"{state['state']} (Reason={reason})" if reason and reason != "None" else state["state"]
+    text = f"{state['state']} (Reason={reason})" if reason and reason != "None" else state["state"]
+    held = held_until(state)
+    return f"{text}: {held}" if held else text
+
+
+def held_until(state: dict) -> Optional[str]:
+    """'requeued, held by Slurm until 2026-11-25 22:44:51 (BeginTime)' for a pending job
+    that waits for its begin time: a requeued job waits so (Slurm sets it 2-3 min ahead
+    after a requeue), as does one submitted with --begin. None otherwise."""
+    if state.get("state") != "PENDING" or state.get("reason") != "BeginTime":
+        return None
+    when = (state.get("start_time") or "").replace("T", " ")
+    until = f" until {when}" if when and when not in ("Unknown", "N/A", "None") else ""
+    return f"{'requeued, ' if state.get('restarts') else ''}held by Slurm{until} (BeginTime)"
+
+
+# A node's State flags that mean Slurm no longer hears from it, or has given it up.
+DEAD_NODE_FLAGS = ("DOWN", "NOT_RESPONDING", "FAIL", "POWERED_DOWN", "POWER_DOWN")
+
+
+def dead_nodes(node_lines: str) -> dict:
+    """`scontrol -o show node NODES` -> {node: State} for the nodes Slurm no longer hears
+    from ('MIXED+NOT_RESPONDING', 'DOWN+NOT_RESPONDING', 'IDLE*')."""
+    out = {}
+    for fields in parse_scontrol_lines(node_lines):
+        state = fields.get("State", "")
+        flags = set(re.split(r"[+*]", state))
+        if fields.get("NodeName") and (state.endswith("*") or flags & set(DEAD_NODE_FLAGS)):
+            out[fields["NodeName"]] = state
+    return out
+
+
+def nodes_not_answering(nodelist: str) -> dict:
+    """The nodes of `nodelist` Slurm no longer hears from, asked in one `scontrol show
+    node` ({} when none, or when Slurm cannot say)."""
+    if not nodelist or nodelist == "(null)":
+        return {}
+    res = slurm_client(["scontrol", "-o", "show", "node", nodelist])
+    ok = res is not None and res.returncode == 0
+    return dead_nodes(res.stdout) if ok else {}
 
 
 def never_starts(state: dict) -> bool:
@@ -34,14 +75,28 @@ def never_starts(state: dict) -> bool:
     return state["state"] == "PENDING" and state.get("reason") in NEVER_STARTS
 
 
+# A key of `scontrol -o show` output: at the start or after a space, capitalised, then "="
+# ('WorkDir=', 'AllocNode:Sid=', 'CPUs/Task=', 'MCS_label='). A value runs to the next key,
+# so values with spaces (WorkDir, Comment, JobName, a node's OS) stay whole; a value that
+# itself holds " Word=" would be cut there (Slurm 22.05 here has no `scontrol --json`).
+_KEY = re.compile(r"(?:^|(?<=\s))([A-Z][A-Za-z0-9_:/]*)=")
+
+
 def parse_scontrol(text: str) -> dict:
-    """`scontrol show job -o ID` -> {"JobState": ..., "Restarts": ..., ...}."""
-    fields = {}
-    for token in text.split():
-        key, sep, value = token.partition("=")
-        if sep and key not in fields:
-            fields[key] = value
+    """`scontrol show job -o ID` -> {"JobState": ..., "Restarts": ..., ...}; of several
+    lines (an array job), the first one's value of each key."""
+    fields: dict = {}
+    for line in text.splitlines():
+        keys = list(_KEY.finditer(line))
+        for key, after in zip(keys, keys[1:] + [None]):
+            value = line[key.end():after.start() if after else len(line)]
+            fields.setdefault(key.group(1), value.rstrip())
     return fields
+
+
+def parse_scontrol_lines(text: str) -> list[dict]:
+    """`scontrol -o show node|partition ...`: one dict per line."""
+    return [parse_scontrol(line) for line in text.splitlines() if line.strip()]
 
 
 def slurm_client(cmd: list[str], timeout: float = 20) -> Optional[subprocess.CompletedProcess]:
@@ -55,13 +110,19 @@ def slurm_client(cmd: list[str], timeout: float = 20) -> Optional[subprocess.Com
         return None
 
 
+def state_from_fields(job_id: str, f: dict) -> dict:
+    """`scontrol show job` fields -> what status and --wait show of a job."""
+    restarts = f.get("Restarts", "0")
+    return {"job_id": job_id, "state": f.get("JobState", "UNKNOWN"),
+            "restarts": int(restarts) if restarts.isdigit() else 0, "reason": f.get("Reason"),
+            "nodes": f.get("NodeList"), "exit_code": f.get("ExitCode"),
+            "start_time": f.get("StartTime")}
+
+
 def job_state(job_id: str) -> dict:
     res = slurm_client(["scontrol", "show", "job", "-o", str(job_id)])
     if res is not None and res.returncode == 0 and res.stdout.strip():
-        f = parse_scontrol(res.stdout)
-        return {"job_id": str(job_id), "state": f.get("JobState", "UNKNOWN"),
-                "restarts": int(f.get("Restarts", "0") or 0), "reason": f.get("Reason"),
-                "nodes": f.get("NodeList"), "exit_code": f.get("ExitCode")}
+        return state_from_fields(str(job_id), parse_scontrol(res.stdout))
     res = slurm_client(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State,ExitCode"])
     if res is not None and res.returncode == 0 and res.stdout.strip():
         state, _, code = res.stdout.strip().splitlines()[0].partition("|")

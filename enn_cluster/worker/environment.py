@@ -44,16 +44,16 @@ class WorkerEnv:
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Expand Slurm's compact host list ('n[1-3,07],gpu-a1' -> n1 n2 n3 n07 gpu-a1) with
-    submitit's parser, the one that reads SLURM_JOB_NODELIST for submitit itself (a
-    runtime dependency already; no `scontrol` needed inside the container)."""
-    from submitit.slurm.slurm import SlurmParseException, _parse_node_list
+    """Expand Slurm's compact host list ('n[1-3,07],gpu-a1' -> n1 n2 n3 n07 gpu-a1)
+    (storage/hostlist.py; no `scontrol` needed inside the container)."""
+    from enn_cluster.storage.hostlist import expand_hostlist as expand
 
     try:
-        return _parse_node_list(text)
-    except SlurmParseException:
+        return expand(text)
+    except ValueError as exc:
         raise UserError(f"environment: SLURM_JOB_NODELIST={text!r} is not a Slurm host list "
-                        "(e.g. n[1-3],gpu7); launch through srun, or set MASTER_ADDR") from None
+                        f"({exc}; e.g. n[1-3],gpu7); launch through srun, or set "
+                        "MASTER_ADDR") from None
 
 
 def expand_tasks_per_node(text: str) -> list[int]:

@@ -1,0 +1,148 @@
+"""Watch a Slurm job politely: `--wait` and `status --follow` ask the controller at 0, 2,
+4, 8, 16 ... s after the job last changed, then once a minute (submitit's InfoWatcher), and
+ask once per poll for everything they show (the job, then its nodes while it runs).
+
+`Backoff` decides when (pure: the clock is passed in); `SlurmWatch` asks and keeps the
+answers in between; `wait_for_job` is `--wait`'s loop. Tests drive both with a fake clock.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from enn_cluster.errors import UserError
+from enn_cluster.storage import slurm_jobs
+
+MAX_DELAY_S = 60.0  # submitit's InfoWatcher default
+
+
+@dataclass
+class Backoff:
+    """When to ask next: not before min(MAX, max(2, half the time since the last change))
+    has passed since the last ask (submitit's refresh_delay). `changed` starts it over."""
+
+    start: float
+    max_delay_s: float = MAX_DELAY_S
+    last_ask: Optional[float] = None
+
+    def delay(self, now: float) -> float:
+        return min(self.max_delay_s, max(2.0, (now - self.start) / 2))
+
+    def due(self, now: float) -> bool:
+        return self.last_ask is None or now - self.last_ask >= self.delay(now)
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the next ask is due (0: now): the first t with
+        t - last_ask >= delay(t), so 0, 2, 4, 8 ... 64, 124, 184 as `due` polled finds it."""
+        if self.last_ask is None:
+            return 0.0
+        last = self.last_ask
+        due_at = min(last + self.max_delay_s, max(last + 2.0, 2 * last - self.start))
+        return max(0.0, due_at - now)
+
+    def asked(self, now: float) -> None:
+        self.last_ask = now
+
+    def changed(self, now: float) -> None:
+        self.start = now
+
+
+@dataclass
+class SlurmWatch:
+    """Slurm's answers about a run's jobs, asked once per poll and reused between polls
+    (`status` asks for the job's state and whether it is alive: one `scontrol` call). With
+    `clock`, a new answer is asked for only when the backoff says so (`status --follow`);
+    without, every answer is fresh once (a plain `status`)."""
+
+    clock: Optional[Callable[[], float]] = None
+    ask_job: Callable[[str], dict] = slurm_jobs.job_state
+    ask_nodes: Callable[[str], dict] = slurm_jobs.nodes_not_answering
+    _jobs: dict = field(default_factory=dict)
+    _backoff: dict = field(default_factory=dict)
+
+    def job_state(self, job_id: str) -> dict:
+        job_id = str(job_id)
+        now = self.clock() if self.clock else 0.0
+        backoff = self._backoff.setdefault(job_id, Backoff(start=now))
+        if job_id in self._jobs and (self.clock is None or not backoff.due(now)):
+            return self._jobs[job_id]
+        state = self.ask_job(job_id)
+        old = self._jobs.get(job_id)
+        if old is None or slurm_jobs.describe(old) != slurm_jobs.describe(state):
+            backoff.changed(now)
+        if state.get("state") == "RUNNING" and state.get("nodes"):
+            state = {**state, "dead_nodes": self.ask_nodes(state["nodes"])}
+        backoff.asked(now)
+        self._jobs[job_id] = state
+        return state
+
+    def job_alive(self, job_id: str) -> bool:
+        state = self.job_state(job_id)
+        if state["state"] != "UNKNOWN":
+            return state["state"] in slurm_jobs.LIVE_STATES
+        return slurm_jobs.job_alive(job_id)  # squeue, for a job scontrol has forgotten
+
+
+def node_hint(state: dict) -> Optional[str]:
+    """What a RUNNING job on a node Slurm no longer hears from means, in one line."""
+    dead = state.get("dead_nodes") or {}
+    if state.get("state") != "RUNNING" or not dead:
+        return None
+    named = ", ".join(f"{n} ({s})" for n, s in sorted(dead.items()))
+    return (f"{named}: Slurm no longer hears from the job's node; its ranks there are "
+            "gone, yet the job stays RUNNING until Slurm declares the node dead "
+            "(SlurmdTimeout, 300 s by default), then is requeued, or goes on without the "
+            "node when it was submitted with --nodes MIN-MAX")
+
+
+def wait_for_job(job_id: str, run=None, *, ask: Optional[Callable[[str], dict]] = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> int:
+    """Block until the job leaves Slurm's live states, printing each new state and reason;
+    0 only when it COMPLETED. A job Slurm will never start as asked is cancelled at once.
+    A job that ended otherwise shows the end of its batch log (srun's and the host-side
+    trap's lines) and the command for the ranks' logs, where `run` (a RunDir) is known."""
+    ask = ask or slurm_jobs.job_state
+    backoff, shown = Backoff(start=clock()), None
+    while True:
+        sleep(backoff.wait_s(clock()))
+        state = ask(job_id)
+        backoff.asked(clock())
+        if slurm_jobs.describe(state) != shown:
+            shown = slurm_jobs.describe(state)
+            backoff.changed(clock())
+            print(f"Slurm job {job_id}: {shown}", file=sys.stderr, flush=True)
+        if slurm_jobs.never_starts(state):
+            slurm_jobs.cancel(job_id)
+            raise UserError(f"Slurm job {job_id} can never start: Reason={state['reason']} "
+                            "(beyond the partition's, account's or QOS's limits); cancelled "
+                            "it: ask for fewer nodes, GPUs, CPUs (--cpus-per-task; unset, it "
+                            "is sized from the partition's nodes) or less --time, or another "
+                            "--partition")
+        if state["state"] not in slurm_jobs.LIVE_STATES:
+            if state["state"] == "COMPLETED":
+                return 0
+            if run is not None:
+                print("\n".join(failed_job_lines(run.path, job_id)), file=sys.stderr)
+            return 1
+
+
+def failed_job_lines(run_dir: Path, job_id: str, tail_lines: int = 20) -> list[str]:
+    """The end of a finished job's batch log (its last 8 KiB at most) and where to look next."""
+    from enn_cluster.cluster.submit_slurm import submitit_folder
+
+    log = Path(str(submitit_folder(run_dir)).replace("%j", job_id)) / f"{job_id}_0_log.err"
+    lines = [f"Slurm job {job_id}: batch log {log}:"]
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 8192))
+            text = fh.read().decode("utf-8", errors="replace")
+        lines += [f"  | {line}" for line in text.splitlines()[-tail_lines:]]
+    except OSError as exc:
+        lines = [f"Slurm job {job_id}: no batch log to show ({exc.strerror}: {log})"]
+    return lines + [f"the ranks' logs: enn-submit logs {shlex.quote(str(run_dir))} --rank R"]
