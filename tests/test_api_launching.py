@@ -31,9 +31,21 @@ def _cli_job(cfg, argv):
                            run_dir=run_dir_for(cfg).path).spec
 
 
+def _slurm_answers_here(tmp_path, monkeypatch):
+    """An sbatch and an scontrol whose ping says up on PATH: the API and the CLI check that
+    Slurm answers here before they plan a job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    controller_up_scontrol(bin_dir)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
 def test_api_cluster_dict_and_cli_flags_build_the_same_slurm_job(tmp_path, monkeypatch):
     monkeypatch.delenv("ENN_SITE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)
+    _slurm_answers_here(tmp_path, monkeypatch)
     cfg = config_from_dict(small_config(tmp_path, "same"))
     flags = [
         "train", "--cluster", "slurm", "--nodes", "2-3", "--gpus-per-node", "4",
@@ -138,6 +150,7 @@ def test_memory_per_node_from_site_and_flag_reaches_the_job(tmp_path, monkeypatc
     from enn_cluster.cluster import job_spec
 
     monkeypatch.chdir(tmp_path)
+    _slurm_answers_here(tmp_path, monkeypatch)
     site = tmp_path / "site.yaml"
     site.write_text("mem_gb: 32\n")
     monkeypatch.setenv("ENN_SITE_CONFIG", str(site))

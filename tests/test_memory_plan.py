@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import ROOT, cli, small_config, write_config
+from helpers import ROOT, cli, controller_up_scontrol, small_config, write_config
 
 from enn_cluster.config.loading import config_from_dict
 from enn_cluster.config.memory_plan import (
@@ -196,9 +196,15 @@ def test_a_plan_that_fits_is_not_refused_and_one_that_does_not_names_fixes_that_
 
 
 def test_train_on_slurm_refuses_a_plan_that_cannot_fit_before_writing(tmp_path):
-    """No sbatch is needed: the plan is refused before the job is built or submitted."""
+    """The plan is refused before the job is built or submitted (the sbatch here would
+    refuse anything)."""
     cfg = write_config(tmp_path / "70b.yaml", **lm_config(tmp_path, "70b"))
-    res = cli("train", "--config", cfg, *SLURM, env={"PATH": "/nonexistent"})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    controller_up_scontrol(bin_dir)
+    res = cli("train", "--config", cfg, *SLURM, env={"PATH": str(bin_dir)})
     assert res.returncode == 2, res.stderr
     (line,) = res.stderr.strip().splitlines()
     assert line.startswith("enn-submit: error: plan: 4 x 8 GPUs need ") and "lora.r=16" in line
