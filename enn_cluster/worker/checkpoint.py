@@ -116,10 +116,11 @@ def report_slow_save(metrics, step: int, seconds: float, grace_s: float) -> None
 
 
 def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
-          keep_last: Optional[int] = None, writer_threads: int = 1) -> float:
+          keep_last: Optional[int] = None, writer_threads: int = 1, planner=None) -> float:
     """Collective over `lanes`: fresh step directory, side files, DCP files (one per
     writer thread), commit record, prune. Async saves run this in their own thread on the
-    checkpoint lane. Returns the seconds it took."""
+    checkpoint lane, with a `planner` that stages what this rank writes. Returns the
+    seconds it took."""
     path = store.step_dir(root, step)
 
     def make_dir() -> None:
@@ -132,7 +133,7 @@ def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
     _agreed(lanes, make_dir)
     _agreed(lanes, lambda: _write_side_files(path, lanes, snap))
     writer = ChecksummingWriter(path, writer_threads)
-    dcp.save(state, storage_writer=writer, process_group=lanes.control)
+    dcp.save(state, storage_writer=writer, planner=planner, process_group=lanes.control)
     _commit(path, step, writer.checksums, tuple(state), started, lanes,
             {k: snap.trainer_state[k] for k in RECORDED if k in snap.trainer_state})
     if keep_last is not None and lanes.rank == 0:
