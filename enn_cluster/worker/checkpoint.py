@@ -96,19 +96,13 @@ def save(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: La
                  keep_last, writer_threads)
 
 
-def slow_save_warning(seconds: float, step: int, grace_s: float) -> Optional[str]:
-    """A save that took longer than the stop grace: the save a stop asks for would be cut
-    short by the hard exit (and, under Slurm, by the time limit after USR2)."""
-    if not grace_s or seconds <= grace_s:
-        return None
-    return (f"checkpoint step-{step} took {seconds:.0f} s, longer than the stop grace "
-            f"({grace_s:.0f} s): a stop's checkpoint may not finish; raise "
-            "parallel.stop_grace_s and --signal-grace (site.signal_grace_s) above it")
-
-
-def report_slow_save(metrics, step: int, seconds: float, grace_s: float) -> None:
-    """Log and record (a `slow_checkpoint` metrics record) a save longer than the grace."""
-    warning = slow_save_warning(seconds, step, grace_s)
+def report_save_time(metrics, step: int, seconds: float, grace_s: float) -> None:
+    """Record how long a save took (a `checkpoint_saved` metrics record; commit.json holds
+    it as `save_seconds`), and log and record (`slow_checkpoint`) one longer than the stop
+    grace: a stop's save would be cut short by the hard exit (under Slurm, by the time
+    limit after USR2; the next submit raises its grace from the commit record)."""
+    metrics.write("checkpoint_saved", step=step, seconds=round(seconds, 3))
+    warning = store.save_over_grace(step, seconds, grace_s)
     if warning:
         log.warning("%s", warning)
         metrics.write("slow_checkpoint", step=step, seconds=round(seconds, 1),

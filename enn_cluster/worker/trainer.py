@@ -283,7 +283,7 @@ class Trainer:
         self.metrics.write("checkpoint", step=self.step, async_save=async_save)
 
     def _took(self, step: int, seconds: float) -> None:
-        ckpt.report_slow_save(self.metrics, step, seconds, self.cfg.parallel.stop_grace_s)
+        ckpt.report_save_time(self.metrics, step, seconds, self.cfg.parallel.stop_grace_s)
 
     def _save_failed(self, exc: Exception) -> TrainingAborted:
         """Stop training: going on without the checkpoint would silently drop state."""
