@@ -280,6 +280,30 @@ def test_metadata_ops_are_counted_between_the_markers():
         count_window("10 1.0 fsync(3) = 0", root)
 
 
+def test_a_signal_that_ended_the_traced_save_is_named_with_its_sender(tmp_path):
+    """A real strace of a shell that its own kill stops: the line names receiver, signal
+    and sender; a signal strace itself forwards is said to come from outside."""
+    import shutil
+    import subprocess
+
+    from bench.metadata_ops import signals_sent
+
+    if shutil.which("strace") is None:
+        pytest.skip("strace not installed")
+    trace = tmp_path / "trace.txt"
+    proc = subprocess.run(["strace", "-f", "-ttt", "-qq", "-e", "trace=openat", "-o", str(trace),
+                           "sh", "-c", "kill -TERM $$"], capture_output=True)
+    assert proc.returncode != 0
+    (line,) = signals_sent(trace.read_text(), tracer_pid=-1)
+    pid = line.split()[1]
+    assert line.startswith(f"pid {pid} got SIGTERM from pid {pid} (")
+    forwarded = f"77 1.5 --- SIGTERM {{si_signo=SIGTERM, si_code=SI_USER, si_pid=12, si_uid=0}} ---"
+    assert signals_sent(forwarded, tracer_pid=12) == [
+        "pid 77 got SIGTERM from pid 12 (strace, signalled from outside)"]
+    assert signals_sent("77 1.5 --- SIGCHLD {si_signo=SIGCHLD, si_code=CLD_EXITED, si_pid=9}"
+                        " ---", tracer_pid=12) == []
+
+
 def test_the_control_plane_simulation_commits_a_step_with_the_products_functions(tmp_path):
     """The simulated coordinator (fake process group, 8 ranks) plans with DCP, writes a
     real `.metadata` and commit record that the product's committed check accepts."""

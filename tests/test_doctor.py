@@ -245,3 +245,32 @@ def test_a_collapsed_prediction_is_a_predictions_warning_with_its_verdict(tmp_pa
     assert line.split()[1] == "warning", line
     assert "c: collapse verdict (model): output 0: the inputs vary but every candidate" in line
     assert f"(more: python -m json.tool {run}/predictions/c/manifest.json)" in line
+
+
+def test_a_save_longer_than_the_signal_grace_is_a_warning_and_raises_the_next_grace(healthy,
+                                                                                    tmp_path):
+    """The newest commit record says the save took 200 s; the run's Slurm job had the
+    default 90 s USR2 grace: doctor and status warn with the grace to ask for, and the next
+    submit without --signal-grace asks for it (capped by the time limit)."""
+    from enn_cluster.client.doctor import check_checkpoints
+    from enn_cluster.client.status import save_grace_line
+    from enn_cluster.cluster.submit_slurm import measured_grace
+    from enn_cluster.storage import commits as store
+    from enn_cluster.storage.rundir import RunDir
+
+    run = tmp_path / "run"
+    shutil.copytree(healthy, run, symlinks=True)
+    rd = RunDir(run)
+    assert check_checkpoints(rd, "RUN").level == "ok"
+    assert measured_grace(rd, 90, "4:00:00") == 90  # a CPU save fits easily
+    step = store.latest_committed(rd.checkpoints)
+    path = store.step_dir(rd.checkpoints, step) / store.COMMIT
+    path.write_text(json.dumps({**json.loads(path.read_text()), "save_seconds": 200.0}))
+    rd.record_job(kind="slurm", job_id="7", signal_grace_s=90)
+    found = check_checkpoints(rd, "RUN")
+    assert found.level == "warning" and f"step-{step} took 200 s" in found.detail
+    assert "--signal-grace 330 " in found.detail
+    assert save_grace_line(rd, rd.jobs()) in found.detail
+    assert measured_grace(rd, 90, "4:00:00") == 330
+    assert measured_grace(rd, 90, "5") == 180  # 5 minutes: the time limit less 2 minutes
+    assert measured_grace(rd, 400, "4:00:00") == 400  # a site grace that already fits

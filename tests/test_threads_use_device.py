@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from enn_cluster.worker import checkpoint_async, loader, placement
+from enn_cluster.worker import checkpoint_async, checkpoint_staging, loader, placement
 
 PACKAGE = Path(__file__).resolve().parents[1] / "enn_cluster"
 STARTS_THREAD = re.compile(r"threading\.Thread\(|ThreadPoolExecutor\(")
@@ -74,18 +74,16 @@ def test_loader_thread_selects_its_device_before_gathering(thread_log):
     assert thread_log.selected_first(thread, device), thread_log.events
 
 
-class RecordingStager:
+class RecordingStager(checkpoint_staging.StagingBuffers):
     """The product's stager, noting which thread stages (the copy is the thread's work)."""
 
     def __init__(self, log: ThreadLog) -> None:
-        self.log, self.inner = log, checkpoint_async.new_stager()
+        super().__init__()
+        self.log = log
 
-    def stage(self, state: dict) -> dict:
+    def stage(self, *args, **kwargs) -> dict:
         self.log.add("work")
-        return self.inner.stage(state)
-
-    def close(self) -> None:
-        self.inner.close()
+        return super().stage(*args, **kwargs)
 
 
 def test_checkpoint_thread_selects_its_device_before_staging(thread_log, tmp_path):

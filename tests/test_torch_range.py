@@ -103,7 +103,8 @@ def test_without_optional_torch_apis_async_saves_and_resumes_take_the_stock_path
                                                                                 monkeypatch):
     """Every process (launcher and workers) starts with DefaultStager and StagingOptions
     removed from torch, as on a torch that predates them (2.8 and older): async saves
-    use DCP's stock stager, a rank death resumes from such a save, and the run ends
+    (staged by the product's own planner, worker/checkpoint_staging, which needs neither)
+    still work, a rank death resumes from such a save, and the run ends
     bit-identical to a synchronous run on the full torch."""
     hide = tmp_path / "hide"
     hide.mkdir()

@@ -226,12 +226,23 @@ def test_a_boolean_async_save_still_loads(tmp_path):
 
 
 def test_a_save_longer_than_the_stop_grace_is_named():
-    from enn_cluster.worker.checkpoint import slow_save_warning
+    from enn_cluster.storage.commits import save_over_grace
 
-    assert slow_save_warning(59.0, 100, 60.0) is None
-    line = slow_save_warning(140.2, 100, 60.0)
+    assert save_over_grace(100, 59.0, 60.0) is None
+    line = save_over_grace(100, 140.2, 60.0)
     assert line.startswith("checkpoint step-100 took 140 s, longer than the stop grace (60 s)")
-    assert "parallel.stop_grace_s" in line and "--signal-grace" in line
+    assert "parallel.stop_grace_s" in line and "--signal-grace 241 " in line
+    assert "async saves" in line
+
+
+def test_the_grace_a_save_needs():
+    from enn_cluster.storage.commits import grace_for_save
+
+    assert grace_for_save(50.0, 90) == 90  # fits with 30 s to spare
+    assert grace_for_save(70.0, 90) == 135  # 1.5 x 70 + 30
+    assert grace_for_save(400.0, 90) == 630
+    assert grace_for_save(400.0, 90, limit_s=300) == 300  # the time limit caps it
+    assert grace_for_save(400.0, 90, limit_s=60) == 90  # never below what was asked
 
 
 def test_time_based_checkpoints_are_agreed_and_carry_their_metrics(tmp_path):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.client.status import save_grace_line
 from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
@@ -260,8 +261,10 @@ def check_checkpoints(run: RunDir, q: str) -> Finding:
         return Finding("checkpoints", "problem", "; ".join(bad), more)
     if not committed:
         return Finding("checkpoints", "warning", "no complete checkpoint", more)
-    return Finding("checkpoints", "ok", f"{len(committed)} complete, all verify "
-                   f"(newest step-{committed[-1]})", more)
+    slow = save_grace_line(run, run.jobs())
+    return Finding("checkpoints", "warning" if slow else "ok", f"{len(committed)} complete, "
+                   f"all verify (newest step-{committed[-1]})" + (f"; {slow}" if slow else ""),
+                   more)
 
 
 def check_export(model, shape, name: str, q: str) -> Finding:

@@ -64,6 +64,7 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
                           "lines": backend_report.summarize(reports)}
     status["nonfinite"] = nonfinite_dumps(run.path / "nonfinite")
     status["oom"] = oom_record.read_record(run.path)
+    status["save_over_grace"] = save_grace_line(run, jobs)
     slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
     if slurm_jobs:
         status["slurm"] = slurm.job_state(str(slurm_jobs[-1]["job_id"]))
@@ -80,6 +81,19 @@ def _slurm_log_dirs(run: RunDir) -> list[tuple[str, float]]:
     if not run.logs.is_dir():
         return []
     return [(d.name, d.stat().st_mtime) for d in run.logs.iterdir() if d.is_dir()]
+
+
+def save_grace_line(run: RunDir, jobs: list[dict]) -> Optional[str]:
+    """The newest recorded save time against the stop signal's grace of the run's newest
+    Slurm job (its recorded --signal-grace, else the site default); None when it fits."""
+    found = store.last_save_seconds(run.checkpoints)
+    slurm = [j for j in jobs if j.get("kind") == "slurm"]
+    if found is None or not slurm:
+        return None
+    from enn_cluster.cluster.site import DEFAULTS
+
+    return store.save_over_grace(*found, slurm[-1].get("signal_grace_s")
+                                 or DEFAULTS["signal_grace_s"])
 
 
 def with_unrecorded_slurm_jobs(jobs: list[dict], log_dirs: list[tuple[str, float]]) -> list[dict]:
@@ -155,6 +169,8 @@ def format_status(st: dict) -> str:
         lines.append(f"{'backends:' if i == 0 else '':<17}{line}")
     if st.get("oom") and st["oom"].get("events"):
         lines.append(f"memory:          {oom_record.summary(st['oom'])}")
+    if st.get("save_over_grace"):
+        lines.append(f"warning:         {st['save_over_grace']}")
     if st.get("nonfinite"):
         lines.append(f"non-finite:      {nonfinite_line(st['nonfinite'])}")
     if st.get("slurm"):

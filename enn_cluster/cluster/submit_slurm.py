@@ -21,6 +21,7 @@ from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: 
 )
 from enn_cluster.config.launch_env import SUBMISSION_VAR
 from enn_cluster.errors import UserError
+from enn_cluster.storage import commits as store
 from enn_cluster.storage.rundir import (
     RunDir,
     acquire_lock,
@@ -113,6 +114,8 @@ def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts:
              "cpus_per_task": req.cpus_per_task, "mem_gb": req.mem_gb,
              "mounts": tuple(req.mounts) if req.mounts else None}
     opts = merge(DEFAULTS, req.site_options(), flags)
+    if req.signal_grace is None:  # no flag: a grace the run's last save fits in
+        opts["signal_grace_s"] = measured_grace(run, opts["signal_grace_s"], opts["time"])
     if opts["image"] is None:
         opts["image"] = str(default_image(opts["image_cache"]))
     bare = opts["image"] == "none"
@@ -138,6 +141,23 @@ def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts:
         python=req.python or (sys.executable if bare else opts["python"]),
         setup_lines=tuple(opts["setup_lines"]), extra_sbatch_args=tuple(opts["extra_sbatch_args"]),
         extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
+
+
+def measured_grace(run: RunDir, grace_s: int, time) -> int:
+    """The USR2 grace for a job of this run: the site's, raised (with a line saying so)
+    when the run's newest checkpoint took longer to save than it leaves, up to the time
+    limit less the 60 s Slurm may send it early and a minute of training."""
+    found = store.last_save_seconds(run.checkpoints)
+    if found is None:
+        return grace_s
+    from enn_cluster.cluster.slurm_values import time_minutes
+
+    limit = max(grace_s, time_minutes(time) * 60 - 120)
+    chosen = store.grace_for_save(found[1], grace_s, limit)
+    if chosen != grace_s:
+        print(f"signal grace: {chosen} s, not {grace_s} s: checkpoint step-{found[0]} took "
+              f"{found[1]:.0f} s to save (--signal-grace sets it)", file=sys.stderr)
+    return chosen
 
 
 def model_mounts(cfg, mounts) -> tuple[str, ...]:
@@ -331,7 +351,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
                        "submitted_by": "enn-submit", "submission": token})
     run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,
                    nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
-                   image=spec.container_image)
+                   image=spec.container_image, signal_grace_s=spec.signal_grace_s)
     return job_id
 
 

@@ -147,8 +147,9 @@ DESCRIPTIONS = {
     "checkpoint.keep_last": "Committed checkpoints to keep (> 0); older ones, and torn ones "
                             "older than the newest committed, are deleted.",
     "checkpoint.async_save": "Write periodic checkpoints in the background: a thread copies "
-                             "this rank's shard of model + optimizer state into reused host "
-                             "memory (one extra copy, pinned on GPU nodes), then writes and "
+                             "what this rank writes of model + optimizer state (with HSDP "
+                             "each shard is written by one replica) into host memory reserved "
+                             "at start (one copy, pinned on GPU nodes), then writes and "
                              "commits on its own gloo group; the next optimizer step waits "
                              "only while that copy runs. The final checkpoint is always "
                              "synchronous. `auto`: on GPU only; `true` or `false`.",

@@ -8,6 +8,7 @@ and `status` use it from the login node.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -309,3 +310,37 @@ def prune(root: Path, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
     for s in doomed:
         shutil.rmtree(step_dir(root, s), ignore_errors=True)
     return doomed
+
+
+# -- save time against the stop signal's grace -------------------------------------------------
+GRACE_FACTOR, GRACE_MARGIN_S = 1.5, 30  # a save may run 1.5x its last time, plus start-up
+
+
+def last_save_seconds(root: Path) -> Optional[tuple[int, float]]:
+    """(step, seconds) of the newest committed checkpoint that recorded how long its save
+    took (commit.json `save_seconds`); None when none did."""
+    for step in reversed(committed_steps(root)):
+        seconds = (read_commit(step_dir(root, step)) or {}).get("save_seconds")
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+            return step, float(seconds)
+    return None
+
+
+def grace_for_save(seconds: float, grace_s: int, limit_s: Optional[int] = None) -> int:
+    """The stop signal's grace a save of `seconds` needs: `grace_s` when it fits, else
+    1.5x the save plus 30 s, at most `limit_s`. Pure."""
+    need = int(math.ceil(seconds * GRACE_FACTOR)) + GRACE_MARGIN_S
+    if seconds <= grace_s - GRACE_MARGIN_S:
+        return grace_s
+    return max(grace_s, need if limit_s is None else min(need, limit_s))
+
+
+def save_over_grace(step: int, seconds: float, grace_s: float) -> Optional[str]:
+    """One line when a save took longer than the stop grace (None when it fits). Pure."""
+    if not grace_s or seconds <= grace_s:
+        return None
+    return (f"checkpoint step-{step} took {seconds:.0f} s, longer than the stop grace "
+            f"({grace_s:.0f} s): a stop's checkpoint may not finish; "
+            f"raise the grace (--signal-grace {grace_for_save(seconds, int(grace_s))} or "
+            "site.signal_grace_s, and parallel.stop_grace_s) or shrink the checkpoint "
+            "(async saves, fewer saved states)")

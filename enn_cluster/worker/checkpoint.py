@@ -96,19 +96,13 @@ def save(root: Path, step: int, model, optimizer, trainer_state: dict, lanes: La
                  keep_last, writer_threads)
 
 
-def slow_save_warning(seconds: float, step: int, grace_s: float) -> Optional[str]:
-    """A save that took longer than the stop grace: the save a stop asks for would be cut
-    short by the hard exit (and, under Slurm, by the time limit after USR2)."""
-    if not grace_s or seconds <= grace_s:
-        return None
-    return (f"checkpoint step-{step} took {seconds:.0f} s, longer than the stop grace "
-            f"({grace_s:.0f} s): a stop's checkpoint may not finish; raise "
-            "parallel.stop_grace_s and --signal-grace (site.signal_grace_s) above it")
-
-
-def report_slow_save(metrics, step: int, seconds: float, grace_s: float) -> None:
-    """Log and record (a `slow_checkpoint` metrics record) a save longer than the grace."""
-    warning = slow_save_warning(seconds, step, grace_s)
+def report_save_time(metrics, step: int, seconds: float, grace_s: float) -> None:
+    """Record how long a save took (a `checkpoint_saved` metrics record; commit.json holds
+    it as `save_seconds`), and log and record (`slow_checkpoint`) one longer than the stop
+    grace: a stop's save would be cut short by the hard exit (under Slurm, by the time
+    limit after USR2; the next submit raises its grace from the commit record)."""
+    metrics.write("checkpoint_saved", step=step, seconds=round(seconds, 3))
+    warning = store.save_over_grace(step, seconds, grace_s)
     if warning:
         log.warning("%s", warning)
         metrics.write("slow_checkpoint", step=step, seconds=round(seconds, 1),
@@ -116,10 +110,11 @@ def report_slow_save(metrics, step: int, seconds: float, grace_s: float) -> None
 
 
 def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
-          keep_last: Optional[int] = None, writer_threads: int = 1) -> float:
+          keep_last: Optional[int] = None, writer_threads: int = 1, planner=None) -> float:
     """Collective over `lanes`: fresh step directory, side files, DCP files (one per
     writer thread), commit record, prune. Async saves run this in their own thread on the
-    checkpoint lane. Returns the seconds it took."""
+    checkpoint lane, with a `planner` that stages what this rank writes. Returns the
+    seconds it took."""
     path = store.step_dir(root, step)
 
     def make_dir() -> None:
@@ -132,7 +127,7 @@ def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
     _agreed(lanes, make_dir)
     _agreed(lanes, lambda: _write_side_files(path, lanes, snap))
     writer = ChecksummingWriter(path, writer_threads)
-    dcp.save(state, storage_writer=writer, process_group=lanes.control)
+    dcp.save(state, storage_writer=writer, planner=planner, process_group=lanes.control)
     _commit(path, step, writer.checksums, tuple(state), started, lanes,
             {k: snap.trainer_state[k] for k in RECORDED if k in snap.trainer_state})
     if keep_last is not None and lanes.rank == 0:

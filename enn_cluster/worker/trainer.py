@@ -31,7 +31,7 @@ from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.staging import open_array, read_manifest
 from enn_cluster.storage.tracking import worker_sink
 from enn_cluster.worker import checkpoint as ckpt
-from enn_cluster.worker.checkpoint_async import new_stager, save_async
+from enn_cluster.worker.checkpoint_async import new_stager, reserve, save_async
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.evaluation import eval_arrays, mean_eval_loss
 from enn_cluster.worker.fault_injection import (
@@ -287,7 +287,7 @@ class Trainer:
         self.metrics.write("checkpoint", step=self.step, async_save=async_save)
 
     def _took(self, step: int, seconds: float) -> None:
-        ckpt.report_slow_save(self.metrics, step, seconds, self.cfg.parallel.stop_grace_s)
+        ckpt.report_save_time(self.metrics, step, seconds, self.cfg.parallel.stop_grace_s)
 
     def _save_failed(self, exc: Exception) -> TrainingAborted:
         """Stop training: going on without the checkpoint would silently drop state."""
@@ -335,6 +335,8 @@ class Trainer:
     def fit(self) -> str:
         """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
         self.resume()
+        if self.async_periodic:
+            self._reserve_staging()
         if self.env.relaunch and self.lanes.rank == 0:  # continuing after a lost node
             lost = node_loss.record_relaunch(self.run, self.metrics, str(self.env.job_id),
                                              self.env.relaunch, self.env.world_size, self.step)
@@ -347,6 +349,12 @@ class Trainer:
                 return self._loop()
         finally:
             watchdog.stop()
+
+    def _reserve_staging(self) -> None:
+        """Async saves' (pinned) buffers, allocated before the loop, not in the first save."""
+        self.stager = new_stager()
+        n = reserve(self.stager, self.sm.model, self.optimizer, self.lanes)
+        log.info("checkpoint staging: %.1f MB reserved for this rank's share of a save", n / 1e6)
 
     def _write_start(self) -> None:
         b = self.batch
