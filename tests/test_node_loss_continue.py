@@ -32,8 +32,8 @@ def _config(tmp_path, name: str, **parallel) -> dict:
                         parallel={"nodes": 3, "procs_per_node": 2, **parallel})
 
 
-def _submit(*args) -> str:
-    res = cli(*args, timeout=120)
+def _submit(*args, env=None) -> str:
+    res = cli(*args, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
     return res.stdout.strip().splitlines()[-1]
 
@@ -63,7 +63,19 @@ def _steps(run) -> set:
     return {r["step"] for r in metrics(run, "train")}
 
 
-def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same config run through locally once for the module, 2 ranks (the global batch
+    is what matters): the run every continuation must match."""
+    where = tmp_path_factory.mktemp("uninterrupted")
+    ref_cfg = write_config(where / "ref.yaml", **_config(where, "ref", nodes=1))
+    done = cli("train", "--config", ref_cfg, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return where / "runs" / "ref"
+
+
+def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_path,
+                                                           uninterrupted):
     """--nodes 2-3 gets n1-n3 (6 ranks); n3 loses power after step 25. The ranks on n1 and
     n2 fail, the batch shell sees its node's tasks gone while srun still waits for n3, probes
     the nodes, and starts a new step on n1 and n2 (4 ranks) long before the controller would
@@ -111,7 +123,7 @@ def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_p
     assert f"node n3 lost (job {job}): went on with 2 node(s) from step {lost['step']}" \
         in doctor.stdout, doctor.stdout
     _report_phases(run, death, lost, state)
-    _assert_matches_uninterrupted(run, tmp_path)
+    assert_same_steps(run, uninterrupted, STEPS)
 
 
 def _report_phases(run, death: float, lost: dict, state: str) -> None:
@@ -125,12 +137,52 @@ def _report_phases(run, death: float, lost: dict, state: str) -> None:
           f"first step (step {first['step']}) {first['time'] - death:.1f} s; job {state}")
 
 
-def _assert_matches_uninterrupted(run, tmp_path) -> None:
-    """The same config run through locally, 2 ranks (the global batch is what matters)."""
-    ref_cfg = write_config(tmp_path / "ref.yaml", **_config(tmp_path, "ref", nodes=1))
-    done = cli("train", "--config", ref_cfg, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert_same_steps(run, tmp_path / "runs" / "ref", STEPS)
+HELD_STEP = 30  # the checkpoint being written when the node is lost
+
+
+def test_a_node_lost_while_a_checkpoint_is_written(slurm_cluster3, tmp_path, uninterrupted):
+    """Issue 29 item 7: n3 loses power while step-30 is being written. Deterministic: every
+    rank holds after its shards and DCP's .metadata are on disk, before the commit record
+    (ENN_FAULT_HOLD_BEFORE_COMMIT); n3 goes down while all six hold, then the survivors are
+    released into the commit's collective, which fails. step-30 is left with .metadata and
+    no commit.json: never chosen, never shown complete. The job goes on on n1 and n2 from
+    step 20 and finishes as the uninterrupted run; the relaunch passes step 30 unheld."""
+    held = tmp_path / "held"
+    held.mkdir()
+    cfg = write_config(tmp_path / "run.yaml", **_config(tmp_path, "torn"))
+    slurm_cluster3.wait_idle()
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2-3", "--gpus-per-node", "2",
+                  env={"ENN_FAULT_HOLD_BEFORE_COMMIT": f"{HELD_STEP}:{held}"})
+    run = tmp_path / "runs" / "torn"
+    _wait_for(lambda: len(list(held.glob("held-rank-*"))) == 6, "not every rank held at the "
+              f"commit of step {HELD_STEP}", timeout=240)
+    torn = store.step_dir(run / "checkpoints", HELD_STEP)
+    assert (torn / ".metadata").is_file() and not (torn / "commit.json").exists()
+    try:
+        _node_down(slurm_cluster3, "n3")
+        (held / "release").touch()
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and STEPS in _steps(run)
+                  and STEPS in store.committed_steps(run / "checkpoints"),
+                  f"{run}: no committed step {STEPS}", timeout=240)
+        slurm_cluster3.wait_job(job, ("COMPLETING", "COMPLETED"), timeout=60)
+    finally:
+        (held / "release").touch()
+        up = slurm_cluster3.up()
+    assert up.returncode == 0, up.stderr
+    log = _batch_log(run, job)
+    assert "enn: lost node(s) n3: relaunching on 2 nodes (n1,n2), relaunch 1" in log, log[-3000:]
+    (lost,) = metrics(run, "node_lost")
+    assert lost["step"] == HELD_STEP - 10, lost  # the newest complete one, not the torn one
+    assert metrics(run, "resume")[-1]["step"] == HELD_STEP - 10
+    # the torn attempt is moved aside by the relaunch's own save of step 30, never committed
+    committed = store.committed_steps(run / "checkpoints")
+    assert HELD_STEP in committed  # written again, whole, by the 4 survivors
+    record = store.read_commit(store.step_dir(run / "checkpoints", HELD_STEP))
+    assert record["world_size"] == 4, record
+    for aside in (run / "checkpoints").glob(f"{torn.name}.torn-*"):
+        assert not (aside / "commit.json").exists()
+    assert cli("verify", run, timeout=120).returncode == 0
+    assert_same_steps(run, uninterrupted, STEPS)
 
 
 def test_a_job_without_a_node_range_keeps_waiting_for_slurm(slurm_cluster3, tmp_path):
