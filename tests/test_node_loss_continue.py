@@ -15,6 +15,7 @@ from enn_cluster.storage import commits as store
 from enn_cluster.storage.rundir import RunDir
 from helpers import (assert_same_steps, cli, metrics, small_config, wait_train_step,
                      write_config)
+from pyxis_fixture import require_pyxis
 from slurm_fixture import CLUSTER_SH
 
 pytestmark = pytest.mark.slurm
@@ -182,6 +183,49 @@ def test_a_node_lost_while_a_checkpoint_is_written(slurm_cluster3, tmp_path, uni
     for aside in (run / "checkpoints").glob(f"{torn.name}.torn-*"):
         assert not (aside / "commit.json").exists()
     assert cli("verify", run, timeout=120).returncode == 0
+    assert_same_steps(run, uninterrupted, STEPS)
+
+
+@pytest.mark.podman
+@pytest.mark.slow
+def test_a_lost_node_under_pyxis_and_the_job_goes_on(slurm_cluster3, test_image, tmp_path,
+                                                      uninterrupted):
+    """The same continuation in real containers (Pyxis, use_squashfuse=1: nothing unpacked,
+    so no minutes of Enroot teardown at the end; on this module's three nodes): n3 loses power after step 25 with its Enroot container and task; the
+    batch shell probes and starts a new containerised step on n1 and n2, which resume at
+    world 4 from the newest checkpoint committed before the loss and finish as the
+    uninterrupted run."""
+    require_pyxis()
+    slurm_cluster3.reconfigure("1")
+    try:
+        cfg = write_config(tmp_path / "run.yaml", **_config(tmp_path, "boxed"))
+        slurm_cluster3.wait_idle()
+        job = _submit("train", "--config", cfg, "--cluster", "slurm", "--container", test_image,
+                      "--time", "10", "--nodes", "2-3", "--gpus-per-node", "2")
+        run = tmp_path / "runs" / "boxed"
+        wait_train_step(run, 25, timeout=300)
+        try:
+            death = _node_down(slurm_cluster3, "n3")
+            _wait_for(lambda: STEPS in _steps(run)
+                      and STEPS in store.committed_steps(run / "checkpoints"),
+                      f"{run}: no committed step {STEPS}", timeout=300)
+            # Enroot's teardown may hold srun after the tasks end: the watcher probes meanwhile,
+            # every node answers, nothing more
+            slurm_cluster3.wait_job(job, ("COMPLETING", "COMPLETED"), timeout=240)
+        finally:
+            up = slurm_cluster3.up()
+        assert up.returncode == 0, up.stderr
+    finally:
+        slurm_cluster3.reconfigure(None)
+    log = _batch_log(run, job)
+    assert "enn: lost node(s) n3: relaunching on 2 nodes (n1,n2), relaunch 1" in log, log[-3000:]
+    assert "requeueing" not in log, log[-3000:]
+    assert "relaunch 2" not in log, log[-3000:]  # the slow teardown is not taken for a loss
+    (lost,) = metrics(run, "node_lost")
+    assert lost["world_size"] == 4 and death < lost["launched"] < death + SLURMD_TIMEOUT_S
+    assert [s["world_size"] for s in metrics(run, "start")] == [6, 4]
+    assert metrics(run, "resume")[-1]["step"] == lost["step"] >= 20
+    _report_phases(run, death, lost, "COMPLETED")
     assert_same_steps(run, uninterrupted, STEPS)
 
 
