@@ -28,7 +28,7 @@ COSTS = {
     "metadata": (60.0, 0.0),
     "recovery": (120.0, 0.0),  # 3 pairs of kill-and-restart runs
     "control": (270.0, 0.0),  # 64 .. 1,024 simulated ranks, 3 repeats each
-    "submit": (120.0, 0.0),  # a dev Slurm cluster (root only) and 3 pairs
+    "submit": (210.0, 0.0),  # a 3-node dev Slurm cluster (root only), 3 pairs, a node loss
     "cli": (3.0, 1.0),
     "gpu": (0.0, 0.0),  # skipped without CUDA; on a GPU machine it runs alone (--only gpu)
     "scale": (600.0, 0.0),

@@ -1,6 +1,7 @@
 """Submit latency on the local Slurm: command -> first training step (information).
 
-A one-node dev cluster (slurm/dev/cluster.sh, root only) runs both sides, in turn, with
+A three-node dev cluster (slurm/dev/cluster.sh, root only; the node loss of
+node_loss.py, measured here against the preemption below, needs three) runs both sides, in turn, with
 overhead.py's model and data on 2 tasks:
 - ours: `enn-submit train --cluster slurm --container none` (run directory, frozen config,
   staging, submitit's scripts, sbatch), then Slurm starts the batch shell, srun the
@@ -187,6 +188,8 @@ def _preempted(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict) -> dict:
 def run(ctx: BenchContext) -> list[Result]:
     from enn_cluster.client.launch_local import free_port
 
+    from . import node_loss
+
     why = _missing()
     if why:
         return [Result("submit", "submit latency on the local Slurm", skipped=why)]
@@ -196,8 +199,8 @@ def run(ctx: BenchContext) -> list[Result]:
     os.chmod(state, 0o755)
     cluster_sh = str(ctx.root / "slurm" / "dev" / "cluster.sh")
     env = dict(ctx.subprocess_env(), SLURM_CONF=os.path.join(state, "slurm.conf"))
-    ctx.log("submit: bringing up a one-node dev Slurm cluster")
-    up = subprocess.run(["bash", cluster_sh, "up", state, "1"], capture_output=True, text=True,
+    ctx.log("submit: bringing up a three-node dev Slurm cluster (the node loss needs 3)")
+    up = subprocess.run(["bash", cluster_sh, "up", state, "3"], capture_output=True, text=True,
                         timeout=300)
     try:
         if up.returncode == EXIT_BUSY:
@@ -215,6 +218,7 @@ def run(ctx: BenchContext) -> list[Result]:
         _idle(env)
         preempt = _preempted(ctx, s, x, y, env)
         _idle(env)
+        lost = node_loss.result(ctx, env, cluster_sh, state, preempt)
     finally:
         subprocess.run(["bash", cluster_sh, "down", state], capture_output=True, timeout=120)
         shutil.rmtree(state, ignore_errors=True)
@@ -237,4 +241,4 @@ def run(ctx: BenchContext) -> list[Result]:
                      f"-> job requeued (PENDING) {preempt['requeued']:.2f} s; Slurm's requeue "
                      f"hold (BeginTime) {preempt['hold']:.0f} s, lifted and not counted; "
                      f"restart -> resumed {preempt['resumed']:.2f} s -> first step "
-                     f"{preempt['first_step']:.2f} s"))]
+                     f"{preempt['first_step']:.2f} s")), lost]

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from enn_cluster.cluster.job_spec import JobSpec, env_lines
 from enn_cluster.cluster.submit_slurm import filesystem_type, node_local_problem
@@ -139,3 +142,42 @@ def test_a_worker_whose_home_is_missing_trains_with_caches_in_scratch(tmp_path):
     assert home.is_dir() and not (tmp_path / "no-such-home").exists()
     (log,) = (tmp_path / "runs" / "nohome" / "logs").rglob("rank-0.log")
     assert f"HOME is not a writable directory here: HOME and caches under {home}" in log.read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.podman
+@pytest.mark.slow
+def test_an_image_holding_other_code_is_refused_through_pyxis(pyxis_cluster, test_image,
+                                                              tmp_path):
+    """Issue 25 item 7 through the real Pyxis path: the login node's enn_cluster (a copy of
+    this checkout with one file changed) submits into the image of this checkout. Every
+    task in the container refuses with the one line naming both identities, exit 2: the job
+    ends without a requeue or retry, and nothing is trained."""
+    cluster = pyxis_cluster(0)
+    login = tmp_path / "login"
+    shutil.copytree(ROOT / "enn_cluster", login / "enn_cluster",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(login / "enn_cluster" / "errors.py", "a") as fh:
+        fh.write("# the login node's edit that the image does not have\n")
+    submitted = subprocess.run(
+        [sys.executable, "-c", "from enn_cluster.worker.code_identity import code_identity; "
+         "print(code_identity())"], capture_output=True, text=True, cwd=login, timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(login))).stdout.strip()
+    assert submitted and submitted != code_identity()
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "skewed"))
+    res = subprocess.run(  # enn-submit as the login node's copy runs it
+        [sys.executable, "-m", "enn_cluster.client.cli", "train", "--config", str(cfg),
+         "--cluster", "slurm", "--container", str(test_image), "--time", "10", "--nodes", "1",
+         "--gpus-per-node", "2"], capture_output=True, text=True, timeout=180, cwd=login,
+        env=dict(os.environ, PYTHONPATH=str(login)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    job = res.stdout.strip().splitlines()[-1]
+    run = tmp_path / "runs" / "skewed"
+    state = cluster.wait_job(job, ("FAILED", "COMPLETED"), timeout=300)
+    _, text = cluster.job_state(job)
+    assert "Restarts=0" in text, text
+    logs = "".join(p.read_text(errors="replace") for p in (run / "slurm").rglob("*_log.*"))
+    line = f"enn_cluster version skew: submitted with {submitted}, the job runs {code_identity()}"
+    assert line in logs, logs[-3000:]
+    assert "requeueing" not in logs.replace("not requeueing", ""), logs[-3000:]
+    assert not (run / "metrics.jsonl").exists(), state

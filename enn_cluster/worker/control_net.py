@@ -5,17 +5,19 @@ where /etc/hosts maps it there, and Enroot mounts the host's file); an exclusion
 NCCL_SOCKET_IFNAME lets bootstrap land on a storage or BMC NIC that does not route between
 nodes. One choice, used for both: the site's (ENN_SOCKET_IFNAME), else the interface the
 kernel routes MASTER_ADDR through (/proc/net/route, longest prefix). With neither, nothing
-is set and NCCL picks (it skips lo and docker*, prefers ib*). A job spanning machines whose
-choice is `lo` stops at once: its peers could never connect. Pure but `apply`.
+is set and NCCL picks (it skips lo and docker*, prefers ib*). A job whose ranks run on more
+than one machine (host and network namespace, told apart in the rendezvous store) and whose
+choice is `lo` stops at once: its peers could never connect. Ranks on one machine (two
+torchrun agents on a laptop) and a site that names lo itself are fine. Pure but `apply`.
 """
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
 from typing import Mapping, MutableMapping, Optional
 
-from enn_cluster.errors import UserError
 from enn_cluster.worker.environment import WorkerEnv
 
 SITE_VAR = "ENN_SOCKET_IFNAME"
@@ -70,8 +72,47 @@ def control_env(environ: Mapping[str, str], routed: Optional[str]) -> dict[str, 
 
 
 def machines(env: WorkerEnv) -> int:
-    """How many machines the world spans: the local launcher's nodes share this one."""
+    """How many machines the world may span, as the launcher says: the local launcher's
+    nodes share this one; torchrun's or Slurm's nodes may still be one machine (two agents
+    on a laptop), which only the ranks' own hosts tell (loopback_refusal)."""
     return 1 if env.launcher == "local" else env.num_nodes
+
+
+def host_identity() -> str:
+    """What loopback reaches: this machine (its boot) and network namespace. Two Slurm
+    'nodes' in their own namespaces on one machine differ; two agents in one do not."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            boot = fh.read().strip()
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        boot, netns = "?", "?"
+    return f"{socket.gethostname()}/{boot}/{netns}"
+
+
+def peer_post(environ: Mapping[str, str]) -> str:
+    """What this rank tells its peers before any process group (after `apply`): its host,
+    whether it would talk over lo without the site having said so, and why."""
+    chosen = environ.get("GLOO_SOCKET_IFNAME", "")
+    site = environ.get(SITE_VAR, "")
+    on_lo = "lo" in chosen.split(",") and "lo" not in site.split(",")
+    master = environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        address = socket.gethostbyname(master) if on_lo else master
+    except OSError:
+        address = master
+    return json.dumps([host_identity(), on_lo, master, address])
+
+
+def loopback_refusal(posts: list[str]) -> str:
+    """Rank 0's judgement over every rank's peer_post: the loopback error when a rank
+    would talk over lo while the ranks run on more than one machine, else ''."""
+    seen = [json.loads(p) for p in posts]
+    hosts = len({host for host, *_ in seen})
+    for _, on_lo, master, address in seen:
+        if on_lo:
+            return loopback_error("lo", hosts, master, address) or ""
+    return ""
 
 
 def loopback_error(interface: Optional[str], hosts: int, master: str,
@@ -80,17 +121,18 @@ def loopback_error(interface: Optional[str], hosts: int, master: str,
     the loopback: peers on other machines cannot reach it. None when the choice is fine."""
     if hosts <= 1 or not interface or "lo" not in interface.split(","):
         return None
-    return (f"control plane: this {hosts}-node job would talk over the loopback interface lo "
-            f"(MASTER_ADDR {master} resolves to {address}, e.g. the hostname's 127.0.1.1 line "
-            f"in /etc/hosts); set the site's socket_ifname ({SITE_VAR}) to the interface that "
-            "reaches the other nodes, or map the hostname to that address in /etc/hosts")
+    return (f"control plane: this job spans {hosts} machines but would talk over the loopback "
+            f"interface lo (MASTER_ADDR {master} resolves to {address}, e.g. the hostname's "
+            f"127.0.1.1 line in /etc/hosts); set the site's socket_ifname ({SITE_VAR}) to the "
+            "interface that reaches the other nodes, or map the hostname to that address in "
+            "/etc/hosts")
 
 
-def apply(environ: MutableMapping[str, str], route_path: str = "/proc/net/route", *,
-          env: Optional[WorkerEnv] = None) -> str:
+def apply(environ: MutableMapping[str, str], route_path: str = "/proc/net/route") -> str:
     """Set the control interface in `environ` (the worker, before any process group);
-    returns a log line saying what was chosen and why. Given the worker's `env`, a
-    multi-machine job whose choice is `lo` is a UserError (exit 2)."""
+    returns a log line saying what was chosen and why. Whether `lo` is wrong is decided
+    once the ranks have met in the store (peer_post, loopback_refusal): only when they
+    run on more than one machine, and never when the site chose lo (ENN_SOCKET_IFNAME)."""
     master = environ.get("MASTER_ADDR", "127.0.0.1")
     try:
         address = socket.gethostbyname(master)
@@ -99,10 +141,6 @@ def apply(environ: MutableMapping[str, str], route_path: str = "/proc/net/route"
     except (OSError, UnicodeDecodeError):
         address, routed = master, None
     environ.update(control_env(environ, routed))
-    error = loopback_error(environ.get("GLOO_SOCKET_IFNAME"), machines(env) if env else 1,
-                           master, address)
-    if error:
-        raise UserError(error)
     return (f"control plane: MASTER_ADDR {master} ({address}) routed via {routed or '?'}; "
             f"GLOO_SOCKET_IFNAME={environ.get('GLOO_SOCKET_IFNAME', '(unset)')} "
             f"NCCL_SOCKET_IFNAME={environ.get('NCCL_SOCKET_IFNAME', '(unset)')} "

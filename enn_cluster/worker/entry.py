@@ -165,7 +165,7 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     log_dir = _setup_logging(run, env)
-    log.info(control_net.apply(os.environ, env=env))  # before the profile: one interface for both
+    log.info(control_net.apply(os.environ))  # before the profile: one interface for both
     _configure_nccl(env, cfg.parallel.timeout_s)
     if torch.cuda.is_available():  # NCCL's init log tells the report the transport
         os.environ.update(backend_report.nccl_log_env(log_dir, env.rank, os.environ))

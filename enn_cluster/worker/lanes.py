@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from enn_cluster.errors import UserError
+from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.placement import choose_device, device_clashes
 
@@ -120,6 +121,9 @@ def open_lanes(env: WorkerEnv, timeout_s: float, rendezvous_s: float = 0.0,
     device = device or lane_device(env)
     timeout = timedelta(seconds=timeout_s)
     store = rendezvous_store(env, timedelta(seconds=rendezvous_s or timeout_s))
+    if control_net.machines(env) > 1:  # lo is wrong only across machines
+        judged(store, env.rank, env.world_size, "hosts", control_net.peer_post(os.environ),
+               control_net.loopback_refusal)
     claim = device_claim(device)
     if claim is not None:
         check_devices(store, env.rank, env.world_size, claim)
@@ -151,24 +155,30 @@ def device_claim(device: torch.device) -> Optional[str]:
     return device_id(device) if device.type == "cuda" else None
 
 
+def judged(store, rank: int, world_size: int, topic: str, post: str, judge) -> None:
+    """A check over the rendezvous store before any process group: every rank posts
+    `post` under TOPIC/RANK, rank 0 judges them all (`judge(posts)` -> a refusal or ''),
+    and every rank raises the refusal alike (UserError, exit 2)."""
+    store.set(f"{topic}/{rank}", post)
+    if rank == 0:
+        keys = [f"{topic}/{r}" for r in range(world_size)]
+        store.wait(keys)
+        store.set(f"{topic}/refusal", judge([v.decode() for v in store.multi_get(keys)]))
+    refusal = store.get(f"{topic}/refusal").decode()
+    if refusal:  # rank 0 may host the store: it leaves once every rank has read this
+        if store.add(f"{topic}/refused", 1) == world_size:
+            store.set(f"{topic}/all-refused", "1")
+        if rank == 0:
+            store.wait([f"{topic}/all-refused"])
+        raise UserError(refusal)
+
+
 def check_devices(store, rank: int, world_size: int, device: str) -> None:
     """Refuse to train when two ranks of a node drive one GPU, over the rendezvous store
     before any process group: NCCL's eager init would otherwise fail first with its own
-    'Duplicate GPU detected', a failure that is retried, not this line (exit 2). Every
-    rank posts its claim, rank 0 judges, and every rank raises alike."""
-    store.set(f"devices/{rank}", json.dumps([socket.gethostname(), device]))
-    if rank == 0:
-        keys = [f"devices/{r}" for r in range(world_size)]
-        store.wait(keys)
-        clashes = device_clashes([tuple(json.loads(v)) for v in store.multi_get(keys)])
-        store.set("devices/refusal", _refusal(clashes))
-    refusal = store.get("devices/refusal").decode()
-    if refusal:  # rank 0 may host the store: it leaves once every rank has read this
-        if store.add("devices/refused", 1) == world_size:
-            store.set("devices/all-refused", "1")
-        if rank == 0:
-            store.wait(["devices/all-refused"])
-        raise UserError(refusal)
+    'Duplicate GPU detected', a failure that is retried, not this line (exit 2)."""
+    judged(store, rank, world_size, "devices", json.dumps([socket.gethostname(), device]),
+           lambda posts: _refusal(device_clashes([tuple(json.loads(p)) for p in posts])))
 
 
 def _refusal(clashes: dict[str, list[int]]) -> str:

@@ -1,0 +1,126 @@
+"""Lose a node, keep training (issue 29): node death -> first step on the survivors.
+
+A three-node dev Slurm cluster (slurm/dev/cluster.sh, root only; SlurmdTimeout left at
+Slurm's 300 s) runs `enn-submit train --cluster slurm --container none --nodes 2-3`, one
+task per node, overhead.py's model and data, a checkpoint every 20 steps. After step 25, n3
+loses power (`cluster.sh node-down`: SIGKILL to its slurmd and tasks); its time of death
+is taken just before. The batch shell probes the nodes and starts a new step on n1 and n2,
+which resume from step 20 at world 4 (same global batch). Phases, from the run's
+node_lost, resume and train records and the relaunched rank 0's first log line: the
+ranks' detection (the survivors' tasks seen gone), the probe, the step launch, the
+workers' start, their set-up and checkpoint load (verified), the first step.
+
+Baseline, on the same cluster in the same run: Slurm's requeue path (submit_latency's
+preemption: USR2 to the batch shell -> checkpoint -> requeue -> first step after the
+restart), Slurm's BeginTime hold measured, lifted and reported apart. Part of the `submit`
+benchmark (`--only submit`), which brings the cluster up once for both.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from .measure import BenchContext, Result, Series, mlp_run
+from .overhead import _data, _sizes
+from .submit_latency import _idle, _records, _wait
+
+NAME = "node loss on the local Slurm: node death -> first step on the survivors"
+TARGET_S = 60.0
+SAVE_AT, DIE_AFTER, STEPS = 20, 25, 40
+
+
+def _config(ctx: BenchContext, s: dict, x: Path, y: Path, name: str) -> Path:
+    """The node-loss test's shape (tests/test_node_loss_continue.py): 3 nodes x 2 tasks, then
+    2 x 2; a global batch of 12 micro-batches (2 or 3 per rank, accumulated)."""
+    micro = s["batch"] // 2
+    cfg = mlp_run(ctx, name, dict(s, batch=micro), x, y,
+                  training={"max_steps": STEPS, "global_batch_size": micro * 12},
+                  checkpoint={"every_steps": SAVE_AT, "keep_last": 3},
+                  parallel={"nodes": 3, "procs_per_node": 2})
+    path = ctx.workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _lose_a_node(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, cluster_sh: str,
+                 state: str, i: int) -> dict:
+    name = f"nodeloss-{i}"
+    res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", "train", "--config",
+                          str(_config(ctx, s, x, y, name)), "--cluster", "slurm", "--container",
+                          "none", "--time", "10", "--nodes", "2-3", "--gpus-per-node", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"enn-submit train exited {res.returncode}: {res.stderr[-800:]}")
+    job = res.stdout.strip().splitlines()[-1]
+    run = ctx.workdir / "runs" / name
+    try:
+        began = _wait(lambda: (_records(run, "start", 0) or [None])[0], 300)
+        if began["world_size"] != 6:
+            raise RuntimeError(f"the job got {began['world_size'] // 2} nodes, not 3")
+        _wait(lambda: True if any(r["step"] >= DIE_AFTER for r in _records(run, "train", 0))
+              else None, 300, 0.2)
+        died = time.time()
+        down = subprocess.run(["bash", cluster_sh, "node-down", state, "n3"],
+                              capture_output=True, text=True, timeout=120)
+        if down.returncode != 0:
+            raise RuntimeError(f"cluster.sh node-down exited {down.returncode}: {down.stderr}")
+        lost = _wait(lambda: (_records(run, "node_lost", died) or [None])[0], 240)
+        resumed = _wait(lambda: (_records(run, "resume", died) or [None])[0], 240)
+        first = _wait(lambda: (_records(run, "train", resumed["time"]) or [None])[0], 240)
+        worker = _first_log_line(run / "logs" / f"slurm-{job}-r0-k{lost['relaunch']}")
+    finally:
+        subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
+        up = subprocess.run(["bash", cluster_sh, "up", state, "3"], capture_output=True,
+                            text=True, timeout=300)  # n3 back (ReturnToService=2)
+    if up.returncode != 0:
+        raise RuntimeError(f"cluster.sh up (n3 back) exited {up.returncode}: {up.stderr[-400:]}")
+    if (lost["lost"], lost["world_size"], resumed["step"]) != (["n3"], 4, SAVE_AT):
+        raise RuntimeError(f"went on unlike planned: {lost}, resumed from {resumed['step']}")
+    return {"total": first["time"] - died, "detection": lost["ended"] - died,
+            "probe": lost["detected"] - lost["ended"], "launch": lost["launched"] - lost["detected"],
+            "start": worker - lost["launched"], "load": resumed["time"] - worker,
+            "first_step": first["time"] - resumed["time"]}
+
+
+def _first_log_line(logs: Path) -> float:
+    """When the relaunched step's rank 0 logged first (local time, as submit_latency reads it)."""
+    line = (logs / "rank-0.log").read_text().splitlines()[0]
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _phases(o: dict) -> str:
+    return (f"detection {o['detection']:.1f} s, probe {o['probe']:.1f} s, step launch "
+            f"{o['launch']:.1f} s, workers' start (srun to rank 0's first log line) "
+            f"{o['start']:.1f} s, set-up and checkpoint load (lanes, model build, verified "
+            f"load) {o['load']:.1f} s, first step {o['first_step']:.1f} s")
+
+
+def result(ctx: BenchContext, env: dict, cluster_sh: str, state: str, requeue: dict) -> Result:
+    """The node-loss figure against `requeue` (submit_latency._preempted on this cluster);
+    a failure is this figure's alone ("failed: why"), never the submit figures'."""
+    s = _sizes(ctx)
+    x, y = _data(ctx, s)
+    try:
+        _idle(env)
+        ours = _lose_a_node(ctx, s, x, y, env, cluster_sh, state, 0)
+        _idle(env)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, not raised
+        return Result("submit", NAME, skipped=f"failed: {type(exc).__name__}: {exc}"[:400])
+    ctx.log(f"node loss: {ours['total']:.1f} s ({_phases(ours)})")
+    return Result(
+        "submit", NAME, "<=", TARGET_S, samples=[ours["total"]], unit="s",
+        ours=Series("--nodes 2-3, n3 powered off after step 25: probe + new step on n1,n2",
+                    "s", [ours["total"]]),
+        baseline=Series("Slurm's requeue: USR2 -> first step after the requeue (hold "
+                        "lifted, not counted)", "s", [requeue["total"]]),
+        note=(f"3 nodes x 2 CPU tasks, MLP {s['features']}-{'x'.join(map(str, s['hidden']))}-1 "
+              f"+ AdamW, checkpoint at {SAVE_AT}, resumed at world 4 with the same global "
+              f"batch; SlurmdTimeout 300 s (Slurm would wait that long, then requeue). Ours by "
+              f"phase: {_phases(ours)}. Requeue baseline: checkpoint {requeue['saved']:.1f} s, "
+              f"requeued {requeue['requeued']:.1f} s, Slurm's BeginTime hold "
+              f"{requeue['hold']:.0f} s (apart), restart -> resumed {requeue['resumed']:.1f} s, "
+              f"first step {requeue['first_step']:.1f} s"))
