@@ -28,7 +28,7 @@ def run_status(path: Path, verified: Optional[dict] = None) -> dict:
             last_train = rec
         elif kind == "eval":
             last_eval = rec
-        elif kind == "resume":
+        elif kind == "resume" and not rec.get("initial_weights"):  # an API run's start
             resumes += 1
         elif kind == "start":
             start = rec
