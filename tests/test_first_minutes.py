@@ -139,3 +139,36 @@ def test_cli_words_become_the_api_arguments_in_a_message():
         'cluster["container"]=IMAGE, or cluster["container"]="none" to run without Pyxis')
     assert reworded("--input: has no rows; see --procs-per-node-x and RUN_DIRS",
                     PREDICT_WORDS) == "X: has no rows; see --procs-per-node-x and RUN_DIRS"
+
+
+def test_status_follow_shows_a_starting_launch_and_follows_it(tmp_path):
+    """Between a launcher taking the run lock and its workers' first `start` record,
+    `status --follow` says the launch is starting and keeps following; it ends once the
+    lock is released. (The lock is this test process's own: a launcher that imports.)"""
+    import json
+    import time
+
+    from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner, release_lock
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "follow", parallel={
+        "nodes": 1, "procs_per_node": 1}))
+    assert cli("prepare", "--config", cfg).returncode == 0
+    run = RunDir(tmp_path / "runs" / "follow")
+    owner = acquire_lock(run, lock_owner())
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "enn_cluster.client.cli", "status",
+                                 str(run.path), "--follow", "--interval", "0.1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT)
+        first = proc.stdout.readline()
+        assert "starting (launcher pid" in first and "not running" not in first, first
+        assert proc.poll() is None  # still following
+        record = {"kind": "start", "time": time.time(), "step": 0, "total_steps": 5}
+        with open(run.metrics, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        second = proc.stdout.readline()
+        assert second.startswith("step -/5") and second.rstrip().endswith("| running"), second
+    finally:
+        release_lock(run, owner)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.rstrip().endswith("not running"), out + err
