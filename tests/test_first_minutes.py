@@ -42,6 +42,7 @@ def test_loading_a_model_in_one_process_warns_nothing(tmp_path):
         Run.open(run).load_model()
 
 
+@pytest.mark.slow
 def test_typos_get_a_did_you_mean(tmp_path):
     """Subcommands, flag choices, config keys (--set and YAML), config choices and site
     keys: the closest valid name, in the one line that refuses the typo."""
@@ -141,6 +142,7 @@ def test_cli_words_become_the_api_arguments_in_a_message():
                     PREDICT_WORDS) == "X: has no rows; see --procs-per-node-x and RUN_DIRS"
 
 
+@pytest.mark.slow
 def test_status_follow_shows_a_starting_launch_and_follows_it(tmp_path):
     """Between a launcher taking the run lock and its workers' first `start` record,
     `status --follow` says the launch is starting and keeps following; it ends once the
