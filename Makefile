@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml constraints-dev.txt
 venv: $(STAMP)
 
 # Slurm, munge, shellcheck, podman and squashfs tools; only where we are root with apt.
+# PYXIS_ENROOT_SRC=DIR: the Pyxis/Enroot sources (DIR/install.sh); default
+# ../shared/tools/pyxis-enroot beside the checkout.
 system-deps:
-	bash slurm/dev/install-deps.sh
+	PYXIS_ENROOT_SRC="$(PYXIS_ENROOT_SRC)" bash slurm/dev/install-deps.sh
 
 demo: venv
 	$(BIN)/python -m enn_cluster.client.demo

@@ -50,3 +50,11 @@ class UserError(Exception):
 
 class ToolMissing(UserError):
     """An external program (podman, mksquashfs, sbatch, ...) is not installed."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    """' (did you mean X?)' for the closest of `choices` to a mistyped `word`, else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PYXIS_SOURCES = ROOT.parent / "shared" / "tools" / "pyxis-enroot"
+PYXIS_SOURCES = Path(os.environ.get("PYXIS_ENROOT_SRC")  # as `make system-deps` takes it
+                     or ROOT.parent / "shared" / "tools" / "pyxis-enroot")
 PYXIS_PREFIX = Path(os.environ.get("ENN_PYXIS_PREFIX", "/opt/enn-pyxis"))
 BASE_CACHE = Path(os.environ.get("ENN_TESTBASE_CACHE", "/var/tmp/enn-testbase-cache"))
 IMAGE_CACHE = Path(os.environ.get("ENN_TEST_IMAGE_CACHE", "/var/tmp/enn-test-images"))

@@ -62,3 +62,15 @@ def make_submitit_script(spec: JobSpec, folder: str) -> str:
     from enn_cluster.cluster.submit_slurm import batch_script, slurm_executor
 
     return batch_script(slurm_executor(spec, folder))
+
+
+def documented_cpu_only_flags() -> list[str]:
+    """The sbatch flags docs/admin.md gives for CPU-only nodes (its command with
+    --gpus-per-node=0): the Pyxis test submits the templates with exactly these."""
+    import shlex
+
+    text = (ROOT / "docs" / "admin.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    (line,) = [line for line in text.splitlines()
+               if "sbatch " in line and "--gpus-per-node=0" in line and line.strip().startswith("ENN_")]
+    words = shlex.split(line)
+    return [w for w in words[words.index("sbatch") + 1:] if w.startswith("--")]

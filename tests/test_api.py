@@ -39,7 +39,10 @@ def test_train_from_preset_weights_and_load_model(tmp_path):
     for key, value in trained.state_dict().items():
         assert torch.equal(value, final[key]), key
     assert not torch.equal(trained.state_dict()["head.weight"], model.state_dict()["head.weight"])
-    assert [r["step"] for r in run.metrics("resume")] == [0]
+    assert [(r["step"], r.get("initial_weights")) for r in run.metrics("resume")] == [(0, True)]
+    from enn_cluster.client.status import format_status, run_status
+
+    assert "restarts:        0 resume(s), 1 launch(es)" in format_status(run_status(run.path))
     again = enn_cluster.Run.open(run.path)
     assert again.latest_checkpoint == 24 and len(again.metrics("train")) == 24
 

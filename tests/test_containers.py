@@ -18,6 +18,7 @@ import pytest
 from enn_cluster.storage import commits as store
 from helpers import ROOT, cli, faults, metrics, small_config, wait_for_file, write_config
 from pyxis_fixture import IMAGE_CACHE, build_test_image
+from render_support import documented_cpu_only_flags
 
 pytestmark = [pytest.mark.slurm, pytest.mark.podman]
 
@@ -157,14 +158,13 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
     jobs.jsonl (so status and cancel know it) and releases it at the end."""
     from enn_cluster.config.loading import load_config
     from enn_cluster.client.prepare import prepare_run, shape_from_flags
-    from enn_cluster.client.prediction_request import prepare_prediction
 
     cluster = pyxis_cluster(1)
     cfg = load_config(str(write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "adm", training={"epochs": 1}))))
     run = prepare_run(cfg, shape_from_flags(cfg, 2, 0, 2))
-    shape = ("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--time=10", "--mem=1G",
-             "--exclusive=user", f"--output={tmp_path}/%x-%j.out")
+    # admin.md's CPU-only overrides, as documented (--exclusive=user: test nodes are shared)
+    shape = (*documented_cpu_only_flags(), "--exclusive=user", f"--output={tmp_path}/%x-%j.out")
     env = {"ENN_RUN_DIR": str(run.path), "ENN_IMAGE": str(test_image), "ENN_MAX_RESTARTS": "0"}
     assert run.jobs() == [] and not run.lock_path.exists()
     job = _sbatch_template(cluster, "train.sbatch", env, *shape)
@@ -175,7 +175,9 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
     status = cli("status", run.path)  # issue 15 item 8: the job came from a template
     assert f"slurm job:       {job} COMPLETED" in status.stdout, status.stdout
     np.save(tmp_path / "x.npy", np.ones((30, 8), np.float32))
-    prepare_prediction(run, str(tmp_path / "x.npy"), name="hand", chunk_rows=10)
+    staged = cli("predict", run.path, "--input", tmp_path / "x.npy", "--name", "hand",
+                 "--chunk-rows", "10", "--prepare-only")  # admin.md: staging without a job
+    assert staged.returncode == 0 and staged.stdout.strip() == "hand", staged.stderr
     job = _sbatch_template(cluster, "predict.sbatch", {**env, "ENN_PREDICT_NAME": "hand"}, *shape)
     if cluster.wait_job(job, ("COMPLETED", "FAILED"), timeout=240) == "FAILED":
         _xfail_if_py3112_metadata(run.path, "predict from a checkpoint written in the container")

@@ -177,3 +177,17 @@ def test_admin_guide_names_every_site_key():
     text = (DOCS / "admin.md").read_text(encoding="utf-8")
     missing = [k for k in site.KEYS if f"`{k}`" not in text]
     assert not missing, f"docs/admin.md does not document site keys: {', '.join(missing)}"
+
+
+_WRITES = re.compile(r"--(?:out|input)\s+(\S+)|np\.save\('([^']+)'")
+
+
+def test_local_quickstart_commands_keep_their_files_under_demo_runs():
+    """The commands a new user pastes in the clone (`.venv/bin/...`) write their inputs,
+    predictions and plots under the ignored demo-runs/, never into the repository root."""
+    _, code = split_markdown((DOCS / "quickstart.md").read_text(encoding="utf-8"))
+    local = [line for line in code if ".venv/bin/" in line]
+    paths = [a or b for line in local for a, b in _WRITES.findall(line)]
+    assert len(paths) >= 4, paths  # the predict/collect/plot block is still there
+    outside = [p for p in paths if not p.startswith(("demo-runs/", "/", "$"))]
+    assert not outside, f"docs/quickstart.md writes into the checkout: {outside}"

@@ -25,13 +25,25 @@ CHUNK = ["--chunk-rows", "40", "--batch-size", "16"]
 
 
 def _reference(run_dir: Path, x: np.ndarray, step: int, raw: bool = False) -> np.ndarray:
-    model = enn_cluster.Run.open(run_dir).load_model(step)
+    """`Run.load_model`'s forward: in the targets' units unless `raw`, as predict's are."""
+    model = enn_cluster.Run.open(run_dir).load_model(step, raw=raw)
     with torch.no_grad():
-        out = model(torch.from_numpy(x)).numpy()
-    scaler = json.loads((run_dir / "data" / "manifest.json").read_text()).get("target_scaler")
-    if scaler and not raw:
-        out = out * np.asarray(scaler["std"], np.float32) + np.asarray(scaler["mean"], np.float32)
-    return out
+        return model(torch.from_numpy(x)).numpy()
+
+
+def test_load_model_gives_target_units_unless_raw(trained):
+    """With data.normalize_targets, load_model() is de-normalised by default (by the
+    manifest's scaler, in float32 like collect) and raw=True is what the model trained on;
+    the model object stays the run's own class and state dict."""
+    run, _, x, step = trained
+    raw, default = _reference(run, x, step, raw=True), _reference(run, x, step)
+    scaler = json.loads((run / "data" / "manifest.json").read_text())["target_scaler"]
+    expect = raw * np.asarray(scaler["std"], np.float32) + np.asarray(scaler["mean"], np.float32)
+    np.testing.assert_allclose(default, expect, atol=1e-6, rtol=0)
+    assert not np.allclose(default, raw, atol=1e-3)
+    model = enn_cluster.Run.open(run).load_model(step)
+    assert sorted(model.state_dict()) == sorted(
+        enn_cluster.Run.open(run).load_model(step, raw=True).state_dict())
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,9 @@ def _stopped_by(sig, tmp_path):
     assert metrics(run, "train")[-1]["step"] == stop  # nothing past the step boundary is lost
     assert cli("verify", run).returncode == 0
     assert not list((run / "checkpoints").glob("*.torn-*"))
+    rank0 = "".join(p.read_text() for p in (run / "logs").glob("*/rank-0.log"))
+    assert f"continue with: enn-submit resume {run}" in rank0  # a local stop: no requeue
+    assert "requeue" not in rank0
     assert all((p / "commit.json").exists() for p in (run / "checkpoints").glob("step-*"))
     return run, stop
 

@@ -4,6 +4,7 @@ executes) and that the template path and the submitit path launch the same worke
 the same flags; the host side requeues and retries as configured."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -380,3 +381,33 @@ def test_a_taken_rendezvous_port_is_passed_over(stub, run_dir):
     assert stub.env["MASTER_PORT"] == str(port + 1)
     assert f"enn: port {port} is taken on {socket.gethostname()}; trying the next one" \
         in done.stderr.splitlines()
+
+
+@pytest.mark.slow
+def test_a_prediction_staged_without_a_job_runs_from_the_admin_template(stub, tmp_path):
+    """admin.md: `predict --prepare-only` stages NAME and starts nothing; predict.sbatch with
+    the variables it prints and the CPU-only overrides (tasks per node from sbatch, no
+    ENN_GPUS_PER_NODE) launches the worker on that prediction."""
+    import numpy as np
+
+    from helpers import cli, train_tiny
+    from render_support import documented_cpu_only_flags
+
+    run = train_tiny(tmp_path, "staged")
+    np.save(tmp_path / "x.npy", np.ones((30, 8), np.float32))
+    done = cli("predict", run, "--input", tmp_path / "x.npy", "--name", "holdout",
+               "--prepare-only", "--nodes", "2", "--gpus-per-node", "8")
+    assert done.returncode == 0 and done.stdout.strip() == "holdout", done.stderr
+    assert f"ENN_RUN_DIR={run} ENN_PREDICT_NAME=holdout sbatch" in done.stderr, done.stderr
+    assert (run / "predictions" / "holdout").is_dir()
+    assert not list((run / "predictions" / "holdout").glob("chunk-*"))  # nothing ran
+    assert [j["task"] for j in (json.loads(line) for line in
+                                (run / "jobs.jsonl").read_text().splitlines())] == ["train"]
+    flags = documented_cpu_only_flags()
+    tasks = next(f.split("=")[1] for f in flags if f.startswith("--ntasks-per-node="))
+    result = stub.run((TEMPLATES / "predict.sbatch").read_text(), ENN_RUN_DIR=str(run),
+                      ENN_PREDICT_NAME="holdout", SLURM_NTASKS_PER_NODE=tasks)
+    assert result.returncode == 0, result.stderr
+    spec = JobSpec(job_name="j", run_dir=str(run), task="predict", predict_name="holdout")
+    assert stub.argv[-len(job_spec.worker_command(spec)):] == job_spec.worker_command(spec)
+    assert not any(a.startswith(("--ntasks-per-node", "--gpus")) for a in stub.argv)

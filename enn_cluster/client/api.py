@@ -27,6 +27,7 @@ from enn_cluster.client.launching import (
     submit_plan,
     wait_for_job,
 )
+from enn_cluster.client.api_words import EXPORT_WORDS, PREDICT_WORDS, TRAIN_WORDS, speaks_api
 from enn_cluster.client.prepare import run_local
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
@@ -162,6 +163,7 @@ def _plan(cfg: RunConfig, cluster: Optional[dict], task: str,
     return plan
 
 
+@speaks_api(TRAIN_WORDS)
 def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[dict] = None,
           run_dir: Optional[str] = None, wait: bool = True, **overrides) -> Run:
     """Train `model` (an nn.Module or 'module:factory') on X/y; returns a `Run` handle.
@@ -221,6 +223,7 @@ def _start(run: RunDir, plan: LaunchPlan, wait: bool, name: Optional[str] = None
 IN_MEMORY_LIMIT = 1 << 30  # larger outputs come back as a read-only memmap
 
 
+@speaks_api(PREDICT_WORDS)
 def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict] = None,
             name: Optional[str] = None, raw: bool = False, out: Optional[str] = None,
             chunk_rows: Optional[int] = None, batch_size: Optional[int] = None):
@@ -264,6 +267,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     return np.array(array) if array.nbytes <= IN_MEMORY_LIMIT else array
 
 
+@speaks_api(EXPORT_WORDS)
 def export(run_or_dir, out, *, step: Optional[int] = None, format: str = "torch") -> Path:
     """`enn-submit export`: the checkpoint as `model.pt` (full state dict), with
     `format="export"` also a torch.export program `model.pt2`; returns the directory.

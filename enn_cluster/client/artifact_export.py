@@ -114,7 +114,7 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") 
         return _export_lm(run, cfg, step, out, fmt, manifest)
     with warnings.catch_warnings():  # DCP's note that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        model = Run(run.path).load_model(step)
+        model = Run(run.path).load_model(step, raw=True)  # export.json holds the scaler
     input_shape = tuple(manifest["entries"]["train_x"]["shape"][1:])
     program = export_program(model, input_shape, cfg.model.name) if fmt == "export" else None
 

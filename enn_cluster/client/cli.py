@@ -41,6 +41,13 @@ class _Parser(argparse.ArgumentParser):
     """Bad flags end like every other bad input: one line on stderr, exit code 2."""
 
     def error(self, message: str):
+        import re
+
+        from enn_cluster.errors import did_you_mean
+
+        typo = re.search(r"invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+        if typo:  # a subcommand or a flag's choice
+            message += did_you_mean(typo.group(1), re.findall(r"'([^']*)'", typo.group(2)))
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 

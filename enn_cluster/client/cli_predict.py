@@ -5,6 +5,7 @@ same flags as train). collect: verify the committed chunks and assemble them in 
 """
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def register(sub, add_shape_flags, commands) -> None:
     p.add_argument("--sharded", action="store_true",
                    help="causal LM: predict with the model sharded over the ranks (the "
                         "default when one GPU cannot hold it) instead of a replica per rank")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="stage the prediction and stop: no workers, no job (for "
+                        "slurm/predict.sbatch submitted by hand)")
     add_shape_flags(p)
 
     p = sub.add_parser("collect", help="verify a prediction and assemble it in input order")
@@ -55,7 +59,8 @@ def cmd_predict(args) -> int:
     run = RunDir(Path(args.run_dir).resolve())
     cfg = run.load_config()
     check_prediction_inputs(run, cfg, args.input)
-    plan = plan_from_flags(args, cfg, "predict")
+    # staged only: the shape is the sbatch job's, not this machine's
+    plan = plan_from_flags(args, cfg, "predict", machine=not args.prepare_only)
     sharded = sharded_prediction(args, cfg, plan.shape)
     request = prepare_prediction(
         run, args.input, name=args.name, step=args.step,
@@ -65,6 +70,14 @@ def cmd_predict(args) -> int:
     hint = f"enn-submit collect {run.path} --name {request.name} --out FILE.npy"
     if request.complete:
         print(f"prediction {request.name} is already complete; assemble it with: {hint}",
+              file=sys.stderr)
+        print(request.name)
+        return 0
+    if args.prepare_only:
+        print(f"prediction {request.name} staged (step-{request.step}), nothing started; run it "
+              f"with: ENN_RUN_DIR={shlex.quote(str(run.path))} ENN_PREDICT_NAME="
+              f"{shlex.quote(request.name)} sbatch [flags] slurm/predict.sbatch, or enn-submit "
+              f"predict {shlex.quote(str(run.path))} --name {shlex.quote(request.name)}",
               file=sys.stderr)
         print(request.name)
         return 0

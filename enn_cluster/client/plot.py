@@ -31,7 +31,7 @@ def plot_series(records: Iterable[dict]) -> dict:
             train[rec["step"]] = rec
         elif kind == "eval":
             evals[rec["step"]] = _number(rec.get("eval_loss"))
-        elif kind == "resume":
+        elif kind == "resume" and not rec.get("initial_weights"):  # an API run's start
             restarts.append({"step": rec["step"], "world_size": rec.get("world_size"),
                              "from_world": rec.get("from_world")})
     steps = sorted(train)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.client.api_words import RUN_WORDS, speaks_api
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.metrics import read_metrics
@@ -17,6 +18,7 @@ class Run:
         self.dir = RunDir(Path(path).resolve())
 
     @classmethod
+    @speaks_api(RUN_WORDS)
     def open(cls, path) -> "Run":
         run = cls(Path(path))
         run.dir.load_config()  # a clear error now if it is not a run directory
@@ -61,9 +63,12 @@ class Run:
 
         cancel_run(self.dir)
 
-    def load_model(self, step: Optional[int] = None):
+    @speaks_api(RUN_WORDS)
+    def load_model(self, step: Optional[int] = None, raw: bool = False):
         """The model with the full weights of a complete checkpoint, in this process. A
-        causal LM comes with LoRA merged: `forward(input_ids)` gives its logits."""
+        causal LM comes with LoRA merged: `forward(input_ids)` gives its logits. With
+        `data.normalize_targets` its outputs are in the targets' units, as `predict`'s are
+        (a forward hook scales them back); `raw=True`: the normalised outputs it trained on."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         from enn_cluster.models import build_model, output_size
@@ -73,6 +78,10 @@ class Run:
         step = self.latest_checkpoint if step is None else step
         if step is None:
             raise FileNotFoundError(f"{self.path}: no complete checkpoint")
+        committed = store.committed_steps(self.dir.checkpoints)
+        if step not in committed:
+            raise UserError(f"--step: step-{step} is not a complete checkpoint of {self.path}; "
+                            f"complete ones: {', '.join(map(str, committed)) or 'none'}")
         cfg, manifest = self.config, read_manifest(self.dir.data_dir)
         if cfg.model.task == "causal_lm":
             from enn_cluster.client.lm_artifacts import load_lm
@@ -91,6 +100,9 @@ class Run:
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
             raise UserError(f"step-{step}: {path} does not load into this run's model ({why}); "
                             "restore the checkpoint or pick another --step") from None
+        scaler = manifest.get("target_scaler")
+        if scaler and not raw:
+            model.register_forward_hook(TargetUnits(scaler["mean"], scaler["std"]))
         return model.eval()
 
     def plot(self, out=None) -> Path:
@@ -102,3 +114,20 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, latest_checkpoint={self.latest_checkpoint})"
+
+
+class TargetUnits:
+    """A forward hook: the model's normalised outputs back in the targets' units (what
+    `predict` and `collect` do to the chunks), per flattened output column. A class, not a
+    closure, so that a model carrying it still pickles."""
+
+    def __init__(self, mean: list, std: list) -> None:
+        self.mean, self.std = list(mean), list(std)
+
+    def __call__(self, module, inputs, output):
+        import torch
+
+        flat = output.reshape(len(output), -1)
+        std = torch.as_tensor(self.std, dtype=flat.dtype, device=flat.device)
+        mean = torch.as_tensor(self.mean, dtype=flat.dtype, device=flat.device)
+        return (flat * std + mean).reshape(output.shape)

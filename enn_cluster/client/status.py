@@ -32,7 +32,7 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
             last_train = rec
         elif kind == "eval":
             last_eval = rec
-        elif kind == "resume":
+        elif kind == "resume" and not rec.get("initial_weights"):  # an API run's start
             resumes += 1
         elif kind == "start":
             start = rec
@@ -56,6 +56,10 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
         "lock": live_lock(run, slurm.job_alive),
         "node_losses": lost,
     }
+    # a launcher holds the run but its workers have not started training yet (5-15 s of
+    # imports and rendezvous): the totals shown are the previous launch's
+    status["starting"] = bool(status["lock"]) and (
+        start is None or start.get("time", 0) < status["lock"].get("time", 0))
     # "last complete" is a step whose bytes match their checksums, as resume will find it
     status["last_checkpoint"], status["corrupt_checkpoints"] = store.newest_verified(
         run.checkpoints, verified)
@@ -179,7 +183,8 @@ def format_status(st: dict) -> str:
     if st["lock"]:
         owner = st["lock"]
         lines.append(f"in use by:       pid {owner.get('pid')} on {owner.get('host')}"
-                     + (f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else ""))
+                     + (f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else "")
+                     + (" (starting: no step of this launch yet)" if st.get("starting") else ""))
     return "\n".join(lines)
 
 
@@ -258,11 +263,15 @@ def progress_line(st: dict) -> str:
         parts.append(f"eval {_num(st['last_eval_loss'])}")
     if st.get("samples_per_s"):
         parts.append(f"{st['samples_per_s']:.0f} samples/s")
-    if step is not None and total and st.get("step_time_s") and st["lock"]:
+    if step is not None and total and st.get("step_time_s") and st["lock"] \
+            and not st.get("starting"):
         parts.append(f"ETA {_duration((total - step) * st['step_time_s'])}")
     last = st["last_checkpoint"]
     parts.append(f"ckpt {'step-%d' % last if last is not None else 'none'}")
     if st.get("slurm"):
         parts.append(slurm_part(st["slurm"]))
-    parts.append("running" if st["lock"] else "not running")
+    if st.get("starting"):
+        parts.append(f"starting (launcher pid {st['lock'].get('pid')}, no step of this launch yet)")
+    else:
+        parts.append("running" if st["lock"] else "not running")
     return " | ".join(parts)

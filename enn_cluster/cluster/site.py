@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Union
 
 from enn_cluster.cluster import pyxis, slurm_values
 from enn_cluster.config import nccl
-from enn_cluster.errors import UserError
+from enn_cluster.errors import UserError, did_you_mean
 
 ENV_VAR = "ENN_SITE_CONFIG"
 LOCAL_NAME = "enn-site.yaml"
@@ -180,7 +180,8 @@ def parse_site(data: Any, source: Optional[str] = None) -> SiteConfig:
                         "see slurm/site.example.yaml")
     unknown = sorted(str(k) for k in data if k not in KEYS)
     if unknown:
-        raise UserError(f"site.{unknown[0]}: unknown key{_where(source)}; "
+        raise UserError(f"site.{unknown[0]}: unknown key{did_you_mean(unknown[0], KEYS)}"
+                        f"{_where(source)}; "
                         f"known keys: {', '.join(KEYS)}")
     values = {k: _typed(k, v, source) for k, v in data.items() if v is not None}
     site = SiteConfig(**values, source=source)

@@ -9,7 +9,7 @@ import re
 import unicodedata
 from typing import Any, Optional
 
-from enn_cluster.errors import UserError
+from enn_cluster.errors import UserError, did_you_mean
 
 MAX_SEED = 2**32 - 1  # numpy and torch both take it; negative seeds fail in numpy
 MAX_YAML_DEPTH = 32
@@ -198,7 +198,8 @@ def _check_tree(data: Any, where: str) -> None:
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise UserError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+        raise UserError(f"{key}: {value!r} is not one of {', '.join(choices)}"
+                        f"{did_you_mean(value, choices)}")
 
 
 def node_range(value) -> tuple[int, int]:

@@ -16,7 +16,7 @@ import yaml
 from enn_cluster.config.checks import _check_tree, no_secret_values
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import PlainLoader, read_yaml
-from enn_cluster.errors import UserError
+from enn_cluster.errors import UserError, did_you_mean
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -56,7 +56,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(map(str, data)) - names)
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise UserError(f"{where}: unknown key; valid keys here are {', '.join(sorted(names))}")
+        raise UserError(f"{where}: unknown key{did_you_mean(unknown[0], names)}; valid keys "
+                        f"here are {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name

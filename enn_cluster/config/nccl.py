@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional, Sequence
 
-from enn_cluster.errors import UserError
+from enn_cluster.errors import UserError, did_you_mean
 
 PROFILES = ("auto", "efa", "ib", "socket", "none")
 FABRICS = ("efa", "ib", "socket")
@@ -190,7 +190,7 @@ def detect_fabric(sysfs_root: str = "/sys", environ: Optional[Mapping[str, str]]
 def check_profile(profile: str, field: str = "nccl_profile") -> str:
     if profile not in PROFILES:
         raise UserError(f"{field}: {profile!r} is not an NCCL profile; "
-                        f"use one of {', '.join(PROFILES)}")
+                        f"use one of {', '.join(PROFILES)}{did_you_mean(profile, PROFILES)}")
     return profile
 
 

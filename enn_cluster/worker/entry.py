@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -253,8 +254,9 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
         marker = run.requeue / str(env.job_id or "local")
         marker.parent.mkdir(exist_ok=True)
         marker.write_text(str(trainer.step))
-        log.warning("stopped at step %d with a committed checkpoint: requeue to continue",
-                    trainer.step)
+        log.warning("stopped at step %d with a committed checkpoint: %s", trainer.step,
+                    "Slurm requeues the job to continue" if env.launcher == "slurm" else
+                    f"continue with: enn-submit resume {shlex.quote(str(run.path))}")
         return EXIT_REQUEUE
     log.info("training done at step %d", trainer.step)
     return EXIT_OK

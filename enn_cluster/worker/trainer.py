@@ -323,10 +323,14 @@ class Trainer:
         keep_fused(self.optimizer)
         changed = self.load_state_dict(state)
         b = self.batch
+        # an API run's step-0 checkpoint holds the caller's weights: loading it is the
+        # run's start, not a restart (status counts resumes without it)
+        initial = {"initial_weights": True} if step == 0 and self.sm.weights_from_checkpoint \
+            else {}
         self.metrics.write("resume", step=self.step, epoch=self.pos.epoch,
                            world_size=self.env.world_size, from_world=state.get("world_size"),
                            global_batch=b.global_batch, micro_batch=b.micro_batch,
-                           accumulation=b.accumulation, **changed)
+                           accumulation=b.accumulation, **initial, **changed)
         log.info("resumed from step-%d (saved at world %s, now %d): global batch %d = "
                  "%d micro x %d accumulation x %d ranks%s", step, state.get("world_size"),
                  self.env.world_size, b.global_batch, b.micro_batch, b.accumulation, b.dp_size,

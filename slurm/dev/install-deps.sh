@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the system packages the tests and demos need (Slurm, munge, shellcheck, podman and
-# squashfs tools), then real Enroot + Pyxis from ../shared/tools/pyxis-enroot where that
+# squashfs tools), then real Enroot + Pyxis from $PYXIS_ENROOT_SRC (default
+# ../shared/tools/pyxis-enroot beside the checkout) where that
 # directory exists (its install.sh builds once and caches; without it the Pyxis tests skip).
 # Called by `make test` on every run, so the all-installed path is a single dpkg-query, a
 # cached install.sh (under a second) and no network. Only acts as root with apt-get;
@@ -47,13 +48,16 @@ install_packages() {
     echo "install-deps: done"
 }
 
-# Enroot + Pyxis from the shared tools beside the checkout; its log only when it fails.
+# Enroot + Pyxis from the shared tools beside the checkout, or from $PYXIS_ENROOT_SRC (a
+# folder holding install.sh); its log only when it fails.
 install_pyxis_enroot() {
-    local repo_root script log
+    local repo_root src script log
     repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-    script="$repo_root/../shared/tools/pyxis-enroot/install.sh"
+    src="${PYXIS_ENROOT_SRC:-$repo_root/../shared/tools/pyxis-enroot}"
+    script="$src/install.sh"
     if [[ ! -f "$script" ]]; then
-        echo "install-deps: no ../shared/tools/pyxis-enroot: Pyxis/Enroot tests will skip"
+        echo "install-deps: no $script (the Pyxis/Enroot sources): Pyxis/Enroot tests will" \
+            "skip; give their folder with make system-deps PYXIS_ENROOT_SRC=DIR"
         return 0
     fi
     log="$(mktemp)"
