@@ -100,9 +100,7 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") 
     from enn_cluster.client.run_handle import Run
     from enn_cluster.storage.staging import read_manifest
 
-    run = RunDir(Path(run_dir).resolve())
-    if not run.has_config:
-        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    run = RunDir.existing(run_dir)
     if fmt not in FORMATS:
         raise UserError(f"--format: {fmt!r} is not a format; use one of {', '.join(FORMATS)}")
     out = Path(out).resolve()

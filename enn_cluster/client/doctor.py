@@ -379,9 +379,7 @@ def diagnose(path: Path) -> list[Finding]:
     """Every layer's finding, in order."""
     from enn_cluster.client.status import live_lock
 
-    run = RunDir(Path(path).resolve())
-    if not run.has_config:
-        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    run = RunDir.existing(path)
     cfg, q = run.load_config(), shlex.quote(str(run.path))
     attempt, reports = backend_report.newest_reports(attempt_dirs(run))
     data, manifest = check_data(run, q)

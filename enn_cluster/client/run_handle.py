@@ -9,7 +9,8 @@ from typing import Optional
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.metrics import read_metrics
-from enn_cluster.storage.rundir import RunDir, read_lock
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_lock import read_lock
 
 
 class Run:
@@ -18,8 +19,8 @@ class Run:
 
     @classmethod
     def open(cls, path) -> "Run":
-        run = cls(Path(path))
-        run.dir.load_config()  # a clear error now if it is not a run directory
+        run = cls(RunDir.existing(path).path)
+        run.dir.load_config()  # a damaged config.yaml: one line now
         return run
 
     @property
