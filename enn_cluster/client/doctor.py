@@ -188,8 +188,8 @@ def _attempt_findings(log_dir: Path, newest: bool, live: bool) -> tuple[str, lis
     notes, level = [], "ok"
     for rank in ranks:
         try:
-            code = json.loads((log_dir / f"exit-rank-{rank}.json").read_text())["code"]
-        except (FileNotFoundError, ValueError, KeyError):
+            code = json.loads(read_run_text(log_dir / f"exit-rank-{rank}.json"))["code"]
+        except (FileNotFoundError, ValueError, KeyError, TypeError, RecursionError, UserError):
             if newest and live:
                 continue
             code = None
