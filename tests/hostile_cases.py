@@ -1,6 +1,6 @@
 """The hostile-input corpus as data: what an attacker with a user account feeds enn-submit.
 
-Each case is (id, argv, setup, field): argv may hold {d} (the case's own directory, also
+Each case is (id, argv, setup, field[, code, env]): argv may hold {d} (the case's own directory, also
 its cwd) and {run} (a fresh copy of a trained run with a committed prediction); setup(d,
 run) plants files first. Every case must end with exit 2 and one error line naming
 `field`, no traceback, nothing written and no MARKER file from an injected command.
@@ -29,6 +29,7 @@ class Case(NamedTuple):
     field: str
     setup: Optional[Callable] = None
     code: int = 2
+    env: Optional[dict] = None  # set for the case ({d} filled in), e.g. a PATH with a stub
 
 
 def _merged(over: dict) -> dict:
@@ -757,9 +758,34 @@ WRONG_SUCCESSES[-2] = WRONG_SUCCESSES[-2]._replace(setup=_both(
 WRONG_SUCCESSES[-1] = WRONG_SUCCESSES[-1]._replace(setup=_both(
     WRONG_SUCCESSES[-1].setup, _write("x.npy", _npy(GOOD_X)), _write("y.npy", _npy(_INF_Y))))
 
+# -- a submit refused after staging leaves the tree as it found it (issue 28 section 7) -------
+
+
+def _refusing_sbatch(d: Path, run: Path) -> None:
+    """An sbatch first on PATH that refuses every job, and a site file for the cluster."""
+    (d / "bin").mkdir()
+    (d / "bin" / "sbatch").write_text("#!/bin/sh\necho 'denied by site policy' >&2\nexit 1\n")
+    (d / "bin" / "sbatch").chmod(0o755)
+    (d / "site.yaml").write_text("python: python3\n")
+
+
+_SBATCH_ENV = {"PATH": "{d}/bin:" + os.environ.get("PATH", "/usr/bin:/bin"),
+               "ENN_SITE_CONFIG": "{d}/site.yaml"}
+_NEW_ROOT = {"runs_root": "{d}/new-root/runs"}
+REFUSED_SUBMITS = [
+    Case("sbatch-refuses-train-new-root", TRAIN + SLURM + ["--time", "10", "--gpus-per-node", "0"],
+         "sbatch", _both(_write("c.yaml", yaml.safe_dump(_merged(_NEW_ROOT))), _refusing_sbatch),
+         env=_SBATCH_ENV),
+    Case("sbatch-refuses-train-existing-root", TRAIN + SLURM + ["--time", "10",
+                                                                "--gpus-per-node", "0"],
+         "sbatch", _both(_write("c.yaml", yaml.safe_dump(_merged({"runs_root": "{d}/runs"}))),
+                         _refusing_sbatch, lambda d, run: (d / "runs").mkdir()),
+         env=_SBATCH_ENV),
+]
+
 # Cases that do not yet end in one line and exit 2 (or leave files, or train): the open
 # items of issue 12 this corpus found. Each is fixed by removing it from this list.
 KNOWN_GAPS: set = set()  # every case passes; a new gap is named here until fixed
 EVERY = (CONFIG + SETS + FLAGS + INPUTS + RUNS + CHUNKS + OUTPUTS + SCRIPTS + SECRETS
-         + WRONG_SUCCESSES + PLANTS + TRACEBACKS)
+         + WRONG_SUCCESSES + PLANTS + TRACEBACKS + REFUSED_SUBMITS)
 ALL = [c for c in EVERY if c.id not in KNOWN_GAPS]

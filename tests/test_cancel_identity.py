@@ -15,7 +15,8 @@ import pytest
 
 from enn_cluster.errors import UserError
 from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem, own_identity
-from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner, read_lock
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_lock import acquire_lock, lock_owner, read_lock
 from enn_cluster.storage.slurm_jobs import job_belongs_to_run, submission_comment
 from helpers import ROOT
 
@@ -145,7 +146,7 @@ NAMESPACE_SCRIPT = textwrap.dedent("""
         p = subprocess.Popen([sys.executable, "-c", (
             "import json, sys, time\\n"
             "from pathlib import Path\\n"
-            "from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner\\n"
+            "from enn_cluster.storage.rundir import RunDir\\nfrom enn_cluster.storage.run_lock import acquire_lock, lock_owner\\n"
             + code + "\\ntime.sleep(600)\\n")], stdout=subprocess.PIPE, text=True)
         return p, json.loads(p.stdout.readline())
     # the launcher of this run, holding its lock; an unrelated process; another run's launcher

@@ -150,7 +150,8 @@ def test_status_follow_shows_a_starting_launch_and_follows_it(tmp_path):
     import json
     import time
 
-    from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner, release_lock
+    from enn_cluster.storage.rundir import RunDir
+    from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock
 
     cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "follow", parallel={
         "nodes": 1, "procs_per_node": 1}))

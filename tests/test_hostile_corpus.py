@@ -73,6 +73,8 @@ def test_hostile_input(case, tmp_path, template, monkeypatch):
         shutil.copytree(template, run, symlinks=True)
     if case.setup is not None:
         case.setup(d, run)
+    for key, value in (case.env or {}).items():
+        monkeypatch.setenv(key, value.replace("{d}", str(d)))
     before = _tree(tmp_path)
     argv = [a.replace("{d}", str(d)).replace("{run}", str(run)) for a in case.argv]
     code, err = _run(argv, d)

@@ -15,14 +15,16 @@ import pytest
 
 from enn_cluster.errors import UserError
 from enn_cluster.storage.lock_files import take_aside
-from enn_cluster.storage.rundir import RunDir, acquire_lock, clear_lock_of_job, read_lock
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_lock import acquire_lock, clear_lock_of_job, read_lock
 from helpers import ROOT
 
 RACER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     from enn_cluster.errors import UserError
-    from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner
+    from enn_cluster.storage.rundir import RunDir
+    from enn_cluster.storage.run_lock import acquire_lock, lock_owner
     run, judge_s = RunDir(Path(sys.argv[1])), float(sys.argv[2])
     while not (run.path / "go").exists():
         time.sleep(0.01)

@@ -105,6 +105,37 @@ def test_verify_fails_a_shard_or_step_that_is_a_symlink_out_of_the_run(trained, 
     assert ("leads outside" if what == "shard" else "a symbolic link") in done.stdout
 
 
+@pytest.mark.parametrize("name", ["__0_0.distcp", "rng/rank-0.pt"])
+def test_status_and_doctor_take_a_committed_file_that_loops_for_damage(trained, tmp_path, name):
+    """Found by the sweep of every run file x every read-only command: a symlink loop in place
+    of a file the commit records was an ELOOP traceback in the cheap committed-step check."""
+    run, step = _copy(trained, tmp_path)
+    (step / name).unlink()
+    _plant(step / name, "loop")
+    for argv in (["status", run], ["doctor", run]):
+        done = cli(*argv, timeout=120)
+        assert "Traceback" not in done.stderr and done.returncode in (0, 1), done.stderr[-2000:]
+    assert "step-2" not in cli("status", run, timeout=120).stdout.split("checkpoints:")[-1][:80]
+
+
+@pytest.mark.parametrize("name,kind", [("backend-rank-0.json", "fifo"),
+                                       ("backend-rank-0.json", "devzero"),
+                                       ("exit-rank-0.json", "deep")])
+def test_status_and_doctor_skip_a_damaged_rank_record(trained, tmp_path, name, kind):
+    """Found by the sweep: a FIFO or /dev/zero as a rank's backend report hung status and
+    doctor; deeply nested JSON as its exit record was a RecursionError traceback."""
+    run, _ = _copy(trained, tmp_path)
+    for path in (run / "logs").glob(f"*/{name}"):
+        path.unlink()
+        if kind == "deep":
+            path.write_text("[" * 100000 + "]" * 100000)
+        else:
+            _plant(path, kind)
+    for argv in (["status", run], ["doctor", run]):
+        done = cli(*argv, timeout=120)
+        assert "Traceback" not in done.stderr and done.returncode in (0, 1), done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("name", ["commit.json", "__0_0.distcp", ".metadata"])
 @pytest.mark.parametrize("kind", ["fifo", "devzero", "dir", "loop"])
 def test_verify_names_a_checkpoint_file_that_is_not_a_file(trained, tmp_path, name, kind):

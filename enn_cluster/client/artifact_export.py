@@ -25,6 +25,7 @@ from typing import Optional
 
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
+from enn_cluster.storage.output_target import missing_parents, remove_empty
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
 
 LM_FORMATS = ("hf", "peft")  # a causal LM's Hugging Face forms (client/lm_artifacts)
@@ -100,9 +101,7 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") 
     from enn_cluster.client.run_handle import Run
     from enn_cluster.storage.staging import read_manifest
 
-    run = RunDir(Path(run_dir).resolve())
-    if not run.has_config:
-        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    run = RunDir.existing(run_dir)
     if fmt not in FORMATS:
         raise UserError(f"--format: {fmt!r} is not a format; use one of {', '.join(FORMATS)}")
     out = Path(out).resolve()
@@ -145,6 +144,7 @@ def _write_artifact(out: Path, fill, run: RunDir, step: int, fmt: str, input_sha
                     manifest: dict) -> Path:
     """`fill(tmp)` writes the artifact's files into a temporary directory beside `out`, which
     gets export.json and is renamed into place: a failed export leaves nothing."""
+    made = missing_parents(out)  # folders this export makes, gone again if it fails
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -154,8 +154,10 @@ def _write_artifact(out: Path, fill, run: RunDir, step: int, fmt: str, input_sha
         fsync_dir(tmp)
         os.rename(tmp, out)
         fsync_dir(out.parent)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_empty(made)
+        raise
     return out
 
 

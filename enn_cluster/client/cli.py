@@ -245,9 +245,7 @@ def cmd_verify(args) -> int:
     from enn_cluster.storage import commits as store
     from enn_cluster.storage.rundir import RunDir
 
-    run = RunDir(Path(args.run_dir).resolve())
-    if not run.has_config:
-        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    run = RunDir.existing(args.run_dir)
     run.load_config()  # a damaged config.yaml is a damaged run: one line, exit 2
     bad = 0
     steps = store.list_steps(run.checkpoints)
@@ -272,9 +270,7 @@ def cmd_status(args) -> int:
 
     from enn_cluster.storage.rundir import RunDir
 
-    path = Path(args.run_dir).resolve()
-    if not RunDir(path).has_config:
-        raise UserError(f"RUN_DIR: {path} is not a run directory (no config.yaml)")
+    path = RunDir.existing(args.run_dir).path
     RunDir(path).load_config()  # a damaged config.yaml is a damaged run: one line, exit 2
     if args.follow:
         return _follow_status(path, max(args.interval, 0.1))

@@ -12,7 +12,8 @@ from enn_cluster.client.launching import cancel_run, load_flagged_config
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
 from enn_cluster.errors import UserError
 from enn_cluster.storage.attempts import attempt_dirs
-from enn_cluster.storage.rundir import RunDir, read_lock
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_lock import read_lock
 
 
 def site_config(args):
@@ -100,9 +101,7 @@ def _latest_log_dir(run: RunDir) -> Path:
 
 
 def cmd_logs(args) -> int:
-    run = RunDir(Path(args.run_dir).resolve())
-    if not run.has_config:
-        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    run = RunDir.existing(args.run_dir)
     path = _latest_log_dir(run) / f"rank-{args.rank}.log"
     if not path.exists():
         raise UserError(f"--rank {args.rank}: no log at {path}")

@@ -117,9 +117,7 @@ def cmd_collect(args) -> int:
     from enn_cluster.client.collect import collect
     from enn_cluster.storage.rundir import RunDir
 
-    run = RunDir(Path(args.run_dir).resolve())
-    if not run.has_config:
-        raise UserError(f"RUN_DIR: {run.path} is not a run directory")
+    run = RunDir.existing(args.run_dir)
     result = collect(run, args.name, args.out, raw=args.raw, overwrite=args.overwrite)
     print(f"collected {result.name} (step-{result.step}): {result.shape[0]} rows of shape "
           f"{tuple(result.shape[1:])}", file=sys.stderr)

@@ -189,8 +189,8 @@ def _attempt_findings(log_dir: Path, newest: bool, live: bool) -> tuple[str, lis
     notes, level = [], "ok"
     for rank in ranks:
         try:
-            code = json.loads((log_dir / f"exit-rank-{rank}.json").read_text())["code"]
-        except (FileNotFoundError, ValueError, KeyError):
+            code = json.loads(read_run_text(log_dir / f"exit-rank-{rank}.json"))["code"]
+        except (FileNotFoundError, ValueError, KeyError, TypeError, RecursionError, UserError):
             if newest and live:
                 continue
             code = None
@@ -382,9 +382,7 @@ def diagnose(path: Path) -> list[Finding]:
     """Every layer's finding, in order."""
     from enn_cluster.client.status import live_lock
 
-    run = RunDir(Path(path).resolve())
-    if not run.has_config:
-        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    run = RunDir.existing(path)
     cfg, q = run.load_config(), shlex.quote(str(run.path))
     attempt, reports = backend_report.newest_reports(attempt_dirs(run))
     data, manifest = check_data(run, q)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,8 @@ from enn_cluster.client.launch_plan import LaunchPlan
 from enn_cluster.cluster.slurm_watch import wait_for_job
 from enn_cluster.cluster.submit_slurm import submit
 from enn_cluster.errors import UserError
-from enn_cluster.storage.rundir import RunDir, read_lock, run_dir_for
+from enn_cluster.storage.rundir import RunDir, remove_new_run, run_dir_for
+from enn_cluster.storage.run_lock import read_lock
 from enn_cluster.storage.run_files import check_run_file
 
 
@@ -83,7 +83,7 @@ def removed_if_never_run(run: RunDir):
         yield
     except UserError:
         if not run.jobs():
-            shutil.rmtree(run.path, ignore_errors=True)
+            remove_new_run(run)
         raise
 
 
@@ -144,8 +144,7 @@ def cancel_run(run: RunDir) -> int:
     proven to be this run's is signalled (a forged lock or jobs.jsonl names someone else's)."""
     from enn_cluster.storage.slurm_jobs import job_alive
 
-    if not run.has_config:
-        raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml)")
+    RunDir.existing(run.path)
     owner = read_lock(run)
     jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
     if jobs and job_alive(str(jobs[-1]["job_id"])):
@@ -157,7 +156,7 @@ def cancel_run(run: RunDir) -> int:
 
 
 def _cancel_slurm(run: RunDir, job_id: str) -> int:
-    from enn_cluster.storage.rundir import clear_lock_of_job
+    from enn_cluster.storage.run_lock import clear_lock_of_job
     from enn_cluster.storage.slurm_jobs import cancel, job_belongs_to_run, job_fields
 
     if not job_belongs_to_run(job_fields(job_id), run.path):

@@ -18,6 +18,7 @@ from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.models.causal_lm import CausalLM
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import safe_load
+from enn_cluster.storage.dcp_metadata import tensor_names
 from enn_cluster.storage.text_sources import tokenizer_dir
 
 
@@ -25,13 +26,12 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
     """The model of a checkpoint, whole, fp32, on the CPU, in eval mode; LoRA merged into the
     weights unless `merge` is False (then still a peft model)."""
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line per command, not a bar per load
 
-    from enn_cluster.models.causal_lm import with_lora
+    from enn_cluster.models.causal_lm import is_adapter, with_lora
 
     path = weights_dir(cfg.model.name)
     lm = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
@@ -40,12 +40,13 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
         _check_base(path, step_dir)
         lm = with_lora(lm, cfg.lora)
     model = CausalLM(lm)
-    held = {k.removeprefix("model.") for k in FileSystemReader(str(step_dir)).read_metadata()
-            .state_dict_metadata if k.startswith("model.")}
+    held = tensor_names(step_dir, "model.")  # through the allow-list, never plain pickle
     state = {k: v for k, v in model.state_dict().items() if k in held}
-    if not state or len(state) != len(held):
+    trained = {n for n, _ in model.named_parameters() if not cfg.lora.enabled or is_adapter(n)}
+    if not state or len(state) != len(held) or not trained <= held:
         raise UserError(f"--step: {step_dir} holds {len(held)} model tensors, {len(state)} of "
-                        f"which this model has; it was not written by this run's model")
+                        f"which this model has, and lacks {len(trained - held)} it trains; it "
+                        "was not written by this run's model")
     with warnings.catch_warnings():  # DCP's note that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_load({"model": state}, step_dir)

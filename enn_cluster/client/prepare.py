@@ -23,15 +23,8 @@ from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
 from enn_cluster.storage.text_sources import check_text_sources, is_text_data
-from enn_cluster.storage.rundir import (
-    RunDir,
-    acquire_lock,
-    create_run_dir,
-    lock_owner,
-    release_lock,
-    run_umask,
-    update_config,
-)
+from enn_cluster.storage.rundir import RunDir, create_run_dir, run_umask, update_config
+from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock
 from enn_cluster.storage.staging import read_manifest, stage_run_data
 
 

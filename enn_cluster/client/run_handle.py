@@ -10,7 +10,8 @@ from enn_cluster.client.api_words import RUN_WORDS, speaks_api
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.metrics import read_metrics
-from enn_cluster.storage.rundir import RunDir, read_lock
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_lock import read_lock
 
 
 class Run:
@@ -20,8 +21,8 @@ class Run:
     @classmethod
     @speaks_api(RUN_WORDS)
     def open(cls, path) -> "Run":
-        run = cls(Path(path))
-        run.dir.load_config()  # a clear error now if it is not a run directory
+        run = cls(RunDir.existing(path).path)
+        run.dir.load_config()  # a damaged config.yaml: one line now
         return run
 
     @property

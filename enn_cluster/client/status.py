@@ -13,7 +13,8 @@ from enn_cluster.storage import node_loss
 from enn_cluster.storage import oom_record
 from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.metrics import scan_metrics
-from enn_cluster.storage.rundir import RunDir, read_lock
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_lock import read_lock
 from enn_cluster.storage.run_files import read_run_text
 
 
@@ -127,7 +128,7 @@ def live_lock(run: RunDir, job_alive=None):
         from enn_cluster.storage.slurm_jobs import job_alive as ask
 
         return owner if (job_alive or ask)(str(owner["slurm_job_id"])) else None
-    from enn_cluster.storage.rundir import owner_alive
+    from enn_cluster.storage.run_lock import owner_alive
 
     return owner if owner_alive(owner) else None
 

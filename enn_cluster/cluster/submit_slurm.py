@@ -22,14 +22,8 @@ from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: 
 from enn_cluster.config.launch_env import SUBMISSION_VAR
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
-from enn_cluster.storage.rundir import (
-    RunDir,
-    acquire_lock,
-    lock_owner,
-    release_lock,
-    replace_lock,
-    run_umask,
-)
+from enn_cluster.storage.rundir import RunDir, run_umask
+from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock, replace_lock
 from enn_cluster.worker.slurm_entry import code_identity, worker_entry
 
 
@@ -372,14 +366,14 @@ def exported(name: str, value: str):
 
 
 def _check_lock(run: RunDir, job_alive) -> None:
-    from enn_cluster.storage.rundir import read_lock
+    from enn_cluster.storage.run_lock import read_lock
 
     owner = read_lock(run)
     if owner and owner.get("slurm_job_id") and job_alive(owner["slurm_job_id"]):
         raise UserError(f"run directory {run.path} is in use by Slurm job "
                         f"{owner['slurm_job_id']}; wait for it or 'enn-submit cancel {run.path}'")
     if owner and not owner.get("slurm_job_id"):
-        from enn_cluster.storage.rundir import owner_alive
+        from enn_cluster.storage.run_lock import owner_alive
 
         if owner_alive(owner):
             raise UserError(f"run directory {run.path} is in use by pid {owner['pid']} on "

@@ -1,6 +1,8 @@
 """What a `model.name: hf:...` names: a local weights directory, never the network."""
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from enn_cluster.config.lm_config import HF_PREFIX
@@ -23,4 +25,30 @@ def weights_dir(name: str) -> Path:
         raise UserError(f"model.name: {name!r} names no directory with a config.json (and no "
                         "model in the local Hugging Face cache); give hf:/path/to/weights, the "
                         "directory save_pretrained wrote (the network is never used)")
-    return path.resolve()
+    return check_model_files(path, "model.name")
+
+
+CONFIG_LIMIT = 16 << 20  # config.json, tokenizer.json and the like: far more than any real one
+_SMALL = (".json", ".txt", ".model", ".jinja")
+
+
+def check_model_files(folder: Path, field: str) -> Path:
+    """`folder` resolved, once each file in it is a regular file where its symlinks lead (an
+    HF cache snapshot is symlinks into blobs/, so symlinks are followed; a FIFO or a device
+    would hang transformers' reads, a symlink loop or dangling link would be a traceback),
+    and its small text files (config.json, tokenizer files) are of a sane size."""
+    for entry in sorted(Path(folder).iterdir()):
+        try:
+            st = os.stat(entry)  # follows symlinks: the file the libraries will open
+        except OSError as exc:  # ELOOP, a dangling link
+            raise UserError(f"{field}: {entry} cannot be read ({exc.strerror or exc}); "
+                            "restore the file save_pretrained wrote") from None
+        if stat.S_ISDIR(st.st_mode) and not entry.name.endswith(_SMALL):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"{field}: {entry} is not a regular file (a FIFO, a device or a "
+                            "directory); restore the file save_pretrained wrote")
+        if entry.name.endswith(_SMALL) and st.st_size > CONFIG_LIMIT:
+            raise UserError(f"{field}: {entry} is {st.st_size} bytes, more than such a file "
+                            "can hold; restore the file save_pretrained wrote")
+    return Path(folder).resolve()

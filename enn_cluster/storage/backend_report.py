@@ -16,6 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from enn_cluster.errors import UserError
+from enn_cluster.storage.run_files import read_run_text
+
 REPORT_GLOB = "backend-rank-*.json"
 NCCL_LOG_NAME = "nccl-rank-{rank}.log"  # NCCL_DEBUG_FILE when the job set no NCCL_DEBUG
 
@@ -166,8 +169,8 @@ def read_reports(log_dir: Path) -> list[dict]:
     reports = []
     for path in sorted(log_dir.glob(REPORT_GLOB)):
         try:
-            reports.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+            reports.append(json.loads(read_run_text(path)))  # never blocks on a FIFO
+        except (OSError, ValueError, RecursionError, UserError):  # damaged: not a report
             continue
     return sorted(reports, key=lambda r: r.get("rank", 0))
 

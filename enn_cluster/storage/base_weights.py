@@ -16,7 +16,9 @@ def identity(weights: Path) -> dict:
     """{"path", "checksum"} of the safetensors files (names and bytes, sorted by name)."""
     running = RunningChecksum()
     for file in sorted(Path(weights).glob("*.safetensors")):
-        size, digest = file_checksum(file)
+        # user input, not a run file: an HF cache snapshot's files are symlinks into blobs/,
+        # so the checksum reads where they lead (still refused: a FIFO, a device, a loop)
+        size, digest = file_checksum(_followed(file))
         running.update(f"{file.name}:{size}:{digest}\n".encode())
     return {"path": str(weights), "checksum": running.hexdigest()}
 
@@ -29,3 +31,12 @@ def check_same_base(saved: dict | None, current: dict, step: int) -> None:
             f"in {saved.get('path')} (checksum {saved.get('checksum')}), but {current['path']} "
             f"now holds other weights (checksum {current['checksum']}); restore those weights "
             "or start a new run")
+
+
+def _followed(file: Path) -> Path:
+    try:
+        return file.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise UserError(f"model.name: {file} cannot be read ({why}); restore the weights "
+                        "save_pretrained wrote") from None

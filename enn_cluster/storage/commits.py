@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -73,10 +74,11 @@ def is_committed(path: Path) -> bool:
     if record is None or not (path / METADATA).exists() or METADATA not in record["files"]:
         return False
     for name, info in record["files"].items():
-        try:
-            if (path / name).stat().st_size != info["size"]:
-                return False
-        except FileNotFoundError:
+        try:  # lstat: a symlink (a loop, or out of the run), a FIFO or a directory there is
+            st = (path / name).lstat()  # not the file the commit recorded
+        except OSError:  # missing, a name too long
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != info["size"]:
             return False
     return True
 

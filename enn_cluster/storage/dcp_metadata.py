@@ -91,3 +91,14 @@ def metadata_problem(step_path: Path) -> Optional[str]:
             IndexError, KeyError, MemoryError, OSError, RecursionError) as exc:
         return f".metadata: {exc}"
     return None
+
+
+def tensor_names(step_path: Path, prefix: str = "") -> set:
+    """The names (less `prefix`) of the entries this checkpoint's `.metadata` describes,
+    read through the allow-list; UserError naming the step when it cannot be read."""
+    problem = metadata_problem(step_path)
+    if problem is not None:
+        raise UserError(f"{Path(step_path).name}: {problem}; this checkpoint cannot be read "
+                        "(verify it with enn-submit verify, or give another --step)")
+    described = load_metadata(Path(step_path) / ".metadata").state_dict_metadata
+    return {k.removeprefix(prefix) for k in described if k.startswith(prefix)}

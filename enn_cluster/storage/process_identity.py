@@ -6,7 +6,7 @@ and a digest of its command line; `cancel` signals a pid only when all of them s
 The digest keeps the command line itself (which may name private paths) out of the file.
 
 All of that can be copied from `/proc` of any process into a forged lock. What proves the
-pid is *this run's* launcher is that it holds the run's lock file open (rundir.acquire_lock
+pid is *this run's* launcher is that it holds the run's lock file open (run_lock.acquire_lock
 keeps the descriptor until release): `/proc/PID/fd` is listed only for the process's owner
 and root, and no other process holds that very inode open.
 """

@@ -1,4 +1,5 @@
-"""The run directory on the shared filesystem: layout, frozen config, atomic writes, lock.
+"""The run directory on the shared filesystem: layout, frozen config, atomic writes.
+(The run lock, run.lock, is storage/run_lock.py.)
 
 Layout of `<runs_root>/<run_name>/`:
   config.yaml            resolved config every task reads (history in config-history/)
@@ -16,16 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import signal
-import socket
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -33,12 +31,10 @@ from enn_cluster.config.loading import config_from_dict, dump_config, without_re
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import PlainLoader
 from enn_cluster.errors import UserError
-from enn_cluster.storage.lock_files import close_held, hold, take_aside
 from enn_cluster.storage.output_target import missing_parents, remove_empty
 from enn_cluster.storage.run_files import (
     LOG_LIMIT,
     append_run_file,
-    read_run_bytes,
     read_run_text,
 )
 
@@ -152,10 +148,24 @@ class RunDir:
     def lock_path(self) -> Path:
         return self.path / "run.lock"
 
+    @classmethod
+    def existing(cls, path) -> "RunDir":
+        """The run directory a user named (RUN_DIR), resolved; UserError in the one wording
+        every command shares when it holds no config.yaml (its config is read later)."""
+        try:
+            run = cls(Path(path).expanduser().resolve())
+        except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long
+            raise UserError(f"RUN_DIR: {str(path)[:200]!r} cannot be looked up "
+                            f"({getattr(exc, 'strerror', None) or exc}); give the path of "
+                            "a run directory") from None
+        if not run.has_config:
+            raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml); "
+                            "give a directory made by enn-submit train or prepare")
+        return run
+
     def load_config(self) -> RunConfig:
         if not self.has_config:
-            raise UserError(f"RUN_DIR: {self.path} has no config.yaml; "
-                            "is it a run directory made by enn-submit train?")
+            RunDir.existing(self.path)  # raises: the one wording
         try:
             data = yaml.load(read_run_text(self.config_path),  # noqa: S506 - a SafeLoader
                              Loader=PlainLoader)
@@ -200,6 +210,9 @@ class RunDir:
         return records
 
 
+_MADE_FOR: dict = {}  # run path -> the runs_root folders create_run_dir made for it here
+
+
 def run_dir_for(cfg: RunConfig) -> RunDir:
     return RunDir(Path(cfg.runs_root).expanduser().resolve() / cfg.run_name)
 
@@ -236,7 +249,15 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
             remove_empty(made)  # a refused run leaves the tree as it found it
             raise
     fsync_dir(run.path.parent)
+    _MADE_FOR[run.path] = made
     return run
+
+
+def remove_new_run(run: RunDir) -> None:
+    """Undo `create_run_dir` of this process (a submit refused before the run ever ran): the
+    run and the runs_root folders made for it go, so the tree is as the command found it."""
+    shutil.rmtree(run.path, ignore_errors=True)
+    remove_empty(_MADE_FOR.pop(run.path, []))
 
 
 def update_config(run: RunDir, cfg: RunConfig) -> None:
@@ -248,172 +269,3 @@ def update_config(run: RunDir, cfg: RunConfig) -> None:
         old = read_run_text(run.config_path)
         atomic_write_text(history / f"config-{time.time_ns()}.yaml", old)
         atomic_write_text(run.config_path, dump_config(cfg))
-
-
-# ---------------------------------------------------------------------------------------
-# Lock: a file made with O_EXCL that names its owner. A stale local owner (dead pid on this
-# host) is taken over; a live one, or a Slurm job still known to Slurm, is refused.
-
-
-def lock_owner() -> dict:
-    """The launcher's lock record: enough identity for `cancel` to prove it later."""
-    from enn_cluster.storage.process_identity import own_identity
-
-    return {**own_identity(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "time": time.time()}
-
-
-def lock_format_problem(owner) -> Optional[str]:
-    """Why a parsed lock is not one enn-submit writes (None when it is)."""
-    if not isinstance(owner, dict):
-        return f"it holds a JSON {type(owner).__name__}, not an object"
-    if owner.get("slurm_job_id") is not None:
-        job = str(owner["slurm_job_id"])
-        return None if job.replace("_", "").isdigit() else f"slurm_job_id {job[:40]!r}"
-    if type(owner.get("pid")) is not int or owner["pid"] <= 1:
-        return f"pid {str(owner.get('pid'))[:40]!r} is not a process id above 1"
-    if not isinstance(owner.get("host"), str):
-        return "no host"
-    return None
-
-
-def read_lock(run: RunDir, settle_s: float = 0.5) -> Optional[dict]:
-    """The lock's owner, or None when there is no lock. A lock that does not parse (after
-    `settle_s` for one being written right now) is refused, never taken as absent."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        try:
-            raw = read_run_bytes(run.lock_path)
-        except FileNotFoundError:
-            return None
-        try:
-            owner = json.loads(raw.decode("utf-8"))
-            why = lock_format_problem(owner)
-        except (ValueError, RecursionError) as exc:
-            why = f"not JSON ({str(exc)[:60]})"
-        if why is None:
-            return owner
-        if time.monotonic() >= deadline:
-            raise UserError(f"run.lock: {run.lock_path} does not parse ({why}); if no job is "
-                            f"running on this run, remove it (rm {shlex.quote(str(run.lock_path))})"
-                            " and try again")
-        time.sleep(0.05)
-
-
-def _slurm_job_alive(job_id: str) -> bool:
-    """Ask Slurm where we can. Inside a container image there is no scontrol: the host-side
-    setup asked before srun and passed the answer in (LOCK_JOB_STATE_VAR, 'ID:alive' or
-    'ID:gone'). Where nobody could ask, the job is taken for alive (and the refusal says so)."""
-    told = _told_state(job_id)
-    if told is not None:
-        return told == "alive"
-    if shutil.which("scontrol") is None:
-        return True
-    from enn_cluster.storage.slurm_jobs import job_alive
-
-    return job_alive(str(job_id))
-
-
-def _told_state(job_id) -> Optional[str]:
-    """'alive' or 'gone' where the host-side setup told us about this job, else None."""
-    from enn_cluster.config.launch_env import LOCK_JOB_STATE_VAR
-
-    told_id, _, told = os.environ.get(LOCK_JOB_STATE_VAR, "").partition(":")
-    return told if told_id == str(job_id) and told in ("alive", "gone") else None
-
-
-def _cannot_ask(owner: dict) -> bool:
-    job = owner.get("slurm_job_id")
-    return bool(job) and _told_state(job) is None and shutil.which("scontrol") is None
-
-
-def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
-    """Is the lock's owner still running? A Slurm job's lock is judged by Slurm (a job that
-    ended leaves its lock behind), a local process's by its identity on this host (a pid
-    reused by another process, or a lock from before a reboot, is dead)."""
-    if owner.get("slurm_job_id"):
-        return (slurm_job_alive or _slurm_job_alive)(owner["slurm_job_id"])
-    if owner.get("host") != socket.gethostname():
-        return True  # cannot see it from here: assume alive
-    if owner.get("boot_id"):
-        from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem
-
-        why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
-        return why is None
-    try:  # a lock written before locks recorded identity
-        os.kill(int(owner["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None) -> dict:
-    """Take the run lock (O_EXCL) and keep its descriptor open until `release_lock`: the
-    open file is what proves to `cancel` that a pid is this run's launcher. A stale lock is
-    taken over by renaming it aside (`take_aside`), never by a blind unlink."""
-    owner = owner or lock_owner()
-    for _ in range(3):
-        try:
-            fd = os.open(run.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-        except FileExistsError:
-            current = read_lock(run)
-            if current and (current.get("slurm_job_id") and
-                            current.get("slurm_job_id") == owner.get("slurm_job_id")):
-                return current  # the same Slurm job, requeued or another task
-            if current and owner_alive(current, slurm_job_alive):
-                unasked = slurm_job_alive is None and _cannot_ask(current)
-                raise UserError(f"run directory {run.path} is in use by {_who(current)}"
-                                + (" (taken for alive: no scontrol here to ask Slurm, and no "
-                                   "answer passed in)" if unasked else "")
-                                + f"; wait for it, cancel it, or remove {run.lock_path} if "
-                                "it is dead")
-            if current:
-                take_aside(run.lock_path, current)
-            continue
-        os.write(fd, json.dumps(owner).encode("utf-8"))
-        os.fsync(fd)
-        hold(run.lock_path, fd)
-        return owner
-    raise UserError(f"run directory {run.path}: could not take {run.lock_path}; try again")
-
-
-def _who(owner: dict) -> str:
-    job = owner.get("slurm_job_id")
-    return f"Slurm job {job}" if job else f"pid {owner.get('pid')} on {owner.get('host')}"
-
-
-def clear_lock_of_job(run: RunDir, job_id: str) -> bool:
-    """After `cancel` cancelled Slurm job `job_id`: its lock goes too (a job cancelled while
-    pending never starts, so nothing else would clear it). Only a lock naming that job."""
-    try:
-        current = read_lock(run, settle_s=0)
-    except UserError:
-        return False
-    if not current or str(current.get("slurm_job_id")) != str(job_id):
-        return False
-    return take_aside(run.lock_path, current)
-
-
-def replace_lock(run: RunDir, owner: dict) -> None:
-    """Hand a lock we hold to a new owner in one step (write aside, rename over it): no
-    moment without a lock for a racing submitter to take."""
-    tmp = run.lock_path.with_name(f".{run.lock_path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(owner, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, run.lock_path)
-    close_held(run.lock_path)
-
-
-def release_lock(run: RunDir, owner: dict) -> None:
-    try:
-        current = read_lock(run, settle_s=0)
-    except UserError:
-        current = None  # not ours any more: whoever rewrote it clears it
-    if current and current.get("pid") == owner.get("pid") and current.get("host") == owner.get("host"):
-        run.lock_path.unlink(missing_ok=True)
-    close_held(run.lock_path)

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
-from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.config.hf_name import check_model_files, weights_dir
 from enn_cluster.config.run_config import DataConfig, ModelConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage.checksum import RunningChecksum
@@ -225,6 +225,7 @@ def load_tokenizer(data: DataConfig, model: ModelConfig):
     if not path.is_dir():
         raise UserError(f"{key}: {path} is not a directory; give the directory a tokenizer's "
                         "save_pretrained wrote")
+    check_model_files(path, key)  # a FIFO or /dev/zero in place of a tokenizer file
     if not any((path / name).is_file() for name in VOCAB_FILES):
         raise UserError(f"{key}: {path} has no tokenizer files ({', '.join(VOCAB_FILES[:2])}); "
                         "set data.tokenizer to a directory a tokenizer's save_pretrained wrote")

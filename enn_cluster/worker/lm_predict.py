@@ -36,7 +36,7 @@ def lm_replica(cfg, checkpoints, step: int, lanes, node: int, dtype: torch.dtype
     """The model of step-N, whole on this rank, in `dtype`, LoRA merged (collective). The
     first rank of each node reads the base weights and the checkpoint; the node's other
     ranks receive every tensor from it (predict_weights.node_readers)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from enn_cluster.storage.dcp_metadata import tensor_names
 
     with torch.device("meta"):
         model = build_causal_lm(cfg)
@@ -50,8 +50,7 @@ def lm_replica(cfg, checkpoints, step: int, lanes, node: int, dtype: torch.dtype
         held = []
         if lanes.rank == src:
             lm_weights.load_base(model, weights, readers)
-            held = [k.removeprefix("model.") for k in FileSystemReader(str(path))
-                    .read_metadata().state_dict_metadata if k.startswith("model.")]
+            held = sorted(tensor_names(path, "model."))  # the allow-list, never plain pickle
             safe_load({"model": {k: state[k] for k in held if k in state}}, path,
                       process_group=readers)
         fill(state, dict(state) if lanes.rank == src else None, src, group)

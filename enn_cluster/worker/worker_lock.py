@@ -13,7 +13,8 @@ from typing import Mapping, Optional
 
 from enn_cluster.config.launch_env import LOCK_HELD_VAR, SUBMISSION_VAR
 from enn_cluster.errors import UserError
-from enn_cluster.storage.rundir import RunDir, acquire_lock, lock_owner, read_lock, release_lock
+from enn_cluster.storage.rundir import RunDir
+from enn_cluster.storage.run_lock import acquire_lock, lock_owner, read_lock, release_lock
 from enn_cluster.worker.environment import WorkerEnv
 
 
