@@ -174,3 +174,30 @@ def test_a_user_factory_keeps_its_own_init_and_buffers(tmp_path):
     params = full_params(tmp_path / "runs" / "own" / "checkpoints" / "step-1")
     assert params["head.weight"].abs().max() < 1e-9  # lr 1e-12: the factory's zeros, kept
     assert params["body.1.running_var"].shape == (16,)
+
+
+def test_a_whole_build_larger_than_the_device_is_refused(tmp_path):
+    """A user factory without init_weights is built whole on every rank: on a device
+    smaller than its parameters (faked here as a small GPU would report it) the worker
+    refuses before building it there, in one line naming the fix, exit 2."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "whole", model={"name": "api_models:normed_zero_head"},
+        training={"max_steps": 1}, checkpoint={"every_steps": 1},
+        parallel={"nodes": 1, "procs_per_node": 1, "strategy": "fsdp"}))
+    res = cli("train", "--config", cfg, cwd=ROOT / "tests",
+              env={"ENN_FAULT_DEVICE_MEMORY_BYTES": "256"})
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "api_models:normed_zero_head has no init_weights()" in res.stderr
+    assert "on a device of 256 bytes" in res.stderr
+    assert "init_weights() method" in res.stderr and "more memory" in res.stderr
+    assert not list((tmp_path / "runs" / "whole" / "checkpoints").glob("step-*"))
+
+
+def test_whole_build_refusal_only_above_the_device():
+    from enn_cluster.worker.model_setup import whole_build_refusal
+
+    assert whole_build_refusal("m:f", 2**30, None) == ""  # CPU: not checked here
+    assert whole_build_refusal("m:f", 2**30, 2**30) == ""
+    why = whole_build_refusal("m:f", 2 * 2**30, 2**30)
+    assert why.startswith("model.name: m:f has no init_weights()") and "\n" not in why
+    assert "(2.0 GiB of parameters) on a device of 1.0 GiB" in why

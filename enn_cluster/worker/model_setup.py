@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 import logging
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -59,7 +61,10 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT, meta_init.META_HF):
         torch.manual_seed(cfg.training.seed)
     if how == meta_init.FULL_INIT:
-        model = build_run_model(cfg, shape, n_out).to(lanes.device)
+        check_whole_build(cfg.model.name, model, lanes.device)  # sized from the meta build
+        model = build_run_model(cfg, shape, n_out)
+        check_whole_build(cfg.model.name, model, lanes.device)  # no meta build: the real one
+        model = model.to(lanes.device)
     plan = plan_mesh(cfg.parallel, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, lanes.device)
     bf16 = use_bf16(cfg, lanes.device)
@@ -81,6 +86,48 @@ def _materialize(cfg: RunConfig, model, how: str, tmpls: dict, lanes: Lanes) -> 
     if how == meta_init.META_HF:
         lm_weights.initialize(model, weights_dir(cfg.model.name), cfg.training.seed,
                               lanes.control)
+
+
+FAULT_DEVICE_MEMORY = "ENN_FAULT_DEVICE_MEMORY_BYTES"  # tests: the device's memory, faked
+
+
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """The device's total memory (None on CPU: host memory is not checked here). Tests
+    name a figure in FAULT_DEVICE_MEMORY, as a small GPU would report it."""
+    if os.environ.get(FAULT_DEVICE_MEMORY):
+        return int(os.environ[FAULT_DEVICE_MEMORY])
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def whole_build_refusal(name: str, param_bytes: int, device_bytes: Optional[int]) -> str:
+    """Why a model built whole on every rank cannot fit the device ("" when it can; pure)."""
+    if device_bytes is None or param_bytes <= device_bytes:
+        return ""
+    return (f"model.name: {name} has no init_weights(), so every rank builds it whole "
+            f"({_size(param_bytes)} of parameters) on a device of "
+            f"{_size(device_bytes)}; give the model an init_weights() method (or "
+            "reset_parameters() on its layers) so that it is built on the meta device and "
+            "each rank initialises only its shard, or use GPUs with more memory")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def check_whole_build(name: str, model: Optional[nn.Module], device: torch.device) -> None:
+    """Refuse (exit 2) a whole build larger than the device, before it is moved there."""
+    if model is None:
+        return
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    why = whole_build_refusal(name, size, device_memory_bytes(device))
+    if why:
+        from enn_cluster.errors import UserError
+        raise UserError(why)
 
 
 def meta_built(cfg: RunConfig, shape: tuple, n_out: int):
