@@ -94,7 +94,8 @@ class SlurmRequest:
 
 def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts: int,
                name: Optional[str] = None, *, cfg):
-    """The job for the run at `run_dir` (which need not exist yet). Flags win over the site config, which wins over defaults (site.merge). `cfg`: the
+    """The job for the run at `run_dir` (which need not exist yet). Flags win over the site
+    config, which wins over defaults (site.merge). `cfg`: the
     run's config as the command holds it (the default job name is its run_name's). A job
     asking for every GPU of a node gets it whole (slurm_values.whole_node_request). CPUs
     per task that neither sets are left to `sized_for_nodes`, when the job is handed over."""
@@ -109,7 +110,8 @@ def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts:
              "mounts": tuple(req.mounts) if req.mounts else None}
     opts = merge(DEFAULTS, req.site_options(), flags)
     if req.signal_grace is None:  # no flag: a grace the run's last save fits in
-        opts["signal_grace_s"] = measured_grace(run, opts["signal_grace_s"], opts["time"])
+        opts["signal_grace_s"] = measured_grace(RunDir(Path(run_dir)), opts["signal_grace_s"],
+                                                opts["time"])
     if opts["image"] is None:
         opts["image"] = str(default_image(opts["image_cache"]))
     bare = opts["image"] == "none"
