@@ -30,14 +30,17 @@ demo: venv
 demo-llm: venv
 	$(BIN)/python -m enn_cluster.client.demo_llm
 
+# Two workers (pytest-xdist): the Slurm and podman tests on one, the rest spread over both
+# (tests/conftest.py); the cluster tests mostly wait, so the second core fills that time.
+TEST_WORKERS ?= 2
 test: venv system-deps
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The edit-test loop, under 5 minutes: no Slurm, podman or Pyxis, and none of the tests a
 # measured full run found slow (tests/tiers.py). `make test` and CI stay the full run.
 test-fast: venv
 	ENN_TEST_TIER=fast $(BIN)/python -m pytest -q -ra -m 'not slurm and not podman and not slow' \
-		$(PYTEST_ARGS)
+		-n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The lowest torch we claim (pyproject.toml) runs the core tests in its own venv. PyPI's
 # wheel is a CUDA build (several GB with its nvidia-* dependencies) that runs on CPU, so this

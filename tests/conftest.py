@@ -11,18 +11,28 @@ pytest_plugins = ["slurm_fixture", "pyxis_fixture"]
 import pytest  # noqa: E402
 
 
+CLUSTER_MARKS = ("slurm", "podman")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`make test-fast` (ENN_TEST_TIER=fast): the tests a full run timed as slow are left out
-    (tests/tiers.py); every other run keeps them all."""
-    if os.environ.get("ENN_TEST_TIER") != "fast":
-        return
-    from tiers import listed
+    (tests/tiers.py); every other run keeps them all. Under pytest-xdist's `loadgroup` (`make
+    test` runs two workers): every test needing the local Slurm cluster or podman goes to
+    one worker, which alone boots the session's clusters and builds its images, and every
+    other module stays whole on one worker (its module fixtures are made once)."""
+    if os.environ.get("ENN_TEST_TIER") == "fast":
+        from tiers import listed
 
-    slow = listed()
-    keep = [item for item in items if item.nodeid not in slow]
-    if len(keep) != len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i.nodeid in slow])
-        items[:] = keep
+        slow = listed()
+        keep = [item for item in items if item.nodeid not in slow]
+        if len(keep) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.nodeid in slow])
+            items[:] = keep
+    if config.getoption("dist", "no") == "loadgroup":
+        for item in items:
+            cluster = any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
+            item.add_marker(pytest.mark.xdist_group("cluster" if cluster else item.module.__name__))
 
 
 @pytest.fixture(scope="session")
