@@ -29,15 +29,16 @@ def register(sub, commands) -> None:
 
 def cmd_plan(args) -> int:
     from enn_cluster.client.cli_ops import site_config
+    from enn_cluster.client.launch_plan import ShapeRequest, plan_launch
     from enn_cluster.client.launching import load_flagged_config
     from enn_cluster.client.model_shape import model_shape
-    from enn_cluster.client.prepare import shape_from_flags
     from enn_cluster.errors import UserError
 
     site = site_config(args)
     cfg = load_flagged_config(args.config, args.overrides, args.site, read_site=lambda: site)
     gpus = args.gpus_per_node if args.gpus_per_node is not None else site.gpus_per_node
-    shape = shape_from_flags(cfg, args.nodes, gpus, None if gpus else cfg.parallel.procs_per_node)
+    # the launch plan train would make (mesh and batch checked), for GPUs wherever they are
+    shape = plan_launch(cfg, ShapeRequest(args.nodes, gpus)).shape
     mem = args.gpu_mem_gb if args.gpu_mem_gb is not None else \
         (site.gpu_mem_gb or DEFAULT_GPU_MEM_GB)
     if not 0 < mem <= 2**20:
