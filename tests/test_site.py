@@ -1,6 +1,7 @@
 """Site config: lookup order, precedence, and errors that name site.<key>."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -143,7 +144,7 @@ def test_site_runs_root_gpus_and_image_cache_reach_the_job(tmp_path):
     import shutil
 
     from enn_cluster.cluster.image_key import image_key, image_path
-    from helpers import ROOT, cli, small_config, write_config
+    from helpers import ROOT, cli, controller_up_scontrol, small_config, write_config
 
     work = tmp_path / "repo"
     (work / "containers").mkdir(parents=True)
@@ -168,8 +169,16 @@ def test_site_runs_root_gpus_and_image_cache_reach_the_job(tmp_path):
     assert f" --container-image={built} " in done.stdout
     assert "#SBATCH --ntasks-per-node=4" in done.stdout and "#SBATCH --partition=gpu" in done.stdout
     # train: the run directory goes to the site's runs_root (the config names none)
+    # (an sbatch that notes the batch script it was handed, then refuses it)
+    bin_dir, handed = tmp_path / "bin", tmp_path / "handed"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {handed}\n'
+                                    'echo "sbatch: error: Batch job submission failed" >&2\nexit 1\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    controller_up_scontrol(bin_dir)
     train = cli("train", "--config", "run.yaml", "--site", "site.yaml", "--cluster", "slurm",
-                "--container", "/nonexistent/enn.sqsh", cwd=work, env={"SLURM_CONF": "/dev/null"})
-    assert train.returncode == 2  # this Slurm client has no cluster: refused, nothing left
-    assert runs.is_dir() and list(runs.iterdir()) == []  # made there, then removed
-    assert not (work / "runs").exists()
+                "--container", "/nonexistent/enn.sqsh", "--cpus-per-task", "8", cwd=work,
+                env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert train.returncode == 2, train.stderr  # refused by sbatch: nothing left
+    assert str(runs / "fromsite") in handed.read_text()  # the job was made there
+    assert not runs.exists() and not (work / "runs").exists()
