@@ -107,6 +107,7 @@ class Trainer:
         self.staging_wait_s = 0.0  # time optimizer steps waited for an async save's copy
         self.writer_threads = cfg.checkpoint.threads_on(dev.type)
         self.async_periodic = cfg.checkpoint.async_on(dev.type)
+        self.faults = test_faults()  # ENN_TEST_FAULTS, read once
         self.cadence = Cadence(cfg.logging.steps_on(dev.type),  # 10 on GPU: a read syncs
                                cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes)
         self.nonfinite = NonFiniteWatch(self.sm.model, dev, self.sm.plan.replicate,
@@ -195,7 +196,7 @@ class Trainer:
         self.progress.at("accelerator", f"step {step}: forward/backward (FSDP all-gather, "
                                         "reduce-scatter)")
         try:
-            maybe_inject_oom(test_faults(), self.run.path, self.lanes.rank, step)
+            maybe_inject_oom(self.faults, self.run.path, self.lanes.rank, step)
             for k, (xb, yb) in enumerate(self.loader.batches(rows)):
                 with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
                     loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
@@ -379,7 +380,7 @@ class Trainer:
         stop_file = StopPoller(self.run.path, self.env.job_id, self.env.rank)  # batch shell's USR2
         log_step = True
         while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
-            maybe_inject_fault(test_faults(), self.run.path, self.lanes.rank, self.step)
+            maybe_inject_fault(self.faults, self.run.path, self.lanes.rank, self.step)
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
