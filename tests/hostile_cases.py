@@ -16,6 +16,8 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import yaml
 
+from helpers import controller_up_scontrol
+
 INJECT = ["$(touch MARKER)", "`touch MARKER`", "x; touch MARKER", "x\ntouch MARKER"]
 BASE = {"run_name": "h", "runs_root": "runs", "model": {"name": "mlp", "hidden_sizes": [8]},
         "data": {"synthetic": {"n_samples": 64, "n_features": 4}},
@@ -766,6 +768,7 @@ def _refusing_sbatch(d: Path, run: Path) -> None:
     (d / "bin").mkdir()
     (d / "bin" / "sbatch").write_text("#!/bin/sh\necho 'denied by site policy' >&2\nexit 1\n")
     (d / "bin" / "sbatch").chmod(0o755)
+    controller_up_scontrol(d / "bin")  # Slurm answers here: sbatch is what refuses
     (d / "site.yaml").write_text("python: python3\n")
 
 

@@ -38,8 +38,27 @@ def no_torch(tmp_path_factory):
     return path
 
 
+def _slurm_answers() -> Path:
+    """A directory holding an scontrol whose ping says the controller is up: `--cluster
+    slurm` checks that first, and these inputs are about what comes after, whether or not a
+    Slurm controller happens to run on this machine."""
+    import tempfile
+
+    from helpers import controller_up_scontrol
+
+    global _SLURM_BIN
+    if _SLURM_BIN is None:
+        _SLURM_BIN = Path(tempfile.mkdtemp(prefix="enn-fuzz-slurm-"))
+        controller_up_scontrol(_SLURM_BIN)
+    return _SLURM_BIN
+
+
+_SLURM_BIN = None
+
+
 def enn_submit(args, cwd: Path, no_torch: Path, timeout: float = 60):
-    env = dict(os.environ, PYTHONPATH=f"{no_torch}{os.pathsep}{ROOT}")
+    env = dict(os.environ, PYTHONPATH=f"{no_torch}{os.pathsep}{ROOT}",
+               PATH=f"{_slurm_answers()}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}")
     env.pop("ENN_SITE_CONFIG", None)
     return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *args], cwd=cwd, env=env,
                           capture_output=True, timeout=timeout)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from enn_cluster.client.cli import main
-from helpers import cli, train_tiny
+from helpers import cli, controller_up_scontrol, train_tiny
 from hostile_cases import ALL
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -73,6 +73,10 @@ def test_hostile_input(case, tmp_path, template, monkeypatch):
         shutil.copytree(template, run, symlinks=True)
     if case.setup is not None:
         case.setup(d, run)
+    answers = tmp_path / "slurm-answers"  # `--cluster slurm` checks the controller first;
+    answers.mkdir()                      # these cases are about what comes after
+    controller_up_scontrol(answers)
+    monkeypatch.setenv("PATH", f"{answers}{os.pathsep}{os.environ['PATH']}")
     for key, value in (case.env or {}).items():
         monkeypatch.setenv(key, value.replace("{d}", str(d)))
     before = _tree(tmp_path)
