@@ -15,24 +15,31 @@ CLUSTER_MARKS = ("slurm", "podman")
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item):
+    """Under pytest-xdist's `loadgroup` (`make test` runs two workers) every test needing the
+    local Slurm cluster or podman goes to one worker, which alone boots the session's
+    clusters and builds its images, and every other module stays whole on one worker (its
+    module fixtures are made once). Marked here, at collection: xdist's worker reads the
+    marks in its own collection_modifyitems, which ran before ours did. A worker sees dist
+    "no" and loadgroup True (xdist/remote.py setup_config)."""
+    if getattr(item.config.option, "loadgroup", False):
+        cluster = any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
+        item.add_marker(pytest.mark.xdist_group("cluster" if cluster else item.module.__name__))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`make test-fast` (ENN_TEST_TIER=fast): the tests a full run timed as slow are left out
-    (tests/tiers.py); every other run keeps them all. Under pytest-xdist's `loadgroup` (`make
-    test` runs two workers): every test needing the local Slurm cluster or podman goes to
-    one worker, which alone boots the session's clusters and builds its images, and every
-    other module stays whole on one worker (its module fixtures are made once)."""
+    (tests/tiers.py); every other run keeps them all. Ids are compared without xdist's
+    "@group" suffix."""
     if os.environ.get("ENN_TEST_TIER") == "fast":
         from tiers import listed
 
         slow = listed()
-        keep = [item for item in items if item.nodeid not in slow]
+        keep = [item for item in items if item.nodeid.partition("@")[0] not in slow]
         if len(keep) != len(items):
-            config.hook.pytest_deselected(items=[i for i in items if i.nodeid in slow])
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
             items[:] = keep
-    if config.getoption("dist", "no") == "loadgroup":
-        for item in items:
-            cluster = any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
-            item.add_marker(pytest.mark.xdist_group("cluster" if cluster else item.module.__name__))
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +53,15 @@ def baseline(tmp_path_factory):
     res = cli("train", "--config", cfg)
     assert res.returncode == 0, res.stderr
     return tmp / "runs" / "base"
+
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """A worker whose loadgroup grouping did not take stops here: the tests would still run,
+    spread as if unmarked, and module fixtures and Slurm clusters would be made twice."""
+    if getattr(session.config.option, "loadgroup", False) and session.items and \
+            "@" not in session.items[0].nodeid:
+        raise pytest.UsageError("--dist loadgroup: pytest-xdist did not group the tests "
+                                "(pytest-dev/pytest-xdist#1386); install with "
+                                "-c constraints-dev.txt (pytest<9.2)")

@@ -181,8 +181,12 @@ def test_bad_prediction_input_fails_fast(trained, tmp_path):
         (["--input", xpath, "--step", "999"], "--step"),
         (["--input", xpath, "--name", "../escape"], "--name"),
         (["--name", "never-made"], "--input"),
-        (["--input", tmp_path / "wide.npy", "--name", "full"], "--input"),
+        (["--input", tmp_path / "wide.npy", "--name", "held"], "--input"),
     ]
+    np.save(tmp_path / "small.npy", x[:40])  # this test's own finished prediction
+    held = cli("predict", run, "--input", tmp_path / "small.npy", "--name", "held",
+               "--nodes", "1", "--procs-per-node", "1", *CHUNK)
+    assert held.returncode == 0, held.stderr[-3000:]
     before = sorted(p.name for p in (run / "predictions").iterdir())
     for args, field in cases:
         done = cli("predict", run, *args)
@@ -191,11 +195,11 @@ def test_bad_prediction_input_fails_fast(trained, tmp_path):
         assert len(line) == 1 and field in line[0], (args, done.stderr)
     assert sorted(p.name for p in (run / "predictions").iterdir()) == before
     np.save(tmp_path / "other.npy", x[:50])  # another input under an existing name
-    clash = cli("predict", run, "--input", tmp_path / "other.npy", "--name", "full")
+    clash = cli("predict", run, "--input", tmp_path / "other.npy", "--name", "held")
     assert clash.returncode == 2 and "another input" in clash.stderr
     exists = tmp_path / "exists.npy"
     exists.write_bytes(b"keep me")
-    kept = cli("collect", run, "--name", "full", "--out", exists)
+    kept = cli("collect", run, "--name", "held", "--out", exists)
     assert kept.returncode == 2 and exists.read_bytes() == b"keep me"
 
 
