@@ -245,10 +245,12 @@ def _io_results(out: dict) -> list[Result]:
     size = f"{total / MB:.0f} MB (model + AdamW state, world 2)"
     raw_read = ("readinto a warm buffer, same bytes per rank", rec["raw_read"])
     return [
-        throughput("checkpoint", "checkpoint save throughput vs raw write", ">=", 0.8, total,
+        throughput("checkpoint", "checkpoint save throughput vs raw write", ">=", 0.9, total,
                    ("checkpoint.save (DCP + checksums + commit)", rec["save"]),
                    ("numpy tofile + fsync, same bytes per rank", rec["raw_write"]),
-                   f"{size}; both fsynced; repeats alternate order"),
+                   f"{size}; both fsynced; repeats alternate order; ours asks the kernel to "
+                   "write each 32 MB out as it goes (sync_file_range), the baseline does not",
+                   floor=0.8),
         throughput("checkpoint", "checkpoint load throughput vs raw read", ">=", 0.8, total,
                    ("checkpoint.load (DCP load + set_state_dict + RNG)", rec["load"]), raw_read,
                    f"{size}; cold: pages evicted with posix_fadvise(DONTNEED) after fsync"),

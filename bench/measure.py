@@ -66,6 +66,7 @@ class Result:
     note: str = ""
     skipped: str = ""  # why it was not measured
     check_failed: str = ""  # a non-timing check that failed (counts as a miss)
+    floor: Optional[float] = None  # ">=" only: the median's 90 % interval must start here too
 
     @property
     def failed(self) -> bool:
@@ -84,15 +85,21 @@ class Result:
         med = summary(self.samples)["median"]
         if med is None:
             return "not measured"
-        return "pass" if OPS[self.op](med, self.target) else "miss"
+        if not OPS[self.op](med, self.target):
+            return "miss"
+        interval = median_interval(self.samples)
+        low_end_short = self.floor is not None and interval is not None and interval[0] < self.floor
+        return "miss" if low_end_short else "pass"
 
     @property
     def straddles(self) -> bool:
-        """The median's interval holds the target: more repeats could change the verdict."""
+        """The median's interval holds the target (or the floor): more repeats could change
+        the verdict."""
         if self.op is None or self.skipped or self.check_failed:
             return False
         interval = median_interval(self.samples)
-        return interval is not None and interval[0] <= self.target <= interval[1]
+        return interval is not None and any(interval[0] <= t <= interval[1]
+                                            for t in (self.target, self.floor) if t is not None)
 
     def merge(self, more: "Result") -> None:
         """Add another round's repeats of the same figure (run.py's extra rounds)."""
@@ -106,7 +113,8 @@ class Result:
         if self.op is None:
             return "info"
         unit = " s" if self.unit == "s" else ""
-        return f"{self.op} {self.target:g}{unit}"
+        floor = "" if self.floor is None else f", 90 % interval >= {self.floor:g}"
+        return f"{self.op} {self.target:g}{unit}{floor}"
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -133,13 +141,14 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def throughput(bench: str, name: str, op: Optional[str], target: Optional[float], nbytes: int,
-               ours: tuple, baseline: tuple, note: str) -> Result:
+               ours: tuple, baseline: tuple, note: str, floor: Optional[float] = None) -> Result:
     """A ratio of throughputs: `ours`/`baseline` are (label, seconds per repeat) moving
     the same `nbytes`; samples are baseline time / our time, series in MB/s."""
     mbps = lambda secs: [nbytes / 1e6 / s for s in secs]  # noqa: E731
     return Result(bench, name, op, target, samples=ratios(baseline[1], ours[1]),
                   ours=Series(ours[0], "MB/s", mbps(ours[1])),
-                  baseline=Series(baseline[0], "MB/s", mbps(baseline[1])), note=note)
+                  baseline=Series(baseline[0], "MB/s", mbps(baseline[1])), note=note,
+                  floor=floor)
 
 
 def settle() -> None:

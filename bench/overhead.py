@@ -75,8 +75,8 @@ def run(ctx: BenchContext) -> list[Result]:
         else:
             bare_sps.append(steps_per_s(_bare(s, x, y), s["skip"]))
     return [Result(
-        "overhead", "runtime overhead: steps/s vs bare FSDP2 loop", ">=", 0.95,
-        samples=ratios(enn_sps, bare_sps),
+        "overhead", "runtime overhead: steps/s vs bare FSDP2 loop", ">=", 0.97,
+        floor=0.95, samples=ratios(enn_sps, bare_sps),
         ours=Series("enn-submit train, steps/s from metrics.jsonl stamps", "steps/s", enn_sps),
         baseline=Series("hand-written FSDP2 loop (bench/bare_loop.py)", "steps/s", bare_sps),
         note=(f"4 CPU processes, 2x2 HSDP, MLP {s['features']}-{'x'.join(map(str, s['hidden']))}"

@@ -425,3 +425,15 @@ def test_the_budget_trades_repeats_and_rounds_for_time(tmp_path):
     (fig,) = run.run_with_rounds(ctx, runner, ["x"], rounds=2,
                                  more_fits=lambda last_round_s: False)
     assert len(calls) == 1 and fig.straddles
+
+
+def test_a_floor_judges_the_low_end_of_the_interval_as_well():
+    """Issue 27's form of target: the median at the target and its 90 % interval from the
+    floor up; a low end below the floor misses and asks for more rounds."""
+    steady = [0.98, 0.99, 0.97, 0.98, 0.99, 0.98, 0.97]
+    assert Result("x", "a", ">=", 0.97, floor=0.95, samples=steady).verdict == "pass"
+    wide = [0.90, 0.99, 0.98, 0.99, 0.98, 0.91, 0.99]  # median 0.98, interval from 0.90
+    r = Result("x", "b", ">=", 0.97, floor=0.95, samples=wide)
+    assert r.verdict == "miss" and r.straddles
+    assert Result("x", "c", ">=", 0.97, floor=0.95, samples=[0.99, 0.98]).verdict == "pass"
+    assert r.target_text() == ">= 0.97, 90 % interval >= 0.95"

@@ -230,3 +230,44 @@ def test_four_writer_threads_write_four_checksummed_files_that_load_verified(tmp
     assert verifier.problems(path) == []
     for key in state:
         assert torch.equal(loaded[key], state[key]), key
+
+
+WRITE_OUT = r"""
+import sys, torch
+from enn_cluster.storage.dcp_io import ChecksummingWriter
+import torch.distributed.checkpoint as dcp
+state = {f"w{i}": torch.full((5 << 20,), float(i)) for i in range(5)}  # 5 x 20 MB
+dcp.save(state, storage_writer=ChecksummingWriter(sys.argv[1]), no_dist=True)
+"""
+
+
+def test_a_shard_is_written_out_as_it_goes_and_fsynced_whole(tmp_path):
+    """A real strace of a 100 MB save: the shard's write-out is requested each time 32 MB
+    more were written (sync_file_range), and the closing fsync comes after its last byte
+    (DCP fsyncs before it closes the stream: the buffered tail is flushed first)."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("strace") is None:
+        pytest.fail("strace is missing: make system-deps installs it")
+    trace, out = tmp_path / "trace", tmp_path / "ckpt"
+    subprocess.run(["strace", "-f", "-qq", "-e", "trace=openat,write,sync_file_range,fsync",
+                    "-o", str(trace), sys.executable, "-c", WRITE_OUT, str(out)], check=True)
+    shard = out / "__0_0.distcp"
+    fd, events = None, []
+    for line in trace.read_text().splitlines():
+        if fd is None and str(shard) in line and "openat" in line:
+            fd = int(line.rsplit("=", 1)[1])
+        elif fd is not None and re.search(rf"\b(write|sync_file_range|fsync)\({fd}\b", line):
+            events.append(line)
+    ranges = [tuple(int(v) for v in re.search(r"sync_file_range\(\d+, (\d+), (\d+)", e).groups())
+              for e in events if "sync_file_range" in e]
+    size = shard.stat().st_size
+    assert len(ranges) >= 2, events[:5]  # 20 MB tensor records: a request at 40 and 80 MB
+    assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    assert all(n >= 32 << 20 for _, n in ranges) and size - sum(ranges[-1]) < 32 << 20
+    last_write = max(i for i, e in enumerate(events) if e.split("(")[0].endswith("write"))
+    fsyncs = [i for i, e in enumerate(events) if "fsync(" in e]
+    assert fsyncs and fsyncs[-1] > last_write, events[-3:]

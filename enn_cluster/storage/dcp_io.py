@@ -31,6 +31,7 @@ from enn_cluster.storage.commits import is_shard, owner_rank
 from enn_cluster.storage.dcp_metadata import load_metadata
 from enn_cluster.storage.torch_save_layout import DESCRIPTOR_MAX, descriptor_ok
 from enn_cluster.storage.torch_save_layout import parse as layout_of
+from enn_cluster.storage.writeback import WritebackTracker
 
 log = logging.getLogger("enn_cluster.storage.dcp_io")
 _HEAD = 16 << 10  # a tensor record's headers and pickle fit well inside this
@@ -59,22 +60,33 @@ def _zip_crc_off():
 
 
 class _HashingStream:
-    """A write-only file that checksums what passes; `intact` is False after any seek."""
+    """A write-only file that checksums what passes and starts the disk writing each
+    32 MB behind it (the closing fsync then waits for little); `intact` is False after
+    any seek."""
 
     def __init__(self, fh) -> None:
         self._fh = fh
         self.running = RunningChecksum()
         self.intact = True
         self.final_size: Optional[int] = None
+        self._writeback = WritebackTracker()
 
     def write(self, data) -> int:
         n = self._fh.write(data)
         self.running.update(data)
+        if self.intact:
+            self._writeback.wrote(self.fileno, n)
         return n
 
     def seek(self, *args) -> int:
         self.intact = False
         return self._fh.seek(*args)
+
+    def fileno(self) -> int:
+        """Flushed first: DCP fsyncs `fileno()` before it closes the stream, and the bytes
+        still in the buffer would otherwise miss that fsync."""
+        self._fh.flush()
+        return self._fh.fileno()
 
     def close(self) -> None:
         if not self._fh.closed:

@@ -14,6 +14,7 @@ readonly PACKAGES=(
     shellcheck                             # lints slurm/dev/*.sh and the rendered scripts
     podman buildah runc uidmap fuse-overlayfs debootstrap  # container image builds
     squashfs-tools squashfuse              # squashfs images for Enroot/Pyxis
+    strace                                 # the syscalls a checkpoint write makes (tests, bench)
 )
 
 if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1 \
