@@ -234,3 +234,14 @@ def test_api_works_from_a_notebook_kernel(tmp_path):
     finally:
         client.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_load_model_before_any_checkpoint_is_a_user_error(tmp_path):
+    """A prepared run that has not committed a step: one line saying so, not a traceback
+    of FileNotFoundError from the checkpoint folder."""
+    from helpers import cli, small_config, write_config
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "early"))
+    assert cli("prepare", "--config", cfg).returncode == 0
+    with pytest.raises(UserError, match="no complete checkpoint yet"):
+        enn_cluster.Run.open(tmp_path / "runs" / "early").load_model()

@@ -78,7 +78,8 @@ class Run:
 
         step = self.latest_checkpoint if step is None else step
         if step is None:
-            raise FileNotFoundError(f"{self.path}: no complete checkpoint")
+            raise UserError(f"step: {self.path} has no complete checkpoint yet; train or "
+                            "resume it until one commits (enn-submit status shows them)")
         committed = store.committed_steps(self.dir.checkpoints)
         if step not in committed:
             raise UserError(f"--step: step-{step} is not a complete checkpoint of {self.path}; "
