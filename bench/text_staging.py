@@ -25,7 +25,9 @@ def run(ctx: BenchContext) -> list[Result]:
     docs = 20_000 if ctx.quick else 200_000
     base = ctx.workdir / "text_staging"
     base.mkdir()
-    llm_assets.write_tokenizer(base / "tok", llm_assets.corpus(2000, seed=1), vocab_size=1024)
+    # a model directory (config.json beside the tokenizer): what model.name must name
+    llm_assets.write_tiny_model(base / "tok", texts=llm_assets.corpus(2000, seed=1),
+                                vocab_size=1024)
     texts = llm_assets.corpus(docs, seed=2)
     train = llm_assets.write_texts(base / "train.parquet", texts)
     cfg = config_from_dict({"model": {"name": f"hf:{base / 'tok'}"},

@@ -437,3 +437,15 @@ def test_a_floor_judges_the_low_end_of_the_interval_as_well():
     assert r.verdict == "miss" and r.straddles
     assert Result("x", "c", ">=", 0.97, floor=0.95, samples=[0.99, 0.98]).verdict == "pass"
     assert r.target_text() == ">= 0.97, 90 % interval >= 0.95"
+
+
+def test_the_text_staging_benchmark_runs_on_a_model_directory(tmp_path):
+    """Quick mode of bench/text_staging.py end to end (20,000 documents, one repeat): its
+    config names a directory model.name accepts (config.json beside the tokenizer); the
+    full run once reported this figure as failed when that check tightened."""
+    from bench import text_staging
+    from bench.measure import BenchContext
+
+    ctx = BenchContext(quick=True, workdir=tmp_path, root=ROOT, python=sys.executable, repeats=1)
+    [result] = text_staging.run(ctx)
+    assert not result.skipped and len(result.samples) == 1 and result.samples[0] > 0

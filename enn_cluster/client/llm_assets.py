@@ -50,15 +50,17 @@ def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512) -> N
 
 
 def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0,
-                     texts: list[str] | None = None, **shape_over) -> Path:
+                     texts: list[str] | None = None, vocab_size: int = 512,
+                     **shape_over) -> Path:
     """A random causal LM of the `arch` shape (`shape_over` changes any of it) plus its
-    tokenizer in `out_dir`, saved as safetensors by `save_pretrained`; returns `out_dir`."""
+    tokenizer (`vocab_size` tokens) in `out_dir`, saved as safetensors by `save_pretrained`;
+    returns `out_dir`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out_dir, texts or corpus(400, seed))
+    write_tokenizer(out_dir, texts or corpus(400, seed), vocab_size)
     tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
     shape = {**ARCHS[arch], **shape_over}
     config = AutoConfig.for_model(shape.pop("model_type"), vocab_size=len(tok),
