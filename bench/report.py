@@ -96,7 +96,8 @@ def write(results: list[Result], out_dir: Path, quick: bool, elapsed: float,
             f"{len(git['enn_cluster_uncommitted'])} enn_cluster file(s)"
             if git.get("enn_cluster_uncommitted") else "")) if git.get("head") else "code: unknown"
     busy = (f"; BUSY at the start: load average {busy_at_start:.2f} on {info['cpus']} "
-            "CPUs, ratios are noisier than usual" if busy_at_start is not None else "")
+            "CPUs, ratios are noisier than usual" if busy_at_start is not None
+            else "; quiet at the start: load average at most the CPU count")
     header = (f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {info['cpus']} CPUs "
               f"(load average at the end {info['load_avg'][0]:.2f}{busy}), "
               f"{'--quick' if quick else 'full'} run, {elapsed:.0f} s; {code}.")

@@ -249,6 +249,8 @@ def test_a_straddling_figure_gets_more_interleaved_rounds(tmp_path):
     assert info.samples == [1.0] * 3  # every figure of a rerun runner is pooled
     text = report.write([fig], tmp_path, quick=False, elapsed=1.0, busy_at_start=9.5)
     assert "BUSY at the start: load average 9.50" in text
+    quiet = report.write([fig], tmp_path, quick=False, elapsed=1.0)
+    assert "quiet at the start" in quiet and "BUSY" not in quiet
     assert json.loads((tmp_path / "results.json").read_text())["results"][0]["straddles"] is False
 
 
