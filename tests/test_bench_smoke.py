@@ -451,3 +451,26 @@ def test_the_text_staging_benchmark_runs_on_a_model_directory(tmp_path):
     ctx = BenchContext(quick=True, workdir=tmp_path, root=ROOT, python=sys.executable, repeats=1)
     [result] = text_staging.run(ctx)
     assert not result.skipped and len(result.samples) == 1 and result.samples[0] > 0
+
+
+def test_checkpoint_bench_times_every_side_of_every_repeat(tmp_path):
+    """The checkpoint benchmark end to end in quick mode (2 ranks, a 1024-wide MLP): save,
+    load and resume each timed against the raw side in every repeat, the sides' files
+    evicted after each (the page cache each side starts from is the same), and the
+    scratch folders gone afterwards."""
+    from bench import checkpoint
+    from bench.measure import BenchContext
+
+    ctx = BenchContext(quick=True, workdir=tmp_path, root=ROOT, python=sys.executable,
+                       repeats=3)
+    results = checkpoint.run(ctx, ["checkpoint"])
+    names = [r.name for r in results]
+    assert names == ["checkpoint save throughput vs raw write",
+                     "checkpoint load throughput vs raw read",
+                     "resume read (verify while loading) vs raw read"], names
+    for r in results:
+        assert len(r.samples) == 3 and all(s > 0 for s in r.samples), (r.name, r.samples)
+        assert len(r.ours.values) == len(r.baseline.values) == 3
+    assert results[0].floor == 0.8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert not any((tmp_path / "runs").iterdir())

@@ -81,9 +81,11 @@ def _accumulate(sm, rank, sync_fn):
 
 
 def _old_path(sm, sync):
+    from contextlib import nullcontext
+
     from enn_cluster.worker.model_setup import _communicate
 
-    return _communicate(sm.model.set_requires_gradient_sync, sync)
+    return nullcontext() if sync else _communicate(sm.model.set_requires_gradient_sync)
 
 
 def _policies(rank: int, reduce_dtype: str) -> list[str]:

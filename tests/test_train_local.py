@@ -146,7 +146,7 @@ def test_non_finite_losses_abort_with_a_clear_message(tmp_path):
     assert [(r["loss"], r["skipped"]) for r in skipped] == [("nan", 1), ("nan", 2)]
 
 
-def test_a_nan_row_is_dumped_with_its_rows_and_counts_and_the_policy_decides(tmp_path):
+def test_a_nan_row_is_dumped_with_its_rows_and_parameters_and_the_policy_decides(tmp_path):
     """Row 37 of 64 has a NaN target; 2 ranks, global batch 16: one non-finite step per
     epoch. Logging every 4 steps (the dump waits for the log step, the gradients do not:
     they are counted on the device when the step runs). `skip` trains on and leaves one
@@ -181,13 +181,15 @@ def test_a_nan_row_is_dumped_with_its_rows_and_counts_and_the_policy_decides(tmp
         assert d["step"] == int(path.stem.removeprefix("step-"))
         assert d["param_dtype"] == "float32" and d["policy"] == "skip" and d["lr"] > 0
         assert d["grad_norm"] != d["grad_norm"]  # NaN: the norm of NaN gradients, before the clip
-        counts = d["nonfinite_grad_elements"]  # a NaN target reaches every gradient
-        assert set(counts) == {"layers.0.0.weight", "layers.0.0.bias", "layers.1.0.weight",
-                               "layers.1.0.bias", "head.weight", "head.bias"}, counts
-        assert counts["layers.0.0.weight"] == 4 * 16 and counts["head.bias"] == 1, counts
+        shards = d["nonfinite_grad_shards"]  # a NaN target reaches every gradient
+        assert set(shards) == {"layers.0.0.weight", "layers.0.0.bias", "layers.1.0.weight",
+                               "layers.1.0.bias", "head.weight", "head.bias"}, shards
+        # 2 ranks shard each parameter; the head's one bias lives on rank 0 only
+        assert shards["layers.0.0.weight"] == 2 and shards["head.bias"] == 1, shards
     status = cli("status", run)
     assert f"non-finite:      3 dump(s); newest {dumps[-1].parent.name}/{dumps[-1].name}" \
         in status.stdout, status.stdout
+    assert "head.bias (1 shard)" in status.stdout, status.stdout
     assert metrics(run, "train")[-1]["skipped"] == 3
 
     res, run = train("abort", "abort")

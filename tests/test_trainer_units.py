@@ -37,6 +37,24 @@ def test_clip_and_norm_matches_torch():
     assert all(torch.equal(a, p.grad) for a, p in zip(before, ours.parameters()))
 
 
+def test_nonfinite_watch_flags_exactly_the_gradients_holding_nan_or_inf():
+    """One flag per parameter: set where its gradient holds a NaN or an Inf anywhere (a
+    single element is enough), clear where it is finite or absent."""
+    from enn_cluster.worker.nonfinite import NonFiniteWatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 2),
+                                torch.nn.Linear(2, 1))
+    watch = NonFiniteWatch(model, torch.device("cpu"), replicate=1, history=1)
+    model(torch.randn(4, 64)).sum().backward()
+    assert watch.flags().tolist() == [0] * 6
+    params = list(model.parameters())
+    params[0].grad[17, 40] = float("nan")
+    params[3].grad[1] = float("-inf")
+    params[4].grad = None  # a parameter no loss reached
+    params[5].grad[0] = 3e38  # finite, large: not flagged
+    assert watch.flags().tolist() == [1, 0, 0, 1, 0, 0]
+
+
 def test_clip_and_norm_clips_fsdp2_gradients(tmp_path):
     """On DTensor gradients (FSDP2 on a 2-D mesh) the norm is completed once and the clip
     scales the sharded gradients."""

@@ -153,7 +153,8 @@ def nonfinite_line(nf: dict) -> str:
     """The newest non-finite dump in one line (status, doctor)."""
     rec = nf["record"]
     rows = rec.get("rows") or []
-    grads = ", ".join(f"{k} ({v})" for k, v in (rec.get("nonfinite_grad_elements") or {}).items())
+    grads = ", ".join(f"{k} ({v} shard{'s' if v != 1 else ''})"
+                      for k, v in (rec.get("nonfinite_grad_shards") or {}).items())
     return (f"{nf['count']} dump(s); newest nonfinite/step-{nf['step']}.json: rows "
             f"{rows[:8]}{' ...' if len(rows) > 8 else ''}; non-finite grads: {grads or 'none'}"
             f"; loss {rec.get('loss')}, lr {rec.get('lr')}")

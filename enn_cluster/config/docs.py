@@ -134,7 +134,7 @@ DESCRIPTIONS = {
                                  "(on the device) and go on, `abort` training, or "
                                  "`skip_then_abort` after `max_nonfinite_steps` in a row. "
                                  "Each skip writes `nonfinite/step-N.json` (rows, "
-                                 "per-parameter counts, lr, norm); checked on log steps.",
+                                 "non-finite parameters, lr, norm); checked on log steps.",
     # checkpoint
     "checkpoint.every_steps": "Save a checkpoint every N optimizer steps; 0 saves only at "
                               "the end, on a requested stop and every `every_minutes`.",

@@ -149,18 +149,22 @@ def meta_built(cfg: RunConfig, shape: tuple, n_out: int):
 def gradient_sync(sm: ShardedModel, sync: bool):
     """Skip gradient communication on all but the last micro-batch of an accumulation.
     HSDP skips only the inter-node all-reduce: the intra-node reduce-scatter still runs, so
-    a rank keeps a shard of fp32 gradients instead of the whole unsharded set."""
+    a rank keeps a shard of fp32 gradients instead of the whole unsharded set. A synced
+    micro-batch calls nothing: each unsynced one turns the switch back on when it ends, and
+    FSDP2's setter walks every module (twice per step, where there is no accumulation)."""
+    if sync:
+        return nullcontext()
     if sm.plan.strategy == "ddp":
-        return nullcontext() if sync else sm.model.no_sync()
+        return sm.model.no_sync()
     if sm.plan.strategy == "hsdp":
-        return _communicate(sm.model.set_requires_all_reduce, sync)
-    return _communicate(sm.model.set_requires_gradient_sync, sync)
+        return _communicate(sm.model.set_requires_all_reduce)
+    return _communicate(sm.model.set_requires_gradient_sync)
 
 
 @contextmanager
-def _communicate(setter, sync: bool):
-    """FSDP2's switch (`setter`) off for this micro-batch when not `sync`, on again after."""
-    setter(sync)
+def _communicate(setter):
+    """FSDP2's switch (`setter`) off for this micro-batch, on again after."""
+    setter(False)
     try:
         yield
     finally:

@@ -2,11 +2,12 @@
 step reads it, then written by rank 0 as RUN/nonfinite/step-N.json.
 
 Every step records, with device-side selects only (no device-to-host read, see the
-trainer), the newest non-finite step's number, lr, gradient norm and loss, and the
-non-finite element count of each of this rank's gradient shards. The log step that sees
-the skip counter grow turns that into a dump: counts summed over the ranks (each replica
-holds the same shard, so divided by the replicate size), and the step's row indices (rows
-of the staged training array) gathered from every rank over the control lane.
+trainer), the newest non-finite step's number, lr, gradient norm and loss, and which of
+this rank's gradient shards held a non-finite value. The log step that sees the skip
+counter grow turns that into a dump: per parameter, the number of its gradient shards
+that did (summed over the ranks; each replica holds the same shard, so divided by the
+replicate size), and the step's row indices (rows of the staged training array) gathered
+from every rank over the control lane.
 """
 from __future__ import annotations
 
@@ -35,24 +36,25 @@ class NonFiniteWatch:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.replicate, self.history = replicate, max(history, 1)
-        self.counts = torch.zeros(len(named), dtype=torch.int64, device=device)
+        self.flags_kept = torch.zeros(len(named), dtype=torch.int64, device=device)
+        self._no_grad = torch.zeros(0, device=device)  # a parameter without a gradient
         self.scalars = torch.zeros(4, dtype=torch.float64, device=device)  # step lr norm loss
         self._slots = torch.arange(4, device=device)  # which slot holds which figure
         self.rows: dict[int, list[int]] = {}  # step -> this rank's rows, the last `history`
 
-    def count(self) -> torch.Tensor:
-        """Non-finite elements per gradient shard (device tensor), taken before clipping:
-        a clip by a non-finite norm turns every gradient element NaN. Counted as the
-        non-zeros of `grad * 0` (0 where finite, NaN where not): two passes with one float
-        temporary, where `(~isfinite()).sum()` took three with two, the largest per-step
-        cost of our own on CPU (bench/README, overhead)."""
-        zero = torch.zeros((), dtype=torch.int64, device=self.counts.device)
+    def flags(self) -> torch.Tensor:
+        """1 for each gradient shard holding a non-finite value (device tensor), taken
+        before clipping: a clip by a non-finite norm turns every gradient element NaN.
+        Read off the shards' norms (a norm is finite exactly when its elements are, short
+        of an fp32 overflow, which skips the step too): one fused pass over the gradients,
+        where counting the elements took two and a temporary per shard, the largest
+        per-step cost of our own on CPU (bench/README, overhead)."""
         if not self.params:
-            return self.counts
-        return torch.stack([torch.count_nonzero(_local(p.grad) * 0) if p.grad is not None
-                            else zero for p in self.params])
+            return self.flags_kept
+        grads = [_local(p.grad) if p.grad is not None else self._no_grad for p in self.params]
+        return (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).to(torch.int64)
 
-    def observe(self, step: int, rows: list[np.ndarray], counts: torch.Tensor,
+    def observe(self, step: int, rows: list[np.ndarray], flags: torch.Tensor,
                 finite: torch.Tensor, lr: float, grad_norm: torch.Tensor,
                 loss: torch.Tensor) -> None:
         """Keep this step's figures if it is non-finite (device-side selects only)."""
@@ -60,7 +62,7 @@ class NonFiniteWatch:
         for old in [s for s in self.rows if s <= step - self.history]:
             del self.rows[old]
         bad = ~finite
-        self.counts = torch.where(bad, counts, self.counts)
+        self.flags_kept = torch.where(bad, flags, self.flags_kept)
         # step and lr are host numbers: they enter as kernel arguments of `where` (Python
         # scalars), never as tensors built from them (a host-to-device copy, and a wait for
         # it, per step: tests/test_trainer_units.py counts them)
@@ -73,19 +75,19 @@ class NonFiniteWatch:
     def dump(self, run_path: Path, lanes, extra: dict) -> Optional[Path]:
         """Collective (every rank calls it on the same log step). Rank 0 writes the dump of
         the newest non-finite step and returns its path; other ranks return None."""
-        counts = self.counts.clone()
-        dist.all_reduce(counts)  # the accelerator lane, where the counts live
+        shards = self.flags_kept.clone()
+        dist.all_reduce(shards)  # the accelerator lane, where the shards live
         step, lr, norm, loss = (float(v) for v in self.scalars.tolist())
         step = int(step)
         gathered = lanes.gather_objects(self.rows.get(step, []))
         if lanes.rank != 0:
             return None
-        per_param = {n: int(c) // self.replicate for n, c in zip(self.names, counts.tolist())}
+        per_param = {n: int(c) // self.replicate for n, c in zip(self.names, shards.tolist())}
         record = {
             "step": step + 1,  # the optimizer step's number, as metrics count them
             "lr": lr, "grad_norm": norm, "loss": loss,
             "param_dtype": str(self.params[0].dtype).removeprefix("torch.") if self.params else None,
-            "nonfinite_grad_elements": {n: c for n, c in per_param.items() if c},
+            "nonfinite_grad_shards": {n: c for n, c in per_param.items() if c},
             "parameters_checked": len(per_param),
             "rows": sorted({r for rows in gathered for r in rows}),
             "rows_by_rank": gathered,

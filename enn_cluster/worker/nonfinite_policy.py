@@ -28,10 +28,10 @@ def abort_reason(t, in_row: int, step: int) -> "str | None":
     where = f"{DUMP_DIR}/ in the run directory"
     if t.nonfinite_policy == "abort":
         return (f"non-finite loss/grad at step {step} (training.nonfinite_policy=abort; "
-                f"rows and per-parameter counts in {where}): check the data for NaN/Inf, "
+                f"rows and non-finite parameters in {where}): check the data for NaN/Inf, "
                 "lower training.lr, or enable grad clipping")
     if t.nonfinite_policy == "skip_then_abort" and in_row >= t.max_nonfinite_steps:
         return (f"{in_row} non-finite losses in a row at step {step} (rows and "
-                f"per-parameter counts in {where}): check the data for NaN/Inf, lower "
+                f"non-finite parameters in {where}): check the data for NaN/Inf, lower "
                 "training.lr, or enable grad clipping")
     return None

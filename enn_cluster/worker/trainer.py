@@ -3,8 +3,9 @@ validation, a non-finite guard, metrics, checkpoints and agreed stops.
 
 Every decision that must be the same on all ranks (stop now, commit an async save, skip
 a non-finite step) is taken from a collective, never from local state alone. A step has
-two small collectives beyond FSDP's own: the gradient norm (accelerator lane) and one
-control-lane all-reduce carrying the loss and the stop/save flags, run alongside it.
+three small collectives beyond FSDP's own: the gradient norm and the loss sum
+(accelerator lane) and one control-lane all-reduce of the stop/save flags, run alongside
+them.
 """
 from __future__ import annotations
 
@@ -209,11 +210,11 @@ class Trainer:
         self.progress.at("accelerator", f"step {step}: loss and gradient-norm all-reduce")
         loss_work = dist.all_reduce(loss_sum, async_op=True)  # agreed finiteness, log value
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        nonfinite_counts = self.nonfinite.count()  # before the clip (see NonFiniteWatch)
+        nonfinite_flags = self.nonfinite.flags()  # before the clip (see NonFiniteWatch)
         grad_norm = clip_and_norm(sm.model.parameters(), max_norm)
         loss_work.wait()
         finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
-        self.nonfinite.observe(self.step, rows, nonfinite_counts, finite, lr, grad_norm,
+        self.nonfinite.observe(self.step, rows, nonfinite_flags, finite, lr, grad_norm,
                                loss_sum / (accum * self.sm.dp_size))
         agreed = decided()
         waited = 0.0
