@@ -116,3 +116,23 @@ def test_status_escapes_terminal_controls_from_run_files(tmp_path):
         assert done.returncode == 0, done.stderr
         assert not any(c in done.stdout for c in "\x1b\x07\u2028\x9b"), repr(done.stdout)
         assert "\\x1b]0;owned\\x07" in done.stdout
+
+
+def test_a_nonfinite_dump_of_the_wrong_shape_is_reported_not_a_crash(tmp_path):
+    """A run directory is untrusted: a dump that is valid JSON but not the record the trainer
+    writes (a list, rows that are a number, shards that are a list) still gives one line."""
+    from enn_cluster.client.status import nonfinite_dumps, nonfinite_line
+
+    folder = tmp_path / "nonfinite"
+    folder.mkdir()
+    (folder / "step-3.json").write_text('{"rows": 5, "nonfinite_grad_shards": [1], "loss": 1}')
+    line = nonfinite_line(nonfinite_dumps(folder))
+    assert "newest nonfinite/step-3.json: rows []" in line and "grads: none" in line, line
+    (folder / "step-4.json").write_text(json.dumps({"rows": [7], "nonfinite_grad_shards":
+                                                    {"head.bias": 1, "layers.0.weight": 2}}))
+    line = nonfinite_line(nonfinite_dumps(folder))
+    assert "rows [7]; non-finite grads: head.bias (1 shard), layers.0.weight (2 shards)" in line
+    (folder / "step-5.json").write_text("[1, 2]")
+    line = nonfinite_line(nonfinite_dumps(folder))
+    assert "2 dump(s)" not in line and "3 dump(s); newest nonfinite/step-5.json: rows []" in line
+    assert nonfinite_dumps(folder)["record"] == {"unreadable": "a JSON list, not an object"}

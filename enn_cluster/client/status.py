@@ -146,15 +146,18 @@ def nonfinite_dumps(folder: Path) -> Optional[dict]:
         record = json.loads(read_run_text(newest))
     except (OSError, ValueError, RecursionError, UserError) as exc:
         record = {"unreadable": str(exc)[:80]}
+    if not isinstance(record, dict):  # a run file is untrusted: valid JSON, wrong shape
+        record = {"unreadable": f"a JSON {type(record).__name__}, not an object"}
     return {"count": len(found), "step": step, "path": str(newest), "record": record}
 
 
 def nonfinite_line(nf: dict) -> str:
     """The newest non-finite dump in one line (status, doctor)."""
     rec = nf["record"]
-    rows = rec.get("rows") or []
+    rows = rec.get("rows") if isinstance(rec.get("rows"), list) else []
+    shards = rec.get("nonfinite_grad_shards")
     grads = ", ".join(f"{k} ({v} shard{'s' if v != 1 else ''})"
-                      for k, v in (rec.get("nonfinite_grad_shards") or {}).items())
+                      for k, v in (shards.items() if isinstance(shards, dict) else ()))
     return (f"{nf['count']} dump(s); newest nonfinite/step-{nf['step']}.json: rows "
             f"{rows[:8]}{' ...' if len(rows) > 8 else ''}; non-finite grads: {grads or 'none'}"
             f"; loss {rec.get('loss')}, lr {rec.get('lr')}")
