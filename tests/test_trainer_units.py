@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from enn_cluster.worker.step_math import clip_and_norm, scheduled_gc
+from enn_cluster.worker.step_math import StepNorm, scheduled_gc
 
 
 def test_scheduled_gc_freezes_then_restores():
@@ -20,7 +20,25 @@ def test_scheduled_gc_freezes_then_restores():
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
-def test_clip_and_norm_matches_torch():
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _norm_and_clip(model, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    step_norm = StepNorm(params, torch.device("cpu"), world_size=1)
+    norm, loss_sum = step_norm.reduce(step_norm.shard_norms(),
+                                      torch.tensor(2.5, dtype=torch.float64), max_norm)
+    assert float(loss_sum) == 2.5  # the loss rides in the same all-reduce
+    return float(norm)
+
+
+def test_step_norm_matches_torchs_clip(world_of_one):
     torch.manual_seed(0)
     ours, theirs = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
     theirs.load_state_dict(ours.state_dict())
@@ -28,11 +46,11 @@ def test_clip_and_norm_matches_torch():
     for m in (ours, theirs):
         m(x).pow(2).sum().backward()
     expected = float(torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0))
-    assert float(clip_and_norm(list(ours.parameters()), 1.0)) == pytest.approx(expected)
+    assert _norm_and_clip(ours, 1.0) == pytest.approx(expected)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.allclose(a.grad, b.grad)
     before = [p.grad.clone() for p in ours.parameters()]
-    norm = float(clip_and_norm(list(ours.parameters()), float("inf")))  # no clipping, norm only
+    norm = _norm_and_clip(ours, float("inf"))  # no clipping, norm only
     assert norm == pytest.approx(1.0, rel=1e-4)
     assert all(torch.equal(a, p.grad) for a, p in zip(before, ours.parameters()))
 
@@ -45,44 +63,40 @@ def test_nonfinite_watch_flags_exactly_the_gradients_holding_nan_or_inf():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 2),
                                 torch.nn.Linear(2, 1))
     watch = NonFiniteWatch(model, torch.device("cpu"), replicate=1, history=1)
+    norms = StepNorm(watch.params, torch.device("cpu"), world_size=1)
     model(torch.randn(4, 64)).sum().backward()
-    assert watch.flags().tolist() == [0] * 6
+    assert watch.flags(norms.shard_norms()).tolist() == [0] * 6
     params = list(model.parameters())
     params[0].grad[17, 40] = float("nan")
     params[3].grad[1] = float("-inf")
     params[4].grad = None  # a parameter no loss reached
     params[5].grad[0] = 3e38  # finite, large: not flagged
-    assert watch.flags().tolist() == [1, 0, 0, 1, 0, 0]
+    assert watch.flags(norms.shard_norms()).tolist() == [1, 0, 0, 1, 0, 0]
 
 
-def test_clip_and_norm_clips_fsdp2_gradients(tmp_path):
-    """On DTensor gradients (FSDP2 on a 2-D mesh) the norm is completed once and the clip
-    scales the sharded gradients."""
+def test_step_norm_clips_fsdp2_gradients(world_of_one):
+    """On DTensor gradients (FSDP2 on a 2-D mesh) the norm comes from the local shards and
+    the clip scales them (4 processes: tests/test_step_norm.py)."""
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-        model = copy.deepcopy(ref)
-        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        x = torch.randn(32, 8) * 10
-        for m in (ref, model):
-            m(x).pow(2).sum().backward()
-        expected = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
-        assert expected > 0.5
-        assert float(clip_and_norm(model.parameters(), 0.5)) == pytest.approx(expected, rel=1e-5)
-        for a, b in zip(model.parameters(), ref.parameters()):
-            assert torch.allclose(a.grad.full_tensor(), b.grad, rtol=1e-5, atol=1e-7)
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(32, 8) * 10
+    for m in (ref, model):
+        m(x).pow(2).sum().backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+    assert expected > 0.5
+    assert _norm_and_clip(model, 0.5) == pytest.approx(expected, rel=1e-5)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a.grad.full_tensor(), b.grad, rtol=1e-5, atol=1e-7)
 
 
 SYNC_COUNTER = r"""

@@ -25,10 +25,6 @@ from enn_cluster.storage.rundir import run_umask
 DUMP_DIR = "nonfinite"
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if hasattr(grad, "to_local") else grad
-
-
 class NonFiniteWatch:
     def __init__(self, model: torch.nn.Module, device: torch.device, replicate: int,
                  history: int):
@@ -37,22 +33,19 @@ class NonFiniteWatch:
         self.params = [p for _, p in named]
         self.replicate, self.history = replicate, max(history, 1)
         self.flags_kept = torch.zeros(len(named), dtype=torch.int64, device=device)
-        self._no_grad = torch.zeros(0, device=device)  # a parameter without a gradient
         self.scalars = torch.zeros(4, dtype=torch.float64, device=device)  # step lr norm loss
         self._slots = torch.arange(4, device=device)  # which slot holds which figure
         self.rows: dict[int, list[int]] = {}  # step -> this rank's rows, the last `history`
 
-    def flags(self) -> torch.Tensor:
-        """1 for each gradient shard holding a non-finite value (device tensor), taken
-        before clipping: a clip by a non-finite norm turns every gradient element NaN.
-        Read off the shards' norms (a norm is finite exactly when its elements are, short
-        of an fp32 overflow, which skips the step too): one fused pass over the gradients,
-        where counting the elements took two and a temporary per shard, the largest
-        per-step cost of our own on CPU (bench/README, overhead)."""
+    def flags(self, shard_norms: torch.Tensor) -> torch.Tensor:
+        """1 for each gradient shard holding a non-finite value (device tensor), read off
+        the shards' norms taken before clipping (StepNorm.shard_norms: a clip by a
+        non-finite norm turns every gradient element NaN). A norm is finite exactly when
+        its elements are, short of an fp32 overflow, which skips the step too; counting
+        elements took two more passes over the gradients and a temporary per shard."""
         if not self.params:
             return self.flags_kept
-        grads = [_local(p.grad) if p.grad is not None else self._no_grad for p in self.params]
-        return (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).to(torch.int64)
+        return (~torch.isfinite(shard_norms)).to(torch.int64)
 
     def observe(self, step: int, rows: list[np.ndarray], flags: torch.Tensor,
                 finite: torch.Tensor, lr: float, grad_norm: torch.Tensor,

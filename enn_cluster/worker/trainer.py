@@ -3,9 +3,9 @@ validation, a non-finite guard, metrics, checkpoints and agreed stops.
 
 Every decision that must be the same on all ranks (stop now, commit an async save, skip
 a non-finite step) is taken from a collective, never from local state alone. A step has
-three small collectives beyond FSDP's own: the gradient norm and the loss sum
-(accelerator lane) and one control-lane all-reduce of the stop/save flags, run alongside
-them.
+two small collectives beyond FSDP's own: one accelerator-lane all-reduce that carries the
+gradient norm and the loss sum (StepNorm), and one control-lane all-reduce of the
+stop/save flags, run alongside it.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ from enn_cluster.worker.sampler import (
 from enn_cluster.worker.step_math import (
     GC_EVERY_STEPS,
     Cadence,
-    clip_and_norm,
+    StepNorm,
     keep_fused,
     new_optimizer,
     scheduled_gc,
@@ -113,6 +113,7 @@ class Trainer:
                                cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes)
         self.nonfinite = NonFiniteWatch(self.sm.model, dev, self.sm.plan.replicate,
                                         self.cadence.log_every)
+        self.norm = StepNorm(self.nonfinite.params, dev, env.world_size)
         self.unread = None  # a step's loss and norm that no log step read yet (device)
         self.loader = BatchLoader(
             lambda rows, alloc=None: gather_rows(self.x, self.y, rows, self.scaler, alloc),
@@ -208,14 +209,12 @@ class Trainer:
         self.progress.at("control", f"step {step}: stop/save decision all-reduce")
         decided = self.lanes.start_sum([float(f) for f in flags])
         self.progress.at("accelerator", f"step {step}: loss and gradient-norm all-reduce")
-        loss_work = dist.all_reduce(loss_sum, async_op=True)  # agreed finiteness, log value
+        shard_norms = self.norm.shard_norms()  # before the clip (see NonFiniteWatch.flags)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        nonfinite_flags = self.nonfinite.flags()  # before the clip (see NonFiniteWatch)
-        grad_norm = clip_and_norm(sm.model.parameters(), max_norm)
-        loss_work.wait()
+        grad_norm, loss_sum = self.norm.reduce(shard_norms, loss_sum, max_norm)
         finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
-        self.nonfinite.observe(self.step, rows, nonfinite_flags, finite, lr, grad_norm,
-                               loss_sum / (accum * self.sm.dp_size))
+        self.nonfinite.observe(self.step, rows, self.nonfinite.flags(shard_norms), finite, lr,
+                               grad_norm, loss_sum / (accum * self.sm.dp_size))
         agreed = decided()
         waited = 0.0
         if self.pending is not None:  # an async save may still be copying the parameters
