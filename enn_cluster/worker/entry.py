@@ -17,6 +17,7 @@ import shlex
 import signal
 import socket
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -331,7 +332,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--name", default=None, help="prediction name (predict task)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (predict task)")
     args = parser.parse_args(argv)
-    return run_entry(args.run_dir, args.task, args.name, args.step)
+    try:
+        return run_entry(args.run_dir, args.task, args.name, args.step)
+    except Exception:  # a peer died, a collective timed out: the traceback, then exit_now,
+        traceback.print_exc()  # not a second of finalisation the launcher's restart waits for
+        return EXIT_FAILED
 
 
 def exit_now(code: int) -> None:
