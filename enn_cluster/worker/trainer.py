@@ -17,7 +17,6 @@ from dataclasses import asdict, replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from enn_cluster.config.run_config import RunConfig
