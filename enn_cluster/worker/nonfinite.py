@@ -43,8 +43,6 @@ class NonFiniteWatch:
         non-finite norm turns every gradient element NaN). A norm is finite exactly when
         its elements are, short of an fp32 overflow, which skips the step too; counting
         elements took two more passes over the gradients and a temporary per shard."""
-        if not self.params:
-            return self.flags_kept
         return (~torch.isfinite(shard_norms)).to(torch.int64)
 
     def observe(self, step: int, rows: list[np.ndarray], flags: torch.Tensor,
