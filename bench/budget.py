@@ -2,9 +2,9 @@
 
 COSTS holds each benchmark's estimated seconds on 2 quiet cores at the full sizes: a
 fixed part (set-up, the sides that do not repeat) and a part per repeat of `ctx.repeats`
-(0 where a benchmark keeps its own count). They are estimates from the dated runs in
-bench/README.md and from each benchmark's sizes; every run writes what each benchmark
-really took to results.json (`bench_seconds`), from which to correct them. The pure
+(0 where a benchmark keeps its own count). They come from what each benchmark really took
+in the last full runs (results.json's `bench_seconds`, 2026-11-26), rounded up; correct
+them from there when a benchmark changes. The pure
 functions here choose; run.py measures and asks.
 """
 from __future__ import annotations
@@ -17,18 +17,18 @@ MAX_REPEATS = 5
 
 # name -> (fixed s, s per repeat); one entry per runner (named by its first --only name)
 COSTS = {
-    "checkpoint": (150.0, 0.0),  # 9 repeats of save/load/resume at 1.6 and 0.4 GB, async
-    "staging": (5.0, 3.0),
-    "text_staging": (10.0, 28.0),  # 200,000 documents tokenized twice per repeat
-    "collect": (5.0, 3.0),
-    "overhead": (5.0, 52.0),  # one pair of 100-step 4-process runs per repeat
-    "lm_overhead": (20.0, 70.0),  # one pair of 40-step 4-process LM runs per repeat
-    "prefetch": (10.0, 5.0),
-    "predict": (10.0, 20.0),  # world 1, world 2 and the bare loop per repeat
-    "metadata": (60.0, 0.0),
-    "recovery": (120.0, 0.0),  # 3 pairs of kill-and-restart runs
-    "control": (270.0, 0.0),  # 64 .. 1,024 simulated ranks, 3 repeats each
-    "submit": (210.0, 0.0),  # a 3-node dev Slurm cluster (root only), 3 pairs, a node loss
+    "checkpoint": (140.0, 0.0),  # 19 repeats of save/load/resume at 1.6 GB, 5 at 0.4 GB, async
+    "staging": (2.0, 0.5),
+    "text_staging": (10.0, 25.0),  # 200,000 documents tokenized twice per repeat
+    "collect": (3.0, 2.0),
+    "overhead": (5.0, 58.0),  # one pair of 100-step 4-process runs per repeat
+    "lm_overhead": (20.0, 74.0),  # one pair of 40-step 4-process LM runs per repeat
+    "prefetch": (4.0, 3.0),
+    "predict": (10.0, 22.0),  # world 1, world 2 and the bare loop per repeat
+    "metadata": (40.0, 0.0),
+    "recovery": (125.0, 0.0),  # 3 pairs of kill-and-restart runs
+    "control": (350.0, 0.0),  # 64 .. 1,024 simulated ranks, 3 repeats each
+    "submit": (120.0, 0.0),  # a 3-node dev Slurm cluster (root only), 3 pairs, a node loss
     "cli": (3.0, 1.0),
     "gpu": (0.0, 0.0),  # skipped without CUDA; on a GPU machine it runs alone (--only gpu)
     "scale": (600.0, 0.0),
