@@ -21,7 +21,7 @@ COSTS = {
     "staging": (2.0, 0.5),
     "text_staging": (10.0, 25.0),  # 200,000 documents tokenized twice per repeat
     "collect": (3.0, 2.0),
-    "overhead": (5.0, 58.0),  # one pair of 100-step 4-process runs per repeat
+    "overhead": (15.0, 58.0),  # a short warm-up, one pair of 100-step 4-process runs per repeat
     "lm_overhead": (20.0, 74.0),  # one pair of 40-step 4-process LM runs per repeat
     "prefetch": (4.0, 3.0),
     "predict": (10.0, 22.0),  # world 1, world 2 and the bare loop per repeat
