@@ -4,8 +4,8 @@ COSTS holds each benchmark's estimated seconds on 2 quiet cores at the full size
 fixed part (set-up, the sides that do not repeat) and a part per repeat of `ctx.repeats`
 (0 where a benchmark keeps its own count). They come from what each benchmark really took
 in the last full runs (results.json's `bench_seconds`, 2026-11-26), rounded up; correct
-them from there when a benchmark changes. The pure
-functions here choose; run.py measures and asks.
+them from there when a benchmark changes. The pure functions here choose; run.py measures
+and asks.
 """
 from __future__ import annotations
 

@@ -40,8 +40,7 @@ LARGE, SMALL, QUICK = 4096, 2048, 1024
 # Repeats per size, whatever --budget chose (I/O is this VM's noisiest figure): at 19 the
 # median's 90 % interval runs from the 6th to the 14th ratio, so the few repeats in which
 # one side runs 2-3x slower (either side: this VM's page reporting, bench/README.md) no
-# longer decide it.
-# The small size is information only (and its async part needs few).
+# longer decide it. The small size is information only (and its async part needs few).
 LARGE_REPEATS, SMALL_REPEATS = 19, 5
 
 
