@@ -16,7 +16,7 @@ the async part (its steps take 0.2 s, not 7 s):
 - `async`: `Trainer.save(async_save=False)` (the blocking time of a sync save) against
   the time the loop is blocked by `Trainer.save(async_save=True)`, by optimizer steps
   waiting for the background copy of the parameters, and by the later
-  `Trainer.finish_pending()`, with training steps running in between as in `Trainer.fit`.
+  `Saver.finish_pending()`, with training steps running in between as in `Trainer.fit`.
 """
 from __future__ import annotations
 
@@ -235,16 +235,16 @@ def _async(trainer, lanes, perm, repeats: int) -> dict:
         trainer.step += 1
         lanes.barrier()
         call = timed(lambda: trainer.save(async_save=True))
-        waited_before = trainer.staging_wait_s
+        waited_before = trainer.saver.staging_wait_s
         in_flight = []
         while True:  # what Trainer.fit does between steps while a save is open
             in_flight.append(timed(lambda: trainer.train_step(perm)))
-            pending_open = 0.0 if trainer.pending.done() else 1.0
+            pending_open = 0.0 if trainer.saver.pending.done() else 1.0
             _, still_open = lanes.all_max([0.0, pending_open])
             if not still_open:
                 break
-        commit = timed(trainer.finish_pending)
-        wait = trainer.staging_wait_s - waited_before
+        commit = timed(lambda: trainer.saver.finish_pending(trainer.step))
+        wait = trainer.saver.staging_wait_s - waited_before
         rec["async_save_call"].append(max_over_ranks(lanes, call))
         rec["async_commit"].append(max_over_ranks(lanes, commit))
         rec["async_staging_wait"].append(max_over_ranks(lanes, wait))

@@ -223,7 +223,8 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
 
 def _train(run: RunDir, cfg, env, lanes) -> int:
     from enn_cluster.worker.oom_governor import OutOfMemoryRecorded
-    from enn_cluster.worker.trainer import Trainer, TrainingAborted
+    from enn_cluster.worker.saving import TrainingAborted
+    from enn_cluster.worker.trainer import Trainer
 
     trainer = Trainer(cfg, run, env, lanes)
     trainer.install_signal_handlers()

@@ -17,7 +17,6 @@ from dataclasses import asdict, replace
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, total_steps
@@ -31,7 +30,6 @@ from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.staging import open_array, read_manifest
 from enn_cluster.storage.tracking import worker_sink
 from enn_cluster.worker import checkpoint as ckpt
-from enn_cluster.worker.checkpoint_async import new_stager, reserve, save_async
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.evaluation import eval_arrays, mean_eval_loss
 from enn_cluster.worker.fault_injection import (
@@ -49,6 +47,7 @@ from enn_cluster.worker.nonfinite import NonFiniteWatch
 from enn_cluster.worker.nonfinite_policy import abort_reason, report_skipped
 from enn_cluster.worker.profiling import StepProfiler
 from enn_cluster.worker.resume_plan import replan_after_resume
+from enn_cluster.worker.saving import Saver, TrainingAborted
 from enn_cluster.worker.sampler import (
     DataPosition,
     advance,
@@ -68,10 +67,6 @@ from enn_cluster.worker.stop_signals import arm_hard_exit, install_stop_handlers
 from enn_cluster.worker.watchdog import Progress, Watchdog, rank_log_stream
 
 log = logging.getLogger("enn_cluster.worker.trainer")
-
-
-class TrainingAborted(RuntimeError):
-    """Training cannot go on (non-finite losses); the message says what to check."""
 
 
 class Trainer:
@@ -102,11 +97,6 @@ class Trainer:
         self.skipped = torch.zeros((), dtype=torch.int64, device=dev)
         self.skipped_seen = 0
         self.stop_requested, self.stop_signal = 0, None
-        self.pending = None
-        self.stager = None  # async saves' CPU buffers, reused from save to save
-        self.staging_wait_s = 0.0  # time optimizer steps waited for an async save's copy
-        self.writer_threads = cfg.checkpoint.threads_on(dev.type)
-        self.async_periodic = cfg.checkpoint.async_on(dev.type)
         self.faults = test_faults()  # ENN_TEST_FAULTS, read once
         self.cadence = Cadence(cfg.logging.steps_on(dev.type),  # 10 on GPU: a read syncs
                                cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes)
@@ -119,6 +109,7 @@ class Trainer:
             lanes.device)
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
                                   sink=worker_sink(cfg, run, lanes.rank))
+        self.saver = Saver(cfg, run, lanes, self.metrics)
         self.profiler = StepProfiler(cfg.profiling.window, run.path, lanes.rank, lanes.device)
         self.progress = Progress()  # what the watchdog and a failure dump report
 
@@ -215,12 +206,7 @@ class Trainer:
         self.nonfinite.observe(self.step, rows, self.nonfinite.flags(shard_norms), finite, lr,
                                grad_norm, loss_sum / (accum * self.sm.dp_size))
         agreed = decided()
-        waited = 0.0
-        if self.pending is not None:  # an async save may still be copying the parameters
-            waited = time.perf_counter()
-            self.pending.wait_staged()
-            waited = time.perf_counter() - waited
-            self.staging_wait_s += waited
+        waited = self.saver.wait_staged()
         self.optimizer.found_inf = (~finite).to(torch.float32)  # fused AdamW skips on device
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -267,47 +253,9 @@ class Trainer:
 
     def save(self, async_save: bool) -> None:
         with self.progress.untimed(f"checkpoint step-{self.step} save"):
-            self._save(async_save)
+            self.saver.save(self.step, self.sm.model, self.optimizer, self.state_dict(),
+                            async_save)
         self.cadence.saved()
-
-    def _save(self, async_save: bool) -> None:
-        self.finish_pending()
-        args = (self.run.checkpoints, self.step, self.sm.model, self.optimizer,
-                self.state_dict(), self.lanes)
-        try:
-            if async_save:
-                self.stager = self.stager or new_stager()
-                self.pending = save_async(*args, self.stager, self.cfg.checkpoint.keep_last,
-                                          self.writer_threads)
-            else:
-                self._took(self.step, ckpt.save(*args, keep_last=self.cfg.checkpoint.keep_last,
-                                                writer_threads=self.writer_threads))
-        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-            raise self._save_failed(exc) from exc
-        self.metrics.write("checkpoint", step=self.step, async_save=async_save)
-
-    def _took(self, step: int, seconds: float) -> None:
-        ckpt.report_save_time(self.metrics, step, seconds, self.cfg.parallel.stop_grace_s)
-
-    def _save_failed(self, exc: Exception) -> TrainingAborted:
-        """Stop training: going on without the checkpoint would silently drop state."""
-        last = store.latest_committed(self.run.checkpoints)
-        reason = (store.storage_problem(self.run.checkpoints) or
-                  " ".join(str(exc).split())[:300] or type(exc).__name__)
-        return TrainingAborted(
-            f"checkpoint step-{self.step} could not be written to {self.run.checkpoints} "
-            f"({reason}); free space or fix permissions there, then 'enn-submit resume' "
-            f"continues from step-{last}, which is intact")
-
-    def finish_pending(self) -> None:
-        """Wait for the async save in flight (usually long done) and surface its error."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            try:
-                pending.result()
-            except (Exception, CheckpointException) as exc:
-                raise self._save_failed(exc) from exc
-            self._took(pending.step, pending.seconds)
 
     def resume(self) -> None:
         found = ckpt.resume(self.run.checkpoints, self.sm.model, self.optimizer, self.lanes)
@@ -339,8 +287,8 @@ class Trainer:
     def fit(self) -> str:
         """Train to the end ("done") or to an agreed stop ("stopped", checkpoint committed)."""
         self.resume()
-        if self.async_periodic:
-            self._reserve_staging()
+        if self.saver.async_periodic:
+            self.saver.reserve(self.sm.model, self.optimizer)
         if self.env.relaunch and self.lanes.rank == 0:  # continuing after a lost node
             lost = node_loss.record_relaunch(self.run, self.metrics, str(self.env.job_id),
                                              self.env.relaunch, self.env.world_size, self.step)
@@ -353,12 +301,6 @@ class Trainer:
                 return self._loop()
         finally:
             watchdog.stop()
-
-    def _reserve_staging(self) -> None:
-        """Async saves' (pinned) buffers, allocated before the loop, not in the first save."""
-        self.stager = new_stager()
-        n = reserve(self.stager, self.sm.model, self.optimizer, self.lanes)
-        log.info("checkpoint staging: %.1f MB reserved for this rank's share of a save", n / 1e6)
 
     def _write_start(self) -> None:
         b = self.batch
@@ -383,7 +325,7 @@ class Trainer:
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
                 perm = epoch_permutation(self.n_rows, cfg.training.seed, perm_epoch)
-            pending_open = self.pending is not None and not self.pending.done()
+            pending_open = self.saver.in_flight()
             self.stop_requested = self.stop_requested or int(stop_file.poll())
             log_step = self.cadence.log_step(self.step + 1, self.total_steps)
             self.profiler.before_step(self.step + 1)
@@ -409,15 +351,15 @@ class Trainer:
             if self.pos.epoch != epoch_before and self.eval_x is not None:
                 self.metrics.write("eval", step=self.step, epoch=epoch_before,
                                    eval_loss=self.evaluate())
-            if self.pending is not None and not still_open:
-                self.finish_pending()
+            if not still_open:
+                self.saver.finish_pending(self.step)
             if stop:
                 self.save(async_save=False)
                 return "stopped"
             if periodic:
-                self.save(async_save=self.async_periodic)
+                self.save(async_save=self.saver.async_periodic)
                 last_saved = self.step
-        self.finish_pending()
+        self.saver.finish_pending(self.step)
         self._profiled(self.profiler.after_step(self.step, final=True))
         if not log_step:  # the steps after the last log step (a loop ended by epochs)
             self._check_nonfinite()
@@ -441,5 +383,4 @@ class Trainer:
         self.profiler.close()
         self.loader.close()
         self.metrics.close()
-        if self.stager is not None:
-            self.stager.close()
+        self.saver.close()
