@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 
 
-def setup(model_dir: str, data_dir: str, replicate: int, shard: int, lr: float):
+def setup(model_dir: str, data_dir: str, replicate: int, shard: int, lr: float,
+          bf16: bool = False):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -32,9 +33,15 @@ def setup(model_dir: str, data_dir: str, replicate: int, shard: int, lr: float):
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
                                                  dtype=torch.float32)
     model.train()
+    kwargs = {"mesh": mesh}
+    if bf16:  # fp32 master weights (the bf16 file upcast above), bf16 compute
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
     return x, y, model, opt
 
@@ -64,12 +71,12 @@ def step(model, opt, x, y, micro_rows: list) -> float:
 
 
 def train(model_dir: str, data_dir: str, replicate: int, shard: int, micro: int, accum: int,
-          steps: int, lr: float, seed: int) -> list[float]:
+          steps: int, lr: float, seed: int, bf16: bool = False) -> list[float]:
     import torch.distributed as dist
 
     from .bare_loop import timed_loop
 
-    x, y, model, opt = setup(model_dir, data_dir, replicate, shard, lr)
+    x, y, model, opt = setup(model_dir, data_dir, replicate, shard, lr, bf16)
     rank, world = dist.get_rank(), dist.get_world_size()
     return timed_loop(len(x), micro * accum * world, steps, seed, lambda perm, pos: step(
         model, opt, x, y, [perm[pos + (k * world + rank) * micro:

@@ -161,7 +161,10 @@ def tied(n_features: int, n_outputs: int) -> TiedRegressor:
 
 class WrappedCausalLM(nn.Module):
     """A user's own wrapper around a transformers causal LM (no blocks(), no init_weights):
-    the issue-24 case whose decoder layers must still be FSDP units of their own."""
+    the issue-24 case whose decoder layers must still be FSDP units of their own. Its
+    `input_dtype` says it takes token ids: they reach it as integers (models.input_dtype)."""
+
+    input_dtype = torch.long
 
     def __init__(self, path: str):
         super().__init__()

@@ -11,12 +11,35 @@ from enn_cluster.client.llm_assets import corpus, write_texts, write_tiny_model
 from helpers import with_sections
 
 
-def tiny_model(root: Path, arch: str = "llama", **shape) -> Path:
-    """A tiny model + tokenizer under `root` (made once per root and arch)."""
-    path = root / f"tiny-{arch}"
+PRECISIONS = ("fp32", "bf16")  # every LM test class runs both (pytest params)
+RESERVED_IDS = 4000  # bf16 models: every real token id is above this (bf16 spacing 16-32)
+
+
+def tiny_model(root: Path, arch: str = "llama", precision: str = "fp32", **shape) -> Path:
+    """A tiny model + tokenizer under `root` (made once per root, arch and precision).
+    "bf16" is the users' world: weights saved in bf16 (config.json says bfloat16, as every
+    Llama-3 and Qwen2.5 does) and a vocabulary whose ids all lie above RESERVED_IDS, where
+    bf16 holds only every 16th integer."""
+    path = root / (f"tiny-{arch}" if precision == "fp32" else f"tiny-{arch}-{precision}")
     if not (path / "config.json").exists():
+        if precision == "bf16":
+            shape = {"dtype": "bfloat16", "reserved": RESERVED_IDS, **shape}
         write_tiny_model(path, arch, **shape)
     return path
+
+
+def bf16_training(precision: str) -> dict:
+    """The `training` keys of a run in `precision`: bf16 compute for a bf16 model."""
+    return {"bf16": "true"} if precision == "bf16" else {}
+
+
+def checkpoint_dtypes(step_dir: Path) -> dict:
+    """{tensor name: dtype} from a DCP checkpoint's metadata (no tensor is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(step_dir)).read_metadata()
+    return {name: str(m.properties.dtype).replace("torch.", "")
+            for name, m in meta.state_dict_metadata.items() if hasattr(m, "properties")}
 
 
 def copy_model(src: Path, dest: Path) -> Path:
@@ -62,16 +85,54 @@ def lm_config(tmp: Path, model_dir: Path, name: str, rows: int = 64, length: int
     return with_sections(cfg, over)
 
 
-def hf_loss(model_dir: Path, ids: np.ndarray, labels: np.ndarray) -> float:
-    """transformers' own loss of its own from_pretrained model on these rows."""
+def reference_losses(model_dir: Path, ids: np.ndarray, steps: int, batch: int, lr: float,
+                     warmup_ratio: float, seed: int, lora: dict | None = None,
+                     precision: str = "fp32", grad_clip: float = 1.0) -> list[float]:
+    """A plain transformers (+ peft) loop, the oracle our trainer's losses are held to: fp32
+    master weights and AdamW states (a bf16 checkpoint upcast), bf16 autocast for "bf16";
+    the rows, LR schedule, clip and LoRA initialisation our trainer uses (`batch` rows a
+    step from each epoch's seeded permutation; adapters seeded by name)."""
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).eval()
-    with torch.no_grad():
-        return float(model(input_ids=torch.from_numpy(ids).long(),
-                           labels=torch.from_numpy(labels).long()).loss)
+    from enn_cluster.config.schedule import lr_at
+    from enn_cluster.models.causal_lm import CausalLM
+    from enn_cluster.worker.lm_weights import init_adapters
+    from enn_cluster.worker.sampler import epoch_permutation
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
+                                                 dtype=torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+        with torch.no_grad():
+            init_adapters(CausalLM(model), seed)  # our names: "lm." + peft's
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" \
+        else contextlib.nullcontext()
+    per_epoch = len(ids) // batch
+    out = []
+    for step in range(steps):
+        epoch, k = divmod(step, per_epoch)
+        rows = epoch_permutation(len(ids), seed, epoch)[k * batch:(k + 1) * batch]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup_ratio)
+        xb = torch.from_numpy(ids[rows]).long()
+        with cast:
+            loss = model(input_ids=xb, labels=xb).loss
+        loss.backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        opt.zero_grad()
+        out.append(float(loss))
+    return out
 
 
-__all__ = ["tiny_model", "copy_model", "packed_tokens", "token_files", "lm_config", "hf_loss",
-           "write_texts", "corpus"]
+__all__ = ["tiny_model", "copy_model", "packed_tokens", "token_files", "lm_config",
+           "write_texts", "corpus", "PRECISIONS", "bf16_training", "checkpoint_dtypes",
+           "reference_losses"]

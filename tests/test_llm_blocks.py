@@ -5,12 +5,13 @@ crashing although its outputs ([tokens, vocab] per row) are not shaped like its 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 import enn_cluster
 from enn_cluster.models import model_blocks, repeated_blocks
-from lm_support import packed_tokens, tiny_model
+from lm_support import PRECISIONS, bf16_training, packed_tokens, tiny_model
 
 
 def test_a_wrapped_hf_model_is_sharded_per_decoder_layer(tmp_path):
@@ -37,17 +38,84 @@ def test_repeated_layers_are_found_without_blocks_or_hf_hints():
     assert repeated_blocks(flat) == [] and model_blocks(flat) == list(flat)
 
 
-def test_a_wrapped_lm_trains_on_2_ranks_and_predicts_its_logits(tmp_path):
-    path = tiny_model(tmp_path)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_wrapped_lm_trains_on_2_ranks_and_predicts_its_logits(tmp_path, precision):
+    """In bf16 (a bf16 checkpoint, ids above 4000) the ids reach the user's module as
+    integers (its input_dtype), in training and prediction, and the logits agree with the
+    loaded model's own forward in bf16."""
+    path = tiny_model(tmp_path, precision=precision)
     x = packed_tokens(path, 16, 16)
     run = enn_cluster.train("api_models:wrapped_llm", x, x, run_dir=str(tmp_path / "r"),
                             config={"model": {"kwargs": {"path": str(path)}}},
-                            training={"max_steps": 2, "per_device_train_batch_size": 4},
+                            training={"max_steps": 2, "per_device_train_batch_size": 4,
+                                      **bf16_training(precision)},
                             parallel={"nodes": 1, "procs_per_node": 2})
     assert run.latest_checkpoint == 2
     logits = enn_cluster.predict(run, x[:3])
     model = run.load_model()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     with torch.no_grad():
-        expect = model(torch.from_numpy(x[:3]))
+        expect = model.to(dtype)(torch.from_numpy(x[:3])).float()
     assert logits.shape == tuple(expect.shape) == (3, 16, model.inner.config.vocab_size)
-    np.testing.assert_allclose(logits, expect.numpy(), rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if precision == "fp32" else 0.0  # the same bf16 weights, the same forward
+    np.testing.assert_allclose(logits, expect.numpy(), rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_token_ids_reach_the_embedding_unrounded_under_bf16(tmp_path, world_of_one):
+    """Issue 36 section 1: a bf16 model's ids (all above 4000, where bf16 holds only every
+    16th integer) go from the staged int32 memmap through the trainer's gather_rows and
+    FSDP2's bf16 mixed precision (which casts floating inputs) to the embedding as
+    integers: the logits equal transformers' own bf16 forward of the same ids, and the
+    master weights are fp32 although config.json says bfloat16."""
+    from transformers import AutoModelForCausalLM
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from enn_cluster.config.run_config import MeshPlan
+    from enn_cluster.models import input_dtype
+    from enn_cluster.models.causal_lm import CausalLM
+    from enn_cluster.worker.loader import gather_rows
+    from enn_cluster.worker.parallel import set_master_dtypes, wrap_model
+
+    path = tiny_model(tmp_path, precision="bf16")
+    ids = packed_tokens(path, 4, 16)
+    assert ids.min() > 4000
+    np.save(tmp_path / "x.npy", ids)
+    x = np.load(tmp_path / "x.npy", mmap_mode="r")
+    model = CausalLM(AutoModelForCausalLM.from_pretrained(str(path)))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # as config.json says
+    set_master_dtypes(model, use_bf16=True)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # every one trains
+    plan = MeshPlan("fsdp", 1, 1)
+    model = wrap_model(model, plan, init_device_mesh("cpu", (1,)), torch.device("cpu"),
+                       use_bf16=True)
+    xb, _ = gather_rows(x, x, np.arange(4), None, dtype=input_dtype(model))
+    assert not xb.is_floating_point()
+    with torch.no_grad():
+        ours = model(xb)
+        theirs = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.bfloat16)(input_ids=torch.from_numpy(ids).long()).logits
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=0)
+
+
+def test_prediction_rows_are_token_ids_and_floats_only_when_whole():
+    from enn_cluster.errors import UserError
+    from enn_cluster.worker.loader import host_rows
+
+    ids = np.array([[4001, 4433, -1]], np.int32)
+    assert host_rows(ids, torch.long).dtype == np.int64
+    assert host_rows(ids, torch.long).tolist() == ids.tolist()
+    assert host_rows(ids.astype(np.float64), torch.long).tolist() == ids.tolist()
+    assert host_rows(ids, torch.float32).dtype == np.float32
+    with pytest.raises(UserError, match="--input: .*whole numbers"):
+        host_rows(np.array([[4001.5, 2.0]]), torch.long)
+    with pytest.raises(UserError):
+        host_rows(np.array([[np.nan, 2.0]]), torch.long)

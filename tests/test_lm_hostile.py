@@ -14,18 +14,20 @@ from pathlib import Path
 import pytest
 
 from helpers import cli, write_config
-from lm_support import lm_config, tiny_model
+from lm_support import bf16_training, lm_config, tiny_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def lm_run(tmp_path_factory):
-    """A LoRA run of 2 steps on 1 rank, with its committed step-2."""
+    """A LoRA run of 2 steps on 1 rank, with its committed step-2, in the users' world
+    (weights saved in bf16, ids above 4000, bf16 compute)."""
     tmp = tmp_path_factory.mktemp("lm-hostile")
-    model_dir = tiny_model(tmp)
+    model_dir = tiny_model(tmp, precision="bf16")
     cfg = lm_config(tmp, model_dir, "lora", rows=16, length=16,
-                    training={"max_steps": 2}, checkpoint={"every_steps": 2},
+                    training={"max_steps": 2, **bf16_training("bf16")},
+                    checkpoint={"every_steps": 2},
                     parallel={"nodes": 1, "procs_per_node": 1})
     res = cli("train", "--config", write_config(tmp / "run.yaml", **cfg))
     assert res.returncode == 0, res.stderr[-3000:]

@@ -20,14 +20,16 @@ from enn_cluster.storage.staging import stage_run_data  # noqa: E402
 from enn_cluster.storage.text_sources import tokenizer_hash  # noqa: E402
 from enn_cluster.storage.text_staging import IGNORE, Layout, document_tokens, padded_rows  # noqa: E402
 from helpers import cli, write_config  # noqa: E402
+from lm_support import PRECISIONS, tiny_model  # noqa: E402
 
 TEXTS = llm_assets.corpus(120, seed=5)
 PROMPTS = [f"question {i}: what runs next" if i % 3 else "" for i in range(len(TEXTS))]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return llm_assets.write_tiny_model(tmp_path_factory.mktemp("llm") / "model")
+@pytest.fixture(scope="module", params=PRECISIONS)
+def model_dir(request, tmp_path_factory) -> Path:
+    """fp32, and the users' world: weights in bf16, every token id above 4000."""
+    return tiny_model(tmp_path_factory.mktemp("llm"), precision=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """`make demo-llm`: the language-model job on this machine, in a few minutes.
 
 1. a tiny random Qwen2-shaped model and a tokenizer trained on a small corpus, written by
-   `save_pretrained` into a local directory (what a user brings from Lustre);
+   `save_pretrained` in bf16 into a local directory (what a user brings from Lustre);
 2. a parquet file of text (and one for evaluation);
 3. LoRA trained on 2 ranks, stopped, and resumed on 1 (the run keeps its global batch);
 4. rows scored and continued (greedy) by the fine-tuned model;
@@ -37,7 +37,8 @@ def make_assets(root: Path) -> tuple[Path, Path, Path]:
     """The model directory and the train/eval parquet files under `root`."""
     from enn_cluster.client.llm_assets import corpus, write_texts, write_tiny_model
 
-    model = write_tiny_model(root / "tiny-qwen2", "qwen2", texts=corpus(600, 11))
+    model = write_tiny_model(root / "tiny-qwen2", "qwen2", texts=corpus(600, 11),
+                             dtype="bfloat16")  # as every Qwen2.5 checkpoint is saved
     train = write_texts(root / "train.parquet", corpus(800, 1))
     evals = write_texts(root / "eval.parquet", corpus(64, 2))
     return model, train, evals

@@ -32,16 +32,20 @@ def corpus(n_docs: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))) for _ in range(n_docs)]
 
 
-def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512) -> None:
+def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512,
+                    reserved: int = 0) -> None:
     """A byte-level BPE tokenizer trained on `texts`, saved as a transformers fast tokenizer
-    (tokenizer.json + tokenizer_config.json), with <pad>, <s> and </s>."""
+    (tokenizer.json + tokenizer_config.json), with <pad>, <s> and </s>. `reserved` unused
+    special tokens come first, so every real id is at least that large: a real vocabulary
+    (128k-151k) has ids far above 256, the last integer bf16 holds exactly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+    specials = [f"<reserved_{i}>" for i in range(reserved)] + ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size + reserved, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
@@ -51,23 +55,24 @@ def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512) -> N
 
 def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0,
                      texts: list[str] | None = None, vocab_size: int = 512,
-                     **shape_over) -> Path:
+                     dtype: str = "float32", reserved: int = 0, **shape_over) -> Path:
     """A random causal LM of the `arch` shape (`shape_over` changes any of it) plus its
-    tokenizer (`vocab_size` tokens) in `out_dir`, saved as safetensors by `save_pretrained`;
-    returns `out_dir`."""
+    tokenizer (`vocab_size` tokens after `reserved` unused ones) in `out_dir`, saved as
+    safetensors by `save_pretrained` in `dtype` (its config.json says so, as every real
+    Llama-3 and Qwen2.5 says bfloat16); returns `out_dir`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out_dir, texts or corpus(400, seed), vocab_size)
+    write_tokenizer(out_dir, texts or corpus(400, seed), vocab_size, reserved)
     tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
     shape = {**ARCHS[arch], **shape_over}
     config = AutoConfig.for_model(shape.pop("model_type"), vocab_size=len(tok),
                                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, **shape)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.save_pretrained(str(out_dir))
     return out_dir
 

@@ -139,6 +139,14 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda lst: sum(p.numel() for p in lst.parameters())))
 
 
+def input_dtype(model: nn.Module) -> torch.dtype:
+    """What the model takes: token ids (a model whose `input_dtype` says an integer type,
+    as CausalLM does) travel as integers from the memmap to its embedding; everything else
+    gets float32 values. Pure."""
+    inner = getattr(model, "module", model)  # DDP wraps the user's module
+    return getattr(inner, "input_dtype", torch.float32)
+
+
 def compute_loss(model: nn.Module, task: str, outputs: torch.Tensor, targets: torch.Tensor):
     inner = getattr(model, "module", model)  # DDP wraps the user's module
     if hasattr(inner, "loss"):

@@ -75,6 +75,8 @@ class CausalLM(nn.Module):
     are not IGNORE_INDEX (the model shifts; staging does not), `blocks()` the decoder layers
     that FSDP shards one by one."""
 
+    input_dtype = torch.long  # token ids: never a float (models.input_dtype)
+
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm

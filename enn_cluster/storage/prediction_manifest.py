@@ -25,6 +25,10 @@ from enn_cluster.storage.run_files import read_run_text
 REQUEST = "request.json"  # name, checkpoint step, input entry, chunk plan (client-written)
 MANIFEST = "manifest.json"  # the committed prediction (rank 0, after every rank finished)
 INPUT = "input.npy"
+# per-output statistics (mean, std, min, max, non-finite) cover at most a row's first this
+# many values: a language model's logits are [tokens x vocab] per row, whose lists would
+# make every chunk record and the manifest tens of MB
+STATS_OUTPUTS = 1024
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -169,9 +173,11 @@ def summary_lines(manifest: dict) -> list[str]:
     """What `collect` prints about a prediction besides the rows."""
     lines = []
     check = manifest.get("precision_check") or {}
-    if check.get("reduced_precision"):
+    if check.get("reduced_precision") and "max_abs_diff" in check:
         lines.append(f"first batch in {check['dtype']}: max |fp32 - {check['dtype']}| = "
                      f"{check['max_abs_diff']:.3g}")
+    elif check.get("reduced_precision"):  # a causal LM's scores: no fp32 replica beside it
+        lines.append(f"predicted in {check['dtype']}")
     stats = manifest.get("stats")
     if stats and any(stats["nonfinite"]):
         lines.append(f"non-finite values per output: {stats['nonfinite']}")

@@ -56,13 +56,24 @@ def state_options(model) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
+def frozen_names(model) -> set[str]:
+    """Every name of a frozen parameter, a tied one under each of its names: torch's
+    ignore_frozen_params drops only the first (a tied LoRA base's lm_head.weight, the whole
+    vocabulary's embedding, stayed in every checkpoint)."""
+    return {name.removeprefix("module.")
+            for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def state_of(model, optimizer) -> dict:
     options = state_options(model)
     if optimizer is None:
         msd, _ = get_state_dict(model, [], options=options)
-        return {"model": msd}
-    msd, osd = get_state_dict(model, optimizer, options=options)
-    return {"model": msd, "optim": osd}
+    else:
+        msd, osd = get_state_dict(model, optimizer, options=options)
+    if options.ignore_frozen_params:
+        for name in frozen_names(model) & set(msd):
+            del msd[name]
+    return {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
 
 
 def _write_side_files(path: Path, lanes: Lanes, snap: Snapshot) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from enn_cluster.models import compute_loss
+from enn_cluster.models import compute_loss, input_dtype
 from enn_cluster.storage.staging import open_array
 from enn_cluster.worker.loader import gather_rows
 from enn_cluster.worker.model_setup import autocast
@@ -25,8 +25,8 @@ def eval_arrays(manifest: dict, data_dir, x, y):
     return None, None, None
 
 
-def device_batch(x, y, rows: np.ndarray, scaler, device):
-    xb, yb = gather_rows(x, y, rows, scaler)
+def device_batch(x, y, rows: np.ndarray, scaler, device, dtype=torch.float32):
+    xb, yb = gather_rows(x, y, rows, scaler, dtype=dtype)
     return xb.to(device, non_blocking=True), yb.to(device)
 
 
@@ -48,7 +48,8 @@ def mean_eval_loss(sm, task: str, micro: int, eval_x, eval_y, eval_rows, scaler,
         if count == 0:
             rows = np.array([eval_rows[0]])  # keep step with the others, weight 0
         progress.at("accelerator", f"evaluation after step {step}")
-        xb, yb = device_batch(eval_x, eval_y, rows, scaler, lanes.device)
+        xb, yb = device_batch(eval_x, eval_y, rows, scaler, lanes.device,
+                              input_dtype(sm.model))
         with autocast(sm, lanes.device):
             loss = compute_loss(sm.model, task, sm.model(xb), yb)
         totals += torch.tensor([float(loss) * count, count], dtype=torch.float64,

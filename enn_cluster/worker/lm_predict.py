@@ -38,8 +38,14 @@ def lm_replica(cfg, checkpoints, step: int, lanes, node: int, dtype: torch.dtype
     ranks receive every tensor from it (predict_weights.node_readers)."""
     from enn_cluster.storage.dcp_metadata import tensor_names
 
+    from enn_cluster.worker.parallel import set_master_dtypes
+
     with torch.device("meta"):
         model = build_causal_lm(cfg)
+    # built in fp32 whatever config.json says: the fp32 weights a run trained are read as
+    # they are, LoRA is merged in fp32, and the replica is cast to `dtype` once at the end
+    # (the weights `export --format hf` loaded in that dtype has)
+    set_master_dtypes(model, use_bf16=False)
     with_storage(model, lanes.device)
     path = store.step_dir(checkpoints, step)
     weights = weights_dir(cfg.model.name)

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from enn_cluster.errors import UserError
 from enn_cluster.worker.placement import use_device
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -42,18 +43,48 @@ def _targets(y, rows: np.ndarray, scaler: Optional[dict]) -> np.ndarray:
     return np.ascontiguousarray(yb)
 
 
+def input_numpy_dtype(x, dtype: torch.dtype) -> np.dtype:
+    """The host dtype of a batch of `x` for a model that takes `dtype` (models.input_dtype):
+    float32 for values; for token ids, the staged integers as they are (int32), so that no
+    float cast (FSDP's mixed precision casts floating inputs to bf16, which moves every id
+    above 256) ever sees them. Pure."""
+    if dtype.is_floating_point:
+        return np.dtype(np.float32)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"token ids must be staged as integers, not {x.dtype}")
+    return np.dtype(x.dtype)
+
+
+def host_rows(rows, dtype: torch.dtype) -> np.ndarray:
+    """Input rows (a slice of a staged array) as a model that takes `dtype` gets them:
+    float32 values, or int64 token ids (-1 pads kept), where an array of floats is taken
+    only when every value is a whole number. Pure."""
+    rows = np.asarray(rows)
+    if dtype.is_floating_point:
+        return np.array(rows, dtype=np.float32)
+    if np.issubdtype(rows.dtype, np.integer):
+        return rows.astype(np.int64)
+    if not (np.all(np.isfinite(rows)) and np.array_equal(np.floor(rows), rows)):
+        raise UserError("--input: the model takes token ids, and these rows hold values "
+                        "that are not whole numbers; give the ids as integers "
+                        "(x.astype('int64'))")
+    return rows.astype(np.int64)
+
+
 def gather_rows(x, y, rows: np.ndarray, scaler: Optional[dict],
-                alloc: Optional[Alloc] = None) -> Batch:
-    """The host tensors of one batch: float32 inputs, targets normalised when a scaler is
-    given (training runs on normalised targets; prediction undoes it). With `alloc` (the
+                alloc: Optional[Alloc] = None, dtype: torch.dtype = torch.float32) -> Batch:
+    """The host tensors of one batch: inputs as the model takes them (`dtype`: float32
+    values, or integer token ids kept integer), targets normalised when a scaler is given
+    (training runs on normalised targets; prediction undoes it). With `alloc` (the
     loader's pinned buffers on CUDA) the inputs are gathered straight into the tensors it
     hands out, and the targets (a few columns) copied there, so nothing is pinned again."""
     rows = np.asarray(rows)
     yb = _targets(y, rows, scaler)
+    host = input_numpy_dtype(x, dtype)
     if alloc is None:
-        return torch.from_numpy(np.ascontiguousarray(x[rows], dtype=np.float32)), \
+        return torch.from_numpy(np.ascontiguousarray(x[rows], dtype=host)), \
             torch.from_numpy(yb)
-    xt = alloc((len(rows), *x.shape[1:]), torch.float32)
+    xt = alloc((len(rows), *x.shape[1:]), torch.from_numpy(np.empty(0, host)).dtype)
     take_rows(x, rows, xt.numpy())
     yt = alloc(yb.shape, torch.from_numpy(yb).dtype)
     yt.numpy()[...] = yb

@@ -21,7 +21,7 @@ from enn_cluster.models.causal_lm import CausalLM
 from enn_cluster.storage.model_structure import FACTORY as STRUCTURE_FACTORY
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes
-from enn_cluster.worker.parallel import build_mesh, wrap_model
+from enn_cluster.worker.parallel import build_mesh, set_master_dtypes, wrap_model
 
 log = logging.getLogger("enn_cluster.worker.model_setup")
 
@@ -68,6 +68,7 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     plan = plan_mesh(cfg.parallel, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, lanes.device)
     bf16 = use_bf16(cfg, lanes.device)
+    set_master_dtypes(model, bf16)  # fp32 master weights whatever the files hold
     tmpls = meta_init.templates(model) if how == meta_init.META_BUILTIN else {}
     inner = model
     if how != meta_init.FULL_INIT and plan.strategy == "ddp":  # DDP replicates whole weights

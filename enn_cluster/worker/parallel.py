@@ -35,6 +35,30 @@ def mixed_precision(use_bf16: bool, reduce_dtype: str = "fp32"):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
+def master_dtype(trainable: bool, use_bf16: bool) -> torch.dtype:
+    """The dtype a parameter is kept in (pure): fp32 for every one that trains, whatever the
+    weights were saved in (bf16 master weights and Adam moments lose most small updates);
+    a frozen one (a LoRA run's base) in the compute dtype, bf16 when computing in bf16:
+    half the memory, and the values the mixed-precision cast would make anyway."""
+    if trainable or not use_bf16:
+        return torch.float32
+    return torch.bfloat16
+
+
+@torch.no_grad()
+def set_master_dtypes(model: nn.Module, use_bf16: bool) -> None:
+    """Cast each floating parameter to its `master_dtype`, in place (free on the meta
+    device). A bf16 config.json (every Llama-3 and Qwen2.5 one) makes transformers'
+    from_config build bf16 parameters; a tied weight stays one parameter."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            want = master_dtype(param.requires_grad, use_bf16)
+            if param.dtype != want:
+                param.data = param.data.to(want)
+
+
 def checkpointed_blocks(blocks: list[nn.Module], mode: str) -> list[nn.Module]:
     """The blocks whose activations are recomputed in the backward pass (pure): none, every
     other one (`selective`: about half the activation memory for a sixth more compute) or

@@ -18,11 +18,13 @@ import torch
 
 from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.errors import UserError
+from enn_cluster.models import input_dtype
 from enn_cluster.storage import prediction_collapse
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
 from enn_cluster.worker import checkpoint as ckpt
+from enn_cluster.worker.loader import host_rows
 from enn_cluster.worker.model_setup import use_bf16
 from enn_cluster.worker.predict_weights import load_replica
 
@@ -30,9 +32,16 @@ log = logging.getLogger("enn_cluster.worker.predict")
 FAULT_AFTER_CHUNKS = "ENN_FAULT_PREDICT_EXIT_AFTER_CHUNKS"  # tests: exit hard after k chunks
 
 
+def summarised(values) -> np.ndarray:
+    """The [rows, outputs] a chunk's statistics cover: at most a row's first
+    pm.STATS_OUTPUTS values (a language model's logits are [tokens x vocab] per row: per-output
+    lists of those would make a manifest of tens of MB)."""
+    return values.reshape(len(values), -1)[:, :pm.STATS_OUTPUTS]
+
+
 def chunk_stats(values: np.ndarray) -> dict:
     """Per-output count/mean/M2/min/max/non-finite of one chunk (finite values only)."""
-    flat = values.reshape(len(values), -1).astype(np.float64)
+    flat = summarised(values).astype(np.float64)
     finite = np.isfinite(flat)
     clean = np.where(finite, flat, np.nan)
     count = int(finite.all(axis=1).sum()) if flat.size else 0
@@ -77,13 +86,15 @@ class ChunkWriter:
         self.pdir, self.model, self.x, self.request, self.lanes = pdir, model, x, request, lanes
         self.first_fp32 = first_fp32
         self.dtype = next(model.parameters()).dtype
+        self.takes = input_dtype(model)  # token ids stay integers up to the embedding
         self.out_shape = tuple(request["output_shape"])
 
     def committed(self, spec: pm.ChunkSpec) -> bool:
         return committed(self.pdir, spec)
 
+
     def _forward(self, xb: torch.Tensor, first_row: int) -> torch.Tensor:
-        return self.model(xb.to(self.dtype)).float()
+        return self.model(xb.to(self.dtype) if xb.is_floating_point() else xb).float()
 
     def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None, float]:
         """The chunk's raw outputs, the precision check (first batch of chunk 0) and the
@@ -93,7 +104,7 @@ class ChunkWriter:
         with self.grad_mode():
             for start in range(spec.start, spec.stop, batch):
                 stop = min(start + batch, spec.stop)
-                rows = np.array(self.x[start:stop], dtype=np.float32)
+                rows = host_rows(self.x[start:stop], self.takes)
                 flat = rows.reshape(len(rows), -1)
                 lo, hi = flat.min(axis=0), flat.max(axis=0)
                 first = flat[0].copy() if first is None else first
@@ -130,7 +141,7 @@ class ChunkWriter:
             raise RuntimeError("precision check: no fp32 output for chunk 0's first batch")
         diff = float((ref - yb.cpu()).abs().max()) if yb.numel() else 0.0
         log.info("precision check: max |fp32 - bf16| on the first batch = %.3g", diff)
-        flat_ref, flat_red = ref.reshape(len(ref), -1), yb.cpu().reshape(len(yb), -1)
+        flat_ref, flat_red = summarised(ref), summarised(yb.cpu())
         spread = lambda t: t.std(dim=0, correction=0).tolist()  # noqa: E731
         return {"reduced_precision": True, "dtype": "bfloat16", "max_abs_diff": diff,
                 "weights_dtype": str(self.dtype).replace("torch.", ""),
@@ -231,7 +242,7 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
     first_done = dtype != torch.float32 and lanes.rank == 0 and chunks and \
         committed(pdir, chunks[0])  # checksummed once: the loop below trusts this answer
     if dtype != torch.float32 and lanes.rank == 0 and chunks and not first_done:
-        check_rows = np.array(x[:min(int(request["batch_size"]), chunks[0].rows)], np.float32)
+        check_rows = np.array(x[:min(int(request["batch_size"]), chunks[0].rows)])
     sharded = bool(request.get("sharded"))
     if is_hf_model(cfg.model.name) and sharded:
         from enn_cluster.worker.lm_predict import sharded_lm
@@ -291,7 +302,7 @@ def write_manifest(pdir: Path, request: dict, n_rows: int, world_size: int) -> d
         "chunk_rows": request["chunk_rows"], "scaler": request.get("scaler"),
         "input": request["input"], "world_size": world_size, "time": time.time(),
         "chunks": records, "stats": pm.merge_stats([r["stats"] for r in records]),
-        "precision_check": (max(reduced, key=lambda c: c["max_abs_diff"]) if reduced
+        "precision_check": (max(reduced, key=lambda c: c.get("max_abs_diff", 0.0)) if reduced
                             else (checks[0] if checks else None)),
         "raw_stats": pm.merge_stats([r.get("raw_stats") for r in records]),
         "input_spread": max((r.get("input_spread", 0.0) for r in records), default=0.0),

@@ -95,8 +95,12 @@ def _fp32_forward(model: nn.Module, weights: dict, rows: np.ndarray) -> torch.Te
 
     extra = {name: b.detach().to("cpu", torch.float32 if b.is_floating_point() else b.dtype)
              for name, b in model.named_buffers() if name not in weights}
+    from enn_cluster.models import input_dtype
+    from enn_cluster.worker.loader import host_rows
+
     with torch.inference_mode():
-        return functional_call(model, {**weights, **extra}, (torch.from_numpy(rows),)).float()
+        inputs = torch.from_numpy(host_rows(rows, input_dtype(model)))
+        return functional_call(model, {**weights, **extra}, (inputs,)).float()
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ import torch
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, total_steps
 from enn_cluster.errors import UserError
-from enn_cluster.models import compute_loss
+from enn_cluster.models import compute_loss, input_dtype
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import node_loss
 from enn_cluster.storage import oom_record
@@ -104,8 +104,9 @@ class Trainer:
                                         self.cadence.log_every)
         self.norm = StepNorm(self.nonfinite.params, dev, env.world_size)
         self.unread = None  # a step's loss and norm that no log step read yet (device)
+        takes = input_dtype(self.sm.model)
         self.loader = BatchLoader(
-            lambda rows, alloc=None: gather_rows(self.x, self.y, rows, self.scaler, alloc),
+            lambda rows, alloc=None: gather_rows(self.x, self.y, rows, self.scaler, alloc, takes),
             lanes.device)
         self.metrics = MetricsLog(run.path / cfg.logging.metrics_path, enabled=lanes.rank == 0,
                                   sink=worker_sink(cfg, run, lanes.rank))
