@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import node_loss
 from enn_cluster.storage.rundir import RunDir
 from helpers import (assert_same_steps, cli, metrics, small_config, wait_train_step,
                      write_config)
@@ -259,10 +261,54 @@ def test_a_job_without_a_node_range_keeps_waiting_for_slurm(slurm_cluster3, tmp_
     assert [s["world_size"] for s in metrics(run, "start")] == [6]
 
 
-def test_fewer_nodes_left_than_the_minimum_ends_the_job_as_a_failure(slurm_cluster3, tmp_path):
+def _hold_node(cluster, node: str) -> str:
+    """Another user's job on the whole of `node` (running): the id to cancel."""
+    res = cluster.run(["sbatch", "--parsable", f"--nodelist={node}", "--exclusive",
+                       "--time=10", "--output=/dev/null", "--wrap", "sleep 600"])
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    cluster.wait_job(job, ("RUNNING",), timeout=60)
+    return job
+
+
+def test_a_range_is_granted_every_free_node_up_to_its_maximum(slurm_cluster3, tmp_path):
+    """Issue 37: --nodes 2-3 at one task per node, as Slurm decides (no site file, no
+    --ntasks): on the idle cluster it grants all three nodes (world 3); with n3 held by
+    another job, the two that are free (world 2). sbatch never fixes the task count
+    (no --ntasks-per-node); srun splits each granted node into its tasks."""
+    def run_on_range(name: str) -> tuple[Path, str]:
+        cfg = small_config(tmp_path, name, training={"max_steps": 4, "epochs": 30,
+                                                     "global_batch_size": 48},
+                           checkpoint={"every_steps": 2},
+                           parallel={"nodes": 3, "procs_per_node": 1})
+        res = cli("train", "--config", write_config(tmp_path / f"{name}.yaml", **cfg), *SLURM,
+                  "--nodes", "2-3", "--procs-per-node", "1", "--gpus-per-node", "0", "--wait",
+                  timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return tmp_path / "runs" / name, res.stdout.strip().splitlines()[-1]
+
+    slurm_cluster3.wait_idle()
+    run, job = run_on_range("idle")
+    script = (run / "slurm" / job / f"{job}_submission.sh").read_text()
+    assert "#SBATCH --nodes=2-3" in script and "--ntasks-per-node" not in script.split("# setup")[0]
+    assert [s["world_size"] for s in metrics(run, "start")] == [3]
+    blocker = _hold_node(slurm_cluster3, "n3")
+    try:
+        run, job = run_on_range("busy")
+    finally:
+        slurm_cluster3.run(["scancel", blocker])
+    assert [s["world_size"] for s in metrics(run, "start")] == [2]
+    assert "n3" not in slurm_cluster3.job_state(job)[1].split("NodeList=")[1].split()[0]
+
+
+def test_fewer_nodes_left_than_the_minimum_frees_the_run_for_resume_at_once(slurm_cluster3,
+                                                                              tmp_path):
     """--nodes 2-3 loses n2 and n3 at once: one node answers, fewer than 2, so there is no
     relaunch; srun is abandoned as failed and the EXIT trap decides as for any failure
-    (here --max-restarts 0: stop, with the reason in the batch log)."""
+    (here --max-restarts 0: stop, with the reason in the batch log). The shell records its
+    end, so while Slurm still holds the job COMPLETING (it waits SlurmdTimeout for the lost
+    nodes), `status` says what to run and `resume --nodes 1` is accepted at once: it
+    continues at world 2 from the newest checkpoint."""
     cfg = write_config(tmp_path / "run.yaml", **_config(tmp_path, "short"))
     slurm_cluster3.wait_idle()
     job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2-3", "--gpus-per-node", "2")
@@ -273,11 +319,30 @@ def test_fewer_nodes_left_than_the_minimum_ends_the_job_as_a_failure(slurm_clust
         _node_down(slurm_cluster3, "n3")
         _wait_for(lambda: "after 0 retries" in _batch_log(run, job), "the job did not stop",
                   timeout=120)
+        _wait_for(lambda: node_loss.read_ended(run, job) is not None, "no ended record",
+                  timeout=30)
+        assert slurm_cluster3.job_state(job)[0] == "COMPLETING"  # until SlurmdTimeout
+        ended = node_loss.read_ended(run, job)
+        assert (ended["rc"], ended["lost"], ended["nodes"], ended["min"]) == \
+            (1, ["n2", "n3"], ["n1"], 2), ended
+        status = cli("status", run, timeout=60)
+        assert status.returncode == 0, status.stderr
+        line = next(ln for ln in status.stdout.splitlines() if ln.startswith("stopped:"))
+        assert f"job {job} lost n2,n3" in line and "fewer than its minimum 2" in line, line
+        assert line.endswith(f"continue with enn-submit resume {run} --nodes 1"), line
+        assert "in use by" not in status.stdout, status.stdout
+        again = _submit("resume", run, *SLURM, "--nodes", "1", "--gpus-per-node", "2")
+        assert slurm_cluster3.job_state(job)[0] == "COMPLETING"  # accepted while it still was
+        slurm_cluster3.wait_job(again, ("COMPLETED",), timeout=240)
     finally:
         up = slurm_cluster3.up()
     assert up.returncode == 0, up.stderr
+    resume = metrics(run, "resume")[-1]
+    assert (resume["from_world"], resume["world_size"]) == (6, 2), resume
+    assert STEPS in store.committed_steps(run / "checkpoints")
     log = _batch_log(run, job)
     assert "enn: lost node(s) n2,n3; 1 answer, fewer than the job's minimum 2" in log, log[-3000:]
     assert f"enn: job {job} failed (exit 1) after 0 retries (limit 0)" in log, log[-3000:]
-    assert not metrics(run, "node_lost") and [s["world_size"] for s in metrics(run, "start")] == [6]
+    assert not metrics(run, "node_lost")
+    assert [s["world_size"] for s in metrics(run, "start")] == [6, 2]
     assert not list(run.glob("requeue/relaunch-*"))

@@ -50,7 +50,7 @@ def test_render_is_the_submitit_script_and_writes_nothing(tmp_path):
 
 def test_render_needs_no_slurm_and_submit_says_where_to_run(tmp_path):
     """With no srun, sbatch or scontrol on PATH, render prints the script it prints where
-    Slurm cannot be asked (CPUs per task left to the job, one warning line says so); train
+    Slurm cannot be asked (CPUs per task not sized from the nodes, one warning line says so); train
     --cluster slurm refuses in one line (exit 2) and leaves no run behind."""
     cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "noslurm"))
     bare = cli("render", cfg, *FLAGS, env={"PATH": "/nonexistent"})
@@ -58,7 +58,9 @@ def test_render_needs_no_slurm_and_submit_says_where_to_run(tmp_path):
     assert bare.stdout == _render(cfg, env={"SLURM_CONF": "/nonexistent"})
     (warning,) = bare.stderr.strip().splitlines()
     assert "CPUs per task not sized from the nodes (no scontrol here" in warning, warning
-    assert "#SBATCH --cpus-per-task" not in bare.stdout
+    # the range's one task per node holds its 2 tasks' one CPU each (no more is known)
+    assert "#SBATCH --cpus-per-task=2" in bare.stdout
+    assert "#SBATCH --ntasks-per-node" not in bare.stdout
     res = cli("train", "--config", cfg, "--cluster", "slurm", *FLAGS,
               env={"PATH": "/nonexistent"})
     assert res.returncode == 2 and "this machine has no Slurm (no sbatch on PATH)" in res.stderr

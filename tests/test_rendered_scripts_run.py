@@ -269,15 +269,33 @@ def test_submitit_parameters_through_make_sbatch_string(tmp_path):
     text = _make_sbatch_string(command="python3 -u -m submitit.core._submit /f",
                                folder=str(tmp_path), **kwargs)
     for line in ("#SBATCH --nodes=2-4", "#SBATCH --requeue", "#SBATCH --signal=B:USR2@90",
-                 "#SBATCH --ntasks-per-node=8", "#SBATCH --constraint=a100",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --constraint=a100",
                  "#SBATCH --open-mode=append", "#SBATCH --account=ml",
-                 "ENN_MIN_NODES=2"):  # the trap's task count after a requeue: 2 nodes x 8
+                 "ENN_MIN_NODES=2", "ENN_GPUS_PER_NODE=8"):  # the shell's srun: 8 a node
         assert line in text
+    # a range fixes no task count at submit (Slurm would grant MIN nodes only): one task per
+    # node holding the CPUs of its 8
+    assert "--ntasks-per-node" not in text.split("# setup")[0]
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert srun.index("--container-image=") < srun.index("python3 -u -m submitit")
     path = tmp_path / "s.sbatch"
     path.write_text(text)
     shellcheck(path)
+
+
+@pytest.mark.parametrize("granted", [2, 4])
+def test_a_range_job_starts_its_tasks_on_every_node_granted(stub, run_dir, granted):
+    """--nodes 2-4 at 8 tasks a node: whatever Slurm granted (SLURM_JOB_NUM_NODES), the
+    batch shell's srun asks for 8 tasks on each of those nodes; the world size is that."""
+    spec = JobSpec(job_name="enn-range", run_dir=run_dir, nodes="2-4", gpus_per_node=8)
+    text = job_spec.render_batch_script(spec)
+    assert "#SBATCH --nodes=2-4" in text and "--ntasks-per-node" not in text.split("<<< sbatch")[0]
+    done = stub.run(text, SLURM_JOB_NUM_NODES=str(granted),
+                    SLURM_JOB_NODELIST=f"n[1-{granted}]", SLURM_CPUS_ON_NODE="64")
+    assert done.returncode == 0, done.stderr
+    argv = stub.argv
+    assert argv[:3] == [f"--nodes={granted}", "--ntasks-per-node=8", f"--ntasks={granted * 8}"]
+    assert stub.env["SRUN_CPUS_PER_TASK"] == "8"  # 64 CPUs / 8 tasks
 
 
 def test_admin_template_runs_from_environment_variables(stub, run_dir, image):

@@ -19,6 +19,7 @@ LIST = Path(__file__).with_name("slow_tests.txt")
 def node_id(classname: str, name: str) -> str:
     """A junit record's pytest node id: `tests.test_x.TestC` + `t[p]` -> `tests/test_x.py::TestC::t[p]`."""
     parts = classname.split(".")
+    name = name.partition("@")[0]  # xdist's loadgroup suffix (conftest compares without it)
     return "/".join(parts[:2]) + ".py::" + "::".join([*parts[2:], name])
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import time
 from pathlib import Path
 from typing import Optional
@@ -74,6 +75,7 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
     if slurm_jobs:
         status["slurm"] = slurm.job_state(str(slurm_jobs[-1]["job_id"]))
         status["probing_since"] = node_loss.probing_since(run.path, str(slurm_jobs[-1]["job_id"]))
+        status["ended"] = node_loss.read_ended(run.path, str(slurm_jobs[-1]["job_id"]))
     return status
 
 
@@ -125,9 +127,11 @@ def live_lock(run: RunDir, job_alive=None):
     if not owner:
         return None
     if owner.get("slurm_job_id"):
+        from enn_cluster.storage.run_lock import for_run
         from enn_cluster.storage.slurm_jobs import job_alive as ask
 
-        return owner if (job_alive or ask)(str(owner["slurm_job_id"])) else None
+        alive = for_run(run.path, job_alive or ask)
+        return owner if alive(str(owner["slurm_job_id"])) else None
     from enn_cluster.storage.run_lock import owner_alive
 
     return owner if owner_alive(owner) else None
@@ -216,6 +220,16 @@ def node_loss_lines(st: dict) -> list[str]:
     if st.get("probing_since") and live(st):
         lines.append(f"probing:         since {_clock(st['probing_since'])} the job's ranks "
                      "on its first node have ended: asking which nodes still answer")
+    ended = st.get("ended") or {}
+    if ended.get("lost") and not st.get("lock"):
+        answered = len(ended["nodes"])
+        job = (st.get("slurm") or {}).get("job_id", "?")
+        lines.append(f"stopped:         job {job} lost {','.join(ended['lost'])} at "
+                     f"{_clock(ended['time'])}: {answered} node(s) answered, fewer than its "
+                     f"minimum {ended['min']}; the run is free (Slurm may show the job "
+                     "COMPLETING until it declares the node down): continue with "
+                     f"enn-submit resume {shlex.quote(st['run_dir'])} "
+                     f"--nodes {max(answered, 1)}")
     return lines
 
 

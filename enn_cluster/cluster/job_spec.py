@@ -256,8 +256,11 @@ def cpu_lines(spec: JobSpec) -> list[str]:
     n = spec.tasks_per_node
     value = (str(spec.cpus_per_task) if spec.cpus_per_task else
              f"$(( ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} > 0 ? ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} : 1 ))")
-    return ["# srun reads SRUN_CPUS_PER_TASK (Slurm >= 22.05 does not pass sbatch's on)",
-            f'[ -n "${{SRUN_CPUS_PER_TASK+x}}" ] || export SRUN_CPUS_PER_TASK={value}']
+    lines = ["# srun reads SRUN_CPUS_PER_TASK (Slurm >= 22.05 does not pass sbatch's on)",
+             f'[ -n "${{SRUN_CPUS_PER_TASK+x}}" ] || export SRUN_CPUS_PER_TASK={value}']
+    if allocation(spec)["ntasks-per-node"] is None:  # a range: sbatch's is the whole node's
+        lines.append('export SLURM_CPUS_PER_TASK="$SRUN_CPUS_PER_TASK"  # what srun < 22.05 reads')
+    return lines
 
 
 SRUN_BASE_FLAGS = ("--kill-on-bad-exit=1",)
@@ -302,6 +305,31 @@ def _mem(spec: JobSpec) -> Optional[str]:
     return f"{int(spec.mem_gb)}G" if spec.mem_gb == int(spec.mem_gb) else f"{int(spec.mem_gb * 1024)}M"
 
 
+def allocation(spec: JobSpec) -> dict:
+    """What sbatch asks of each node, as sbatch option -> value (None: not given). Pure.
+
+    A fixed node count asks for its tasks per node (`--ntasks-per-node`). A range MIN-MAX
+    cannot: Slurm fixes a job's task count at submit (MIN x --ntasks-per-node), so such a
+    job is never granted more than MIN nodes. A range asks for one task per node holding
+    the CPUs of all the node's tasks instead (nothing more to ask with --exclusive), and
+    the batch shell's srun splits every granted node into ENN_GPUS_PER_NODE tasks
+    (host_setup.sh): the world size is what Slurm granted."""
+    lo, hi = spec.node_range
+    if lo == hi:
+        return {"ntasks-per-node": spec.tasks_per_node, "cpus-per-task": spec.cpus_per_task}
+    if spec.exclusive and spec.cpus_per_task is None:
+        return {"ntasks-per-node": None, "cpus-per-task": None}
+    return {"ntasks-per-node": None,
+            "cpus-per-task": spec.tasks_per_node * (spec.cpus_per_task or 1)}
+
+
+def range_lines(spec: JobSpec) -> list[str]:
+    """The batch shell's variables of a range job (host_setup.sh): MIN, for the relaunch
+    after a lost node and the requeue, and the tasks srun starts on every node."""
+    lo, hi = spec.node_range
+    return [] if lo == hi else [f"ENN_MIN_NODES={lo}", f"ENN_GPUS_PER_NODE={spec.tasks_per_node}"]
+
+
 # -- submitit ---------------------------------------------------------------------------
 
 def submitit_parameters(spec: JobSpec) -> dict:
@@ -317,14 +345,16 @@ def submitit_parameters(spec: JobSpec) -> dict:
         extra["mem"] = "0"  # submitit would write 0GB
     extra["comment"] = submission_comment(spec.run_dir)  # cancel's proof that a job is ours
     extra.update(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)
+    shape = allocation(spec)
     params = {
-        "name": spec.job_name, "nodes": lo, "tasks_per_node": spec.tasks_per_node,
+        "name": spec.job_name, "nodes": lo,
+        **({"tasks_per_node": shape["ntasks-per-node"]} if shape["ntasks-per-node"] else {}),
         "timeout_min": spec.time_minutes, "slurm_signal_delay_s": spec.signal_grace_s,
         "slurm_srun_args": srun_args(spec), "slurm_additional_parameters": extra,
         "slurm_setup": [
             "# enn_cluster: host-side setup (job_spec.submitit_parameters)",
             f"ENN_RUN_DIR={_q(spec.run_dir)}", f"ENN_MAX_RESTARTS={spec.max_restarts}",
-            *([f"ENN_MIN_NODES={lo}"] if lo != hi else []),  # host_setup.sh: relaunch, requeue
+            *range_lines(spec),  # host_setup.sh: tasks per node, relaunch, requeue
             *spec.setup_lines, *env_lines(spec), *host_setup_lines()],
     }
     gpus = {}
@@ -332,7 +362,7 @@ def submitit_parameters(spec: JobSpec) -> dict:
         option, value = gpu_option(spec.gpu_request, spec.gpus_per_node)
         gpus = ({"gpus_per_node": spec.gpus_per_node} if option == "gpus-per-node"
                 else {"slurm_gres": value})  # submitit wants an int for the former
-    optional = {**gpus, "cpus_per_task": spec.cpus_per_task,
+    optional = {**gpus, "cpus_per_task": shape["cpus-per-task"],
                 "mem_gb": spec.mem_gb or None, "slurm_partition": spec.partition,
                 "slurm_account": spec.account, "slurm_qos": spec.qos,
                 "slurm_exclusive": True if spec.exclusive else None}
@@ -351,10 +381,11 @@ def submitit_executor_kwargs(spec: JobSpec) -> dict:
 
 def sbatch_lines(spec: JobSpec) -> list[str]:
     lo, hi = spec.node_range
+    shape = allocation(spec)
     opts = [("job-name", spec.job_name), ("nodes", f"{lo}-{hi}" if lo != hi else lo),
-            ("ntasks-per-node", spec.tasks_per_node),
+            ("ntasks-per-node", shape["ntasks-per-node"]),
             gpu_option(spec.gpu_request, spec.gpus_per_node) if spec.gpus_per_node
-            else ("gpus-per-node", None), ("cpus-per-task", spec.cpus_per_task),
+            else ("gpus-per-node", None), ("cpus-per-task", shape["cpus-per-task"]),
             ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
             ("account", spec.account), ("qos", spec.qos), ("wckey", spec.wckey),
             ("exclusive", True if spec.exclusive else None), ("requeue", True),
@@ -375,7 +406,8 @@ def parameter_lines(spec: JobSpec) -> list[str]:
                ("ENN_MOUNTS", ",".join(str(m) for m in pyxis.parse_mounts(spec.container_mounts))),
                ("ENN_WORKDIR", spec.container_workdir or ""),
                ("ENN_CONTAINER_ENV", ",".join(spec.env_names)), ("ENN_PYTHON", spec.python),
-               ("ENN_GPUS_PER_NODE", ""), ("ENN_MAX_RESTARTS", spec.max_restarts)]
+               ("ENN_GPUS_PER_NODE", "" if allocation(spec)["ntasks-per-node"]
+                else spec.tasks_per_node), ("ENN_MAX_RESTARTS", spec.max_restarts)]
     lo, hi = spec.node_range
     if lo != hi:  # host_setup.sh: relaunch on what is left after a lost node, requeue at MIN
         values.append(("ENN_MIN_NODES", lo))

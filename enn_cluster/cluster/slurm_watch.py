@@ -81,10 +81,12 @@ class SlurmWatch:
         self._jobs[job_id] = state
         return state
 
-    def job_alive(self, job_id: str) -> bool:
-        state = self.job_state(job_id)
-        if state["state"] != "UNKNOWN":
-            return state["state"] in slurm_jobs.LIVE_STATES
+    def job_alive(self, job_id: str, ended_by_itself: bool = False) -> bool:
+        """As slurm_jobs.job_alive, from this watch's (backed-off) answers."""
+        state = self.job_state(job_id)["state"]
+        if state != "UNKNOWN":
+            return state in slurm_jobs.LIVE_STATES and \
+                not (ended_by_itself and state == "COMPLETING")
         return slurm_jobs.job_alive(job_id)  # squeue, for a job scontrol has forgotten
 
 

@@ -307,11 +307,12 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     starts before the hand-over knows the lock is its own."""
     import secrets
 
+    from enn_cluster.storage.run_lock import for_run
     from enn_cluster.storage.slurm_jobs import job_alive
     from enn_cluster.storage.tracking import ensure_run
 
     check_slurm_here()
-    _check_lock(run, job_alive)
+    _check_lock(run, for_run(run.path, job_alive))
     problem = node_local_problem(run.path, _read_mounts())
     if problem:
         raise UserError(problem)

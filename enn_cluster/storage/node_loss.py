@@ -9,7 +9,13 @@ host_setup.sh) leaves it in RUN_DIR/requeue/ for the workers and `status`:
   ``relaunch`` (its count in this attempt). Rank 0 of the relaunched step records it once
   in metrics.jsonl and jobs.jsonl, with the step it resumed from and the new world size.
 
-Both are read as untrusted: regular files of bounded size, every value checked; anything
+- ``ended-JOB``: the batch shell left for good (not requeued): ``rc`` and ``time``, and
+  where a lost node left fewer than the job's minimum: ``lost``, ``nodes`` (those that
+  answered), ``min``. No task of the job runs after it; Slurm may still show the job
+  COMPLETING for minutes (it waits for the lost node's cleanup), and this record is what
+  frees the run for `resume` then (`ended_by_itself`) and what `status` explains.
+
+All are read as untrusted: regular files of bounded size, every value checked; anything
 else reads as absent (the run goes on, only the record is lost).
 """
 from __future__ import annotations
@@ -85,3 +91,28 @@ def record_relaunch(run, metrics, job_id: str, relaunch: int, world_size: int,
     metrics.write("node_lost", **fields)
     run.record_job(kind="relaunch", **fields)
     return fields
+
+
+def parse_ended(text: str) -> Optional[dict]:
+    """The ended record's fields, or None when rc or time is missing or malformed; the
+    node fields only where all three are well formed."""
+    fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    rc, when = fields.get("rc", ""), fields.get("time", "")
+    if not (rc.isdigit() and len(rc) <= 3 and _NUMBER.match(when)):
+        return None
+    out = {"rc": int(rc), "time": float(when)}
+    lost, nodes, least = _hosts(fields.get("lost", "")), fields.get("nodes", ""), fields.get("min", "")
+    answered = _hosts(nodes) if nodes else []
+    if lost is not None and answered is not None and least.isdigit() and len(least) <= 6:
+        out.update(lost=lost, nodes=answered, min=int(least))
+    return out
+
+
+def read_ended(run_path: Path, job_id: str) -> Optional[dict]:
+    text = _read_small(Path(run_path) / "requeue" / f"ended-{job_id}")
+    return parse_ended(text) if text is not None else None
+
+
+def ended_by_itself(run_path: Path, job_id) -> bool:
+    """Did job `job_id`'s batch shell record its own end (nothing of it runs any more)?"""
+    return read_ended(run_path, str(job_id)) is not None

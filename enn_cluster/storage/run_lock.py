@@ -69,7 +69,7 @@ def read_lock(run: RunDir, settle_s: float = 0.5) -> Optional[dict]:
         time.sleep(0.05)
 
 
-def _slurm_job_alive(job_id: str) -> bool:
+def _slurm_job_alive(job_id: str, ended_by_itself: bool = False) -> bool:
     """Ask Slurm where we can. Inside a container image there is no scontrol: the host-side
     setup asked before srun and passed the answer in (LOCK_JOB_STATE_VAR, 'ID:alive' or
     'ID:gone'). Where nobody could ask, the job is taken for alive (and the refusal says so)."""
@@ -80,7 +80,23 @@ def _slurm_job_alive(job_id: str) -> bool:
         return True
     from enn_cluster.storage.slurm_jobs import job_alive
 
-    return job_alive(str(job_id))
+    return job_alive(str(job_id), ended_by_itself)
+
+
+def for_run(run_path, slurm_job_alive=None):
+    """`slurm_job_alive` (Slurm's own answer by default) for the lock of the run at
+    `run_path`: a job whose batch shell recorded its end (node_loss.ended_by_itself) is
+    asked as such, so that one Slurm holds COMPLETING for a lost node's cleanup frees the
+    run at once."""
+    from enn_cluster.storage.node_loss import ended_by_itself
+
+    ask = slurm_job_alive or _slurm_job_alive
+
+    def alive(job_id) -> bool:
+        if ended_by_itself(run_path, job_id):
+            return ask(str(job_id), True)
+        return ask(str(job_id))
+    return alive
 
 
 def _told_state(job_id) -> Optional[str]:
@@ -131,7 +147,7 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
             if current and (current.get("slurm_job_id") and
                             current.get("slurm_job_id") == owner.get("slurm_job_id")):
                 return current  # the same Slurm job, requeued or another task
-            if current and owner_alive(current, slurm_job_alive):
+            if current and owner_alive(current, for_run(run.path, slurm_job_alive)):
                 unasked = slurm_job_alive is None and _cannot_ask(current)
                 raise UserError(f"run directory {run.path} is in use by {_who(current)}"
                                 + (" (taken for alive: no scontrol here to ask Slurm, and no "

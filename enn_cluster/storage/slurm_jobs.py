@@ -130,11 +130,13 @@ def job_state(job_id: str) -> dict:
     return {"job_id": str(job_id), "state": "UNKNOWN"}
 
 
-def job_alive(job_id: str) -> bool:
-    """True while Slurm may still run this job (pending, running, requeued)."""
+def job_alive(job_id: str, ended_by_itself: bool = False) -> bool:
+    """True while Slurm may still run this job (pending, running, requeued). A job whose
+    batch shell recorded its end (`ended_by_itself`, storage/node_loss.py) is over once
+    it is only COMPLETING: Slurm is waiting for a lost node's cleanup, nothing runs."""
     state = job_state(job_id)["state"]
     if state != "UNKNOWN":
-        return state in LIVE_STATES
+        return state in LIVE_STATES and not (ended_by_itself and state == "COMPLETING")
     res = slurm_client(["squeue", "-h", "-j", str(job_id)])
     return bool(res is not None and res.returncode == 0 and res.stdout.strip())
 

@@ -39,10 +39,10 @@ fi
 # - a worker stopped by USR2/TERM checkpointed and left RUN_DIR/requeue/JOB_ID: always;
 # - the step failed (a rank died; not exit 2, bad input): at most ENN_MAX_RESTARTS times.
 enn_requeue_if_asked() {
-  local rc=$? marker refused failures_file failures=0 why
+  local rc=$1 marker refused failures_file failures=0 why per_node
   if ! enn_digits "${SLURM_JOB_ID:-}" || ! enn_digits "${ENN_MAX_RESTARTS:-}"; then
     echo "enn: SLURM_JOB_ID or ENN_MAX_RESTARTS is not a whole number; not requeueing" >&2
-    return 0
+    return 1
   fi
   marker="$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
   refused="$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID"
@@ -51,7 +51,7 @@ enn_requeue_if_asked() {
     why="(its note is not a regular file)"
     enn_regular "$refused" && why=$(head -n 1 -- "$refused" | head -c 400)
     echo "enn: job $SLURM_JOB_ID refused its input (exit 2), not requeueing: $why" >&2
-    return 0
+    return 1
   elif [ -e "$marker" ]; then
     rm -f -- "$marker"
     why="stopped with a checkpoint"
@@ -63,33 +63,49 @@ enn_requeue_if_asked() {
     fi
     if ! enn_digits "$failures"; then
       echo "enn: $failures_file does not hold a retry count; not requeueing (remove it to allow retries)" >&2
-      return 0
+      return 1
     fi
     failures=$((10#$failures))
     if [ "$failures" -ge "$((10#$ENN_MAX_RESTARTS))" ]; then
       echo "enn: job $SLURM_JOB_ID failed (exit $rc) after $failures retries (limit $ENN_MAX_RESTARTS)" >&2
-      return 0
+      return 1
     fi
-    enn_write_requeue "$failures_file" "$((failures + 1))" || return 0
+    enn_write_requeue "$failures_file" "$((failures + 1))" || return 1
     why="failed (exit $rc), retry $((failures + 1)) of $ENN_MAX_RESTARTS"
   else
-    return 0
+    return 1
   fi
   echo "enn: requeueing job $SLURM_JOB_ID: $why" >&2
   trap '' TERM  # the requeue TERMs this shell: finish this function first (within KillWait)
   if ! scontrol requeue "$SLURM_JOB_ID"; then
     echo "enn: scontrol requeue $SLURM_JOB_ID failed; resubmit to continue from the checkpoint" >&2
-    return 0
+    return 1
   fi
-  # Slurm fixes a job's task count when it first allocates it (nodes x tasks per node), so a
-  # requeued --nodes MIN-MAX job would wait for all MAX nodes again (a lost node: forever).
-  # Back to MIN nodes' worth: the next allocation takes what is free and counts anew.
-  if enn_digits "${ENN_MIN_NODES:-}" && enn_digits "${SLURM_NTASKS_PER_NODE:-}"; then
-    scontrol update "JobId=$SLURM_JOB_ID" "NumTasks=$((10#$ENN_MIN_NODES * 10#$SLURM_NTASKS_PER_NODE))" \
+  # Slurm fixes a job's task count when it first allocates it, so a requeued --nodes
+  # MIN-MAX job would wait for all MAX nodes again (a lost node: forever). Back to MIN
+  # nodes' worth (one task per node, as enn-submit asks for a range; an admin's
+  # --ntasks-per-node where given): the next allocation takes what is free, counts anew.
+  if enn_digits "${ENN_MIN_NODES:-}"; then
+    per_node="${SLURM_NTASKS_PER_NODE:-1}"
+    enn_digits "$per_node" || per_node=1
+    scontrol update "JobId=$SLURM_JOB_ID" "NumTasks=$((10#$ENN_MIN_NODES * 10#$per_node))" \
       || echo "enn: could not reset the task count of job $SLURM_JOB_ID; it waits for $SLURM_JOB_NUM_NODES nodes" >&2
   fi
+  return 0
 }
-trap enn_requeue_if_asked EXIT
+# The job's last word, when this shell leaves for good (not requeued): RUN_DIR/requeue/
+# ended-JOB_ID (rc, time, and after a node loss below the minimum: lost, nodes, min). No task
+# of the job runs any more; Slurm may still hold it COMPLETING for minutes while it waits
+# for a lost node's cleanup (SlurmdTimeout), and the record is what frees the run for
+# `resume` then (storage/node_loss.py, run_lock) and what `status` explains.
+enn_on_exit() {
+  local rc=$?
+  enn_requeue_if_asked "$rc" && return 0
+  enn_digits "${SLURM_JOB_ID:-}" || return 0
+  enn_write_requeue "$ENN_RUN_DIR/requeue/ended-$SLURM_JOB_ID" "$(printf 'rc=%s\ntime=%s%s' \
+    "$rc" "$(date +%s)" "${enn_short:+$'\n'$enn_short}")" || true
+}
+trap enn_on_exit EXIT
 # Stop requests reach the workers through the run directory, never as a step signal: under
 # Pyxis with use_squashfuse=1 a step signal also kills Enroot's fuse daemons ("Bus error").
 # Slurm's warning (--signal=B:USR2@N) and `scancel --batch --signal=USR2 JOB` reach this
@@ -98,7 +114,9 @@ trap enn_requeue_if_asked EXIT
 # its EXIT trap runs) must neither stop this attempt nor decide its requeue.
 enn_stop_file="$ENN_RUN_DIR/requeue/stop-$SLURM_JOB_ID"
 rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID" \
-  "$ENN_RUN_DIR/requeue/relaunch-$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
+  "$ENN_RUN_DIR/requeue/relaunch-$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID" \
+  "$ENN_RUN_DIR/requeue/ended-$SLURM_JOB_ID"
+enn_short=""  # lost=..., nodes=..., min=... when a lost node leaves fewer than ENN_MIN_NODES
 enn_request_stop() {
   enn_write_requeue "$enn_stop_file" "$(date +%s)" || return 0
   echo "enn: USR2: asked the workers to checkpoint and stop" >&2
@@ -168,6 +186,12 @@ srun() {
   if enn_digits "${ENN_MIN_NODES:-}" && enn_digits "$tpn"; then
     watch=1
     read -r -a enn_nodes <<< "$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd' ' -)"
+    # A range asks sbatch for one task per node (job_spec.allocation): the step starts tpn
+    # tasks on every node Slurm granted, so the world size is what was granted.
+    if enn_digits "${SLURM_JOB_NUM_NODES:-}"; then
+      step_args=("--nodes=$((10#$SLURM_JOB_NUM_NODES))" "--ntasks-per-node=$((10#$tpn))"
+        "--ntasks=$((10#$SLURM_JOB_NUM_NODES * 10#$tpn))")
+    fi
   fi
   while :; do
     rm -f -- "$decision"
@@ -190,6 +214,7 @@ srun() {
     for node in "${enn_nodes[@]}"; do enn_name_ok "$node" || enn_nodes=(); done
     if [ "${#enn_nodes[@]}" -lt "$((10#$ENN_MIN_NODES))" ]; then
       echo "enn: lost node(s) $lost; ${#enn_nodes[@]} answer, fewer than the job's minimum $ENN_MIN_NODES" >&2
+      enn_short=$(printf 'lost=%s\nnodes=%s\nmin=%s' "$lost" "$alive" "$((10#$ENN_MIN_NODES))")
       rc=1
       break
     fi
@@ -215,6 +240,9 @@ if [ -f "$enn_lock" ] && [ ! -L "$enn_lock" ]; then
 fi
 if [ -n "$enn_lock_job" ] && [ "$enn_lock_job" != "${SLURM_JOB_ID:-}" ] && command -v scontrol >/dev/null; then
   if enn_lock_says=$(timeout 30 scontrol show job -o "$enn_lock_job" 2>&1); then
+    # a job whose own batch shell recorded its end holds nothing while Slurm cleans up
+    [[ " $enn_lock_says " != *" JobState=COMPLETING "* ]] \
+      || ! enn_regular "$ENN_RUN_DIR/requeue/ended-$enn_lock_job" || enn_lock_says="JobState=ENDED"
     case " $enn_lock_says " in
       @LIVE_STATE_PATTERNS@) export ENN_LOCK_JOB_STATE="$enn_lock_job:alive" ;;
       *" JobState="*) export ENN_LOCK_JOB_STATE="$enn_lock_job:gone" ;;
