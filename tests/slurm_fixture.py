@@ -120,7 +120,10 @@ class SlurmCluster:
         assert res.returncode == 0, res.stderr
 
     def up(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """(Re)start the daemons. Nodes that lost a job's processes stay `completing` until
+        the controller hears them again, longer on a loaded machine: up to 3 minutes."""
         env = {k: v for k, v in os.environ.items() if k != "ENN_SLURM_PYXIS"}
+        env.setdefault("ENN_SLURM_UP_TIMEOUT", "180")
         if self.pyxis is not None:
             env["ENN_SLURM_PYXIS"] = self.pyxis
         return _cluster_sh("up", self.state_dir, str(len(self.nodes)), timeout=timeout, env=env)

@@ -13,6 +13,8 @@ enn_write_requeue() {
     return 1
   fi
   tmp=$(mktemp -- "$dir/.enn-write.XXXXXX") || return 1
+  # mktemp makes 0600: the mode every other file of the run has (the job's umask)
+  chmod "$(printf '%o' "$(( 0666 & ~$(umask) ))")" -- "$tmp" 2>/dev/null || true
   if ! { printf '%s\n' "$2" > "$tmp" && mv -f -T -- "$tmp" "$1"; }; then
     rm -f -- "$tmp"
     return 1
