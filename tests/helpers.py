@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def cli(*args, timeout=300, env=None, cwd=None) -> subprocess.CompletedProcess:
     """`enn-submit ARGS` as a user runs it (a fresh interpreter)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    full_env = dict(os.environ, PYTHONPATH=path, **(env or {}))
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=cwd or ROOT)

@@ -2,7 +2,7 @@
 rendezvous store (2 processes) and before the accelerator lane exists: on a GPU node
 NCCL's eager init would otherwise fail first with its own "Duplicate GPU detected", a
 failure that is retried instead of our one line and exit 2. No GPU is needed: the claim is
-the device name lanes.device_id would give, named in lanes.FAULT_DEVICE_ID for a CPU run."""
+the device name lanes.device_id would give, named in fault_injection.DEVICE_ID for a CPU run."""
 from __future__ import annotations
 
 import json
@@ -64,13 +64,14 @@ def test_shared_gpu_is_refused_on_every_rank(tmp_path):
 
 
 def _open(rank: int, port: int, claims: list, out: str) -> None:
-    """The real open_lanes, with this rank's claim in FAULT_DEVICE_ID: what it raised, and
+    """The real open_lanes, with this rank's claim in fault_injection.DEVICE_ID: what it raised, and
     whether a default process group (the accelerator lane) existed afterwards."""
     sys.path.insert(0, str(ROOT))
     import torch.distributed as dist
 
     from enn_cluster.errors import UserError
-    from enn_cluster.worker.lanes import FAULT_DEVICE_ID, close_lanes, open_lanes
+    from enn_cluster.worker.fault_injection import DEVICE_ID as FAULT_DEVICE_ID
+    from enn_cluster.worker.lanes import close_lanes, open_lanes
 
     os.environ[FAULT_DEVICE_ID] = claims[rank]
     try:

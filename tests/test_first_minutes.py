@@ -175,3 +175,29 @@ def test_status_follow_shows_a_starting_launch_and_follows_it(tmp_path):
         release_lock(run, owner)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.rstrip().endswith("not running"), out + err
+
+
+@pytest.mark.parametrize("command", [("status",), ("resume",), ("plot",), ("cancel",),
+                                     ("verify",), ("doctor",),
+                                     ("predict", "--input", "x.npy")])
+def test_every_run_dir_a_user_names_takes_a_tilde(tmp_path, command):
+    """RUN_DIR as a shell would leave it quoted ('~/r1'): every command expands it as
+    `Run.open` does (issue 41 section 4), and a path that is no run says so, expanded."""
+    home = tmp_path / "home"
+    (home / "r1").mkdir(parents=True)
+    res = cli(command[0], "~/r1", *command[1:], env={"HOME": str(home)})
+    assert res.returncode == 2, res.stderr
+    assert f"RUN_DIR: {home / 'r1'} is not a run directory" in res.stderr, res.stderr
+
+
+def test_the_api_predicts_a_run_named_with_a_tilde(tmp_path, monkeypatch):
+    import numpy as np
+
+    import enn_cluster
+
+    (tmp_path / "home").mkdir()
+    run = train_tiny(tmp_path / "home", "r1")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    x = np.zeros((3, 8), np.float32)
+    out = enn_cluster.predict(f"~/{run.relative_to(tmp_path / 'home')}", x)
+    assert out.shape[0] == 3

@@ -81,7 +81,7 @@ def stage(tmp_path, cfg: dict) -> tuple[dict, Path]:
     run_cfg = config_from_dict(cfg)
     out = tmp_path / "staged"
     out.mkdir()
-    return stage_run_data(run_cfg.data, run_cfg.model, out), out
+    return stage_run_data(run_cfg.data, run_cfg.model, out, text=True), out
 
 
 def staged(out: Path, split: str = "train"):

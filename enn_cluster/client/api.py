@@ -246,7 +246,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
         prepare_prediction,
     )
 
-    run = RunDir(Path(getattr(run_or_dir, "path", run_or_dir)).resolve())
+    run = RunDir.existing(getattr(run_or_dir, "path", run_or_dir))
     cfg = run.load_config()
     plan = _plan(cfg, cluster, "predict", _slurm_request(cluster))
     check_prediction_inputs(run, cfg, X)

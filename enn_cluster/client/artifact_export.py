@@ -28,7 +28,7 @@ from enn_cluster.storage import commits as store
 from enn_cluster.storage.output_target import missing_parents, remove_empty
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
 
-LM_FORMATS = ("hf", "peft")  # a causal LM's Hugging Face forms (client/lm_artifacts)
+LM_FORMATS = ("hf", "peft")  # Hugging Face forms (client/lm_artifacts): a kind's export_formats
 FORMATS = ("torch", "export", *LM_FORMATS)
 STATE_FILE, PROGRAM_FILE, RECORD_FILE = "model.pt", "model.pt2", "export.json"
 
@@ -131,7 +131,9 @@ def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict)
     """A causal LM as a Hugging Face directory (or peft adapter)."""
     from enn_cluster.client.lm_artifacts import write_hf
 
-    if cfg.model.task != "causal_lm":
+    from enn_cluster.models import kind_of
+
+    if "hf" not in kind_of(cfg).export_formats:
         raise UserError(f"--format: {fmt} is for Hugging Face causal LMs (model.name: hf:DIR); "
                         f"{cfg.model.name} exports with --format torch or export")
     return _write_artifact(out, lambda tmp: write_hf(cfg, store.step_dir(run.checkpoints, step),

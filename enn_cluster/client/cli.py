@@ -207,7 +207,7 @@ def cmd_resume(args) -> int:
     from enn_cluster.client.prepare import prepare_resume, resumed_config
     from enn_cluster.storage.rundir import RunDir
 
-    run = RunDir(Path(args.run_dir).resolve())
+    run = RunDir.existing(args.run_dir)
     cfg = run.load_config()
     check_control_files(run)  # before prepare_resume re-freezes the config
     from enn_cluster.storage.commits import resume_refusal
@@ -308,7 +308,7 @@ def cmd_plot(args) -> int:
     from enn_cluster.storage.metrics import read_metrics
     from enn_cluster.storage.rundir import RunDir
 
-    run = RunDir(Path(args.run_dir).resolve())
+    run = RunDir.existing(args.run_dir)
     run.load_config()
     series = plot_series(read_metrics(run.metrics))
     if not series["loss"][0]:

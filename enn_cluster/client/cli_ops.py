@@ -121,4 +121,4 @@ def cmd_logs(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    return cancel_run(RunDir(Path(args.run_dir).resolve()))
+    return cancel_run(RunDir.existing(args.run_dir))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-from pathlib import Path
 
 from enn_cluster.errors import UserError
 
@@ -56,7 +55,7 @@ def cmd_predict(args) -> int:
     )
     from enn_cluster.storage.rundir import RunDir
 
-    run = RunDir(Path(args.run_dir).resolve())
+    run = RunDir.existing(args.run_dir)
     cfg = run.load_config()
     check_prediction_inputs(run, cfg, args.input)
     # staged only: the shape is the sbatch job's, not this machine's
@@ -97,7 +96,9 @@ def sharded_prediction(args, cfg, shape) -> bool:
 
     if args.sharded or not replica_fits(cfg, shape.gpus_per_node, None if not shape.gpus_per_node
                                         else site_config(args).gpu_mem_gb):
-        if cfg.model.task != "causal_lm":
+        from enn_cluster.models import kind_of
+
+        if not kind_of(cfg).predicts_sharded:
             raise UserError("--sharded: only a causal LM (model.name: hf:DIR) predicts sharded")
         if args.seed is not None:
             raise UserError("--seed: a sharded model continues rows greedily only; drop --seed "

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.client.status import save_grace_line
-from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report
 from enn_cluster.storage import commits as store
@@ -87,51 +86,36 @@ def check_data(run: RunDir, q: str) -> tuple[Finding, Optional[dict]]:
 
 
 def check_model(run: RunDir, cfg, manifest: Optional[dict]):
-    """(finding, model built with fresh weights or None, input shape)."""
+    """(finding, model built with fresh weights or None, input shape). A model whose base
+    weights are files of their own (a causal LM's) is built on the meta device: the
+    workers are what read those."""
+    import torch
+
+    from enn_cluster.models import kind_of, output_size
+
     more = f"python -c {shlex.quote('import ' + cfg.model.name.split(':')[0])}" \
         if ":" in cfg.model.name else f"grep -A5 '^model:' {shlex.quote(str(run.config_path))}"
     if manifest is None:
         return Finding("model", "warning", "not checked: no data manifest gives the input "
                        "shape", more), None, None
-    from enn_cluster.models import build_model, output_size
-
-    shape = tuple(manifest["entries"]["train_x"]["shape"][1:])
-    if is_hf_model(cfg.model.name):
-        return _check_lm(cfg, more), None, shape
+    shape, weights = tuple(manifest["entries"]["train_x"]["shape"][1:]), None
     try:
-        model = build_model(cfg.model, shape, output_size(cfg, manifest))
+        kind = kind_of(cfg)
+        kind.check(cfg)
+        weights = kind.weights_dir(cfg)
+        if weights is not None:
+            more = f"ls -l {shlex.quote(str(weights))}"
+            with torch.device("meta"):
+                model = kind.build(cfg, shape, output_size(cfg, manifest))
+        else:
+            model = kind.build(cfg, shape, output_size(cfg, manifest))
     except UserError as exc:
         return Finding("model", "problem", str(exc), more), None, shape
-    except Exception as exc:  # the user's factory raised: report it, never crash doctor
-        return Finding("model", "problem", f"model.name: {cfg.model.name} raised "
-                       f"{type(exc).__name__}: {exc}", more), None, shape
-    n = sum(p.numel() for p in model.parameters())
-    return Finding("model", "ok", f"{cfg.model.name} builds ({n} parameters, input {shape})",
-                   more), model, shape
-
-
-def _check_lm(cfg, more: str) -> Finding:
-    """A causal LM: its weights directory usable and the model built on the meta device
-    (no weights read; those are what the workers load)."""
-    import torch
-
-    from enn_cluster.client.prepare import check_hf_model
-    from enn_cluster.models import build_run_model
-
-    more = f"ls -l {shlex.quote(cfg.model.name[len('hf:'):])}"
-    try:
-        check_hf_model(cfg.model.name)
-        with torch.device("meta"):
-            model = build_run_model(cfg, (), 0)
-    except UserError as exc:
-        return Finding("model", "problem", str(exc), more)
-    except Exception as exc:  # transformers could not build its config: say so, never crash
+    except Exception as exc:  # the user's factory or transformers raised: never crash doctor
         return Finding("model", "problem", f"model.name: {cfg.model.name} does not build "
-                       f"({type(exc).__name__}: {str(exc)[:200]})", more)
-    total = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return Finding("model", "ok", f"{cfg.model.name} builds ({total} parameters, {trained} "
-                   f"trained{', LoRA r=%d' % cfg.lora.r if cfg.lora.enabled else ''})", more)
+                       f"({type(exc).__name__}: {str(exc)[:200]})", more), None, shape
+    return Finding("model", "ok", kind.describe(cfg, model, shape), more), \
+        (None if weights is not None else model), shape
 
 
 def _warnings(reports: list[dict], layer: str) -> list[str]:
@@ -271,12 +255,17 @@ def check_checkpoints(run: RunDir, q: str) -> Finding:
                    more)
 
 
-def check_export(model, shape, name: str, q: str) -> Finding:
-    more = f"enn-submit export {q} --out DIR --format export"
-    if is_hf_model(name):
-        return Finding("export", "ok", "a causal LM exports as a Hugging Face directory "
-                       "(--format hf) or its LoRA adapters (--format peft)",
-                       f"enn-submit export {q} --out DIR --format hf")
+def check_export(model, shape, cfg, q: str) -> Finding:
+    from enn_cluster.models import kind_of
+
+    name, more = cfg.model.name, f"enn-submit export {q} --out DIR --format export"
+    try:
+        formats = kind_of(cfg).export_formats
+    except UserError:  # its module does not import: the model finding says so
+        formats = ()
+    if formats:  # a kind's own formats (a causal LM's Hugging Face ones) come first
+        return Finding("export", "ok", f"exports as --format {' or '.join(formats)}",
+                       f"enn-submit export {q} --out DIR --format {formats[0]}")
     if model is None:
         return Finding("export", "warning", "not checked: the model does not build", more)
     from enn_cluster.client.artifact_export import export_problem
@@ -394,7 +383,7 @@ def diagnose(path: Path) -> list[Finding]:
     return [check_run_files(run, q), data, model_finding, check_kernels(reports, attempt, q),
             check_precision(run, reports, q), check_logs(run, live_lock(run) is not None, q),
             check_distributed(reports, attempt, q), check_checkpoints(run, q),
-            check_export(model, shape, cfg.model.name, q), check_predictions(run, q)]
+            check_export(model, shape, cfg, q), check_predictions(run, q)]
 
 
 def cmd_doctor(args) -> int:

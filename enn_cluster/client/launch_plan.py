@@ -111,8 +111,11 @@ class LaunchPlan:
         if self.spec is not None and self.spec.run_dir == str(run_dir) and \
                 self.spec.predict_name == name:
             return self
+        from enn_cluster.models import kind_of
+
         return replace(self, spec=build_spec(self.slurm, Path(run_dir), self.task, self.shape,
-                                             self.restarts, name=name, cfg=self.cfg))
+                                             self.restarts, name=name, cfg=self.cfg,
+                                             read_dirs=kind_of(self.cfg).read_dirs(self.cfg)))
 
 
 def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],

@@ -1,16 +1,14 @@
-"""The run's model built on the meta device (no memory, no weights read), measured for the
-memory plan: parameter count, layers, widths, every nn.Linear. The arithmetic is
-config/memory_plan.py; this is the only part of `plan` that needs torch (and transformers,
-for `hf:` models).
+"""Will the run fit, before anything is written: the model's kind measures it on the meta
+device (no memory, no weights read: models/kinds.py `meta_shape`), from the data's shape as
+staging will find it where the kind needs that (`_data_shape`: no data is read); the
+arithmetic is config/memory_plan.py. The only part of `plan` that needs torch.
 """
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 from enn_cluster.config.memory_plan import DEFAULT_GPU_MEM_GB, ModelShape, refusal
-from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
@@ -19,9 +17,11 @@ def check_fits(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gb: Optio
                arrays_given: bool = False) -> None:
     """`train` and `prepare` on GPUs: a run whose memory plan does not fit one GPU is refused
     in one line naming the fixes, before anything is written. Left to the run: a module
-    given to the API as an object, and a built-in model or factory fed arrays by the API
-    (their shapes are known at staging)."""
-    if gpus_per_node <= 0 or (arrays_given and not is_hf_model(cfg.model.name)):
+    given to the API as an object, and a model whose shape comes from arrays the API feeds
+    it (known at staging)."""
+    from enn_cluster.models import kind_of
+
+    if gpus_per_node <= 0 or (arrays_given and kind_of(cfg).uses_data_shape()):
         return
     from enn_cluster.storage.model_structure import FACTORY  # imports torch
 
@@ -33,9 +33,12 @@ def check_fits(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gb: Optio
 
 
 def replica_fits(cfg: RunConfig, gpus_per_node: int, gpu_mem_gb: Optional[float]) -> bool:
-    """Whether one GPU holds a causal LM's whole bf16 replica (prediction's default); a model
-    that does not is predicted sharded instead. CPU runs: always."""
-    if gpus_per_node <= 0 or not is_hf_model(cfg.model.name):
+    """Whether one GPU holds the model's whole bf16 replica (prediction's default); a model
+    that can be predicted sharded and does not is predicted sharded instead. CPU runs:
+    always."""
+    from enn_cluster.models import kind_of
+
+    if gpus_per_node <= 0 or not kind_of(cfg).predicts_sharded:
         return True
     from enn_cluster.config.memory_plan import usable_bytes
 
@@ -43,56 +46,12 @@ def replica_fits(cfg: RunConfig, gpus_per_node: int, gpu_mem_gb: Optional[float]
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:
-    """The shape of `cfg.model`: a Hugging Face model from its config.json, a built-in model or
-    factory from the data's shape (synthetic, or the arrays' headers; no data is read)."""
-    import torch
+    """The shape of `cfg.model`, as its kind measures it on the meta device: a Hugging Face
+    model from its config.json, a built-in model or factory from the data's shape
+    (synthetic, or the arrays' headers; no data is read)."""
+    from enn_cluster.models import kind_of
 
-    if is_hf_model(cfg.model.name):
-        from enn_cluster.models import repeated_blocks
-        from enn_cluster.models.causal_lm import bare_lm
-
-        with torch.device("meta"):
-            model = bare_lm(cfg.model.name)
-        config = model.config.get_text_config()
-        return _measure(model, repeated_blocks(model), int(config.hidden_size), 0,
-                        int(config.vocab_size))
-    from enn_cluster.models import FeatureTransformer, build_model, model_blocks
-
-    input_shape, n_outputs = _data_shape(cfg)
-    with torch.device("meta"):
-        model = build_model(cfg.model, input_shape, n_outputs)
-    widths = [m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if isinstance(model, FeatureTransformer):
-        tokens, hidden = (input_shape[0] if len(input_shape) == 2 else math.prod(input_shape),
-                          cfg.model.d_model)
-    else:
-        tokens, hidden = 1, max(widths, default=1)
-    return _measure(model, model_blocks(model), hidden, tokens, 0)
-
-
-def _measure(model, blocks: list, hidden: int, tokens: int, vocab: int) -> ModelShape:
-    from torch import nn
-
-    params = sum(p.numel() for p in model.parameters())
-    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    linears = tuple((name, m.in_features, m.out_features) for name, m in model.named_modules()
-                    if isinstance(m, nn.Linear))
-    intermediate, gated = _mlp_width(blocks[0] if blocks else model, hidden)
-    return ModelShape(params=params, layers=max(len(blocks), 1), hidden=hidden, tokens=tokens,
-                      vocab=vocab, largest_unit=max(block_params + [params - sum(block_params)]),
-                      largest_layer=max(block_params, default=0), linears=linears,
-                      intermediate=intermediate, gated=gated)
-
-
-def _mlp_width(block, hidden: int) -> tuple[int, bool]:
-    """The MLP of a layer: the widest Linear hidden -> i that a Linear i -> hidden brings
-    back; gated (SwiGLU) when two such Linears feed it. (0, False) when none is found."""
-    from torch import nn
-
-    shapes = [(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)]
-    wide = [o for i, o in shapes if i == hidden and o > hidden and (o, hidden) in shapes]
-    width = max(wide, default=0)
-    return width, wide.count(width) >= 2
+    return kind_of(cfg).meta_shape(cfg, lambda: _data_shape(cfg))
 
 
 def _data_shape(cfg: RunConfig) -> tuple[tuple, int]:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from enn_cluster.config.lm_config import LM_TASK
+from enn_cluster.config.lm_config import TEXT_SUFFIXES
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import prediction_manifest as pm
@@ -34,7 +34,7 @@ from enn_cluster.storage.rundir import (
     sigterm_unwinds,
 )
 from enn_cluster.storage.staging import read_manifest, stage_array
-from enn_cluster.storage.text_sources import TEXT_SUFFIXES, check_text_file
+from enn_cluster.storage.text_sources import check_text_file
 from enn_cluster.storage.text_staging import text_rows
 
 DEFAULT_CHUNK_ROWS = 65536
@@ -49,39 +49,20 @@ class PredictionRequest:
     complete: bool  # manifest committed: nothing left for workers to do
 
 
-MAX_NEW_TOKENS = 1 << 16
-
-
 def generation_request(cfg, new_tokens: Optional[int], seed: Optional[int]) -> Optional[dict]:
-    """The request's `generate` entry (pure but for the model's config.json): None scores
-    rows; N continues each by up to N tokens, greedy or sampled with `seed`."""
-    if new_tokens is None:
-        if seed is not None:
-            raise UserError("--seed: samples only with --generate N; add --generate")
-        return None
-    if cfg.model.task != LM_TASK:
-        raise UserError(f"--generate: only a causal LM generates; {cfg.model.name} is a "
-                        f"{cfg.model.task} model")
-    if not 1 <= new_tokens <= MAX_NEW_TOKENS:
-        raise UserError(f"--generate: {new_tokens} must be between 1 and {MAX_NEW_TOKENS}")
-    if seed is not None and not 0 <= seed < 2**31:
-        raise UserError(f"--seed: {seed} must be between 0 and {2**31 - 1}")
-    from enn_cluster.config.hf_name import weights_dir
-    from enn_cluster.models.causal_lm import hf_config
+    """The request's `generate` entry, as the model's kind makes it (None: predict values or
+    scores; only a causal LM generates)."""
+    from enn_cluster.models import kind_of
 
-    eos = hf_config(weights_dir(cfg.model.name)).eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    return {"max_new_tokens": int(new_tokens), "seed": seed, "eos_token_id": eos}
+    return kind_of(cfg).generation(cfg, new_tokens, seed)
 
 
 def output_shape(cfg, manifest: dict, generate: Optional[dict] = None) -> list[int]:
-    """Rows of predictions look like rows of training targets (or class logits); a causal
-    LM's are its scores (mean log-likelihood, tokens) or its generated tokens."""
-    if cfg.model.task == LM_TASK:
-        return [generate["max_new_tokens"]] if generate else [2]
-    if cfg.model.task == "classification":
-        return [int(manifest.get("n_classes", 2))]
-    return list(manifest["entries"]["train_y"]["shape"][1:])
+    """A prediction row's shape, as the model's kind says (a target's, class logits, an
+    LM's scores or generated tokens)."""
+    from enn_cluster.models import kind_of
+
+    return kind_of(cfg).output_shape(cfg, manifest, generate)
 
 
 def default_name(source: Any, step: int, checksum: str) -> str:
@@ -121,9 +102,12 @@ def _choose_step(run: RunDir, step: Optional[int]) -> int:
 
 
 def _is_text(cfg, source: Any) -> bool:
-    """A causal LM's input given as a text file (tokenized here, like its training data)."""
-    return cfg.model.task == LM_TASK and isinstance(source, (str, os.PathLike)) and \
-        str(source).endswith(TEXT_SUFFIXES)
+    """Input given as a text file, for a model whose data is text (tokenized here, like its
+    training data)."""
+    from enn_cluster.models import kind_of
+
+    return isinstance(source, (str, os.PathLike)) and str(source).endswith(TEXT_SUFFIXES) \
+        and kind_of(cfg).stages_text(cfg)
 
 
 def _check_input(entry: dict, run: RunDir) -> None:
@@ -140,10 +124,10 @@ def check_prediction_inputs(run: RunDir, cfg, source: Any) -> None:
     control files readable, its model importable here, a named input file usable (an array
     from the API is judged when staged)."""
     from enn_cluster.client.launching import check_control_files
-    from enn_cluster.client.prepare import check_model_importable
+    from enn_cluster.client.prepare import check_model
 
     check_control_files(run)
-    check_model_importable(cfg.model.name)
+    check_model(cfg)
     if isinstance(source, str) and _is_text(cfg, source):
         check_text_file("--input", source, cfg.data)
     elif isinstance(source, str):

@@ -18,66 +18,21 @@ from enn_cluster.client.launch_plan import (  # noqa: F401  (LaunchShape, shape_
     plan_shape,
     shape_from_flags,
 )
-from enn_cluster.config.lm_config import LM_TASK, is_hf_model
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
-from enn_cluster.storage.text_sources import check_text_sources, is_text_data
+from enn_cluster.storage.text_sources import check_text_sources
 from enn_cluster.storage.rundir import RunDir, create_run_dir, run_umask, update_config
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock
 from enn_cluster.storage.staging import read_manifest, stage_run_data
 
 
-def check_model_importable(name: str) -> None:
-    """A `module:factory` model must import in the workers: import it now (the workers would
-    run the same import) and check that the factory is a class or function, so that a typo
-    is one line here rather than a traceback on every rank after the job started."""
-    if is_hf_model(name):
-        check_hf_model(name)
-        return
-    if ":" not in name:
-        return
-    import importlib
-    import importlib.util
-    import inspect
+def check_model(cfg: RunConfig) -> None:
+    """What the model's kind needs on this machine, checked before anything is written (a
+    `module:factory` imports, as the workers would import it; an `hf:` model has the llm
+    extra and safetensors): one line here rather than a traceback on every rank."""
+    from enn_cluster.models import kind_of
 
-    module, attr = name.split(":", 1)
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise UserError(f"model.name: module {module!r} is not importable; put it on "
-                        "PYTHONPATH (every node must see it) or pip install it")
-    try:
-        factory = importlib.import_module(module)
-        for part in attr.split("."):
-            factory = getattr(factory, part)
-    except AttributeError:
-        raise UserError(f"model.name: module {module!r} has no {attr!r}; name a class or "
-                        "function that returns an nn.Module") from None
-    except Exception as exc:  # the user's module failed to import: say so in one line
-        raise UserError(f"model.name: importing {module!r} failed ({type(exc).__name__}: "
-                        f"{str(exc)[:200]}); fix the module") from None
-    if not (inspect.isclass(factory) or inspect.isfunction(factory) or inspect.ismethod(factory)):
-        raise UserError(f"model.name: {name} is a {type(factory).__name__}, not a model factory "
-                        "(a class or Python function returning an nn.Module)")
-
-
-def check_hf_model(name: str) -> None:
-    """An `hf:` model needs the llm extra and a weights directory with safetensors."""
-    import importlib.util
-
-    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(f"model.name: {name} needs {' and '.join(missing)}; "
-                        "pip install 'enn_cluster[llm]' (and in the image)")
-    from enn_cluster.config.hf_name import weights_dir
-
-    path = weights_dir(name)
-    if not any(path.glob("*.safetensors")):
-        raise UserError(f"model.name: {path} has no *.safetensors weights; save the model with "
-                        "save_pretrained(..., safe_serialization=True) there")
+    kind_of(cfg).check(cfg)
 
 
 def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = None,
@@ -92,14 +47,18 @@ def prepare_run_and_config(plan: LaunchPlan, arrays: Optional[dict] = None,
     config.yaml (the plan's), which the launch that follows is handed rather than reading
     the file back."""
     cfg = replace(plan.cfg, runs_root=str(Path(plan.cfg.runs_root).expanduser().resolve()))
-    check_model_importable(cfg.model.name)
-    if cfg.model.task == LM_TASK and not arrays and is_text_data(cfg.data):
+    check_model(cfg)
+    from enn_cluster.models import kind_of
+
+    text = not arrays and kind_of(cfg).stages_text(cfg)
+    if text:
         check_text_sources(cfg.data, cfg.model)
     elif not arrays:
         check_data_sources(cfg.data)
 
     def populate(run: RunDir) -> None:
-        manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays, progress=sys.stderr)
+        manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays, progress=sys.stderr,
+                                  text=text)
         batch_plans(cfg, plan.shape, plan.meshes,
                     manifest["train_rows"][1] - manifest["train_rows"][0])
         if populate_extra is not None:

@@ -72,7 +72,7 @@ class Run:
         (a forward hook scales them back); `raw=True`: the normalised outputs it trained on."""
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from enn_cluster.models import build_model, output_size
+        from enn_cluster.models import build_run_model, output_size
         from enn_cluster.storage.dcp_io import safe_load
         from enn_cluster.storage.staging import read_manifest
 
@@ -85,12 +85,14 @@ class Run:
             raise UserError(f"--step: step-{step} is not a complete checkpoint of {self.path}; "
                             f"complete ones: {', '.join(map(str, committed)) or 'none'}")
         cfg, manifest = self.config, read_manifest(self.dir.data_dir)
-        if cfg.model.task == "causal_lm":
+        from enn_cluster.models import kind_of
+
+        if kind_of(cfg).weights_dir(cfg) is not None:  # base weights of its own: an LM's
             from enn_cluster.client.lm_artifacts import load_lm
 
             return load_lm(cfg, store.step_dir(self.dir.checkpoints, step))
-        model = build_model(cfg.model, tuple(manifest["entries"]["train_x"]["shape"][1:]),
-                            output_size(cfg, manifest))
+        model = build_run_model(cfg, tuple(manifest["entries"]["train_x"]["shape"][1:]),
+                                output_size(cfg, manifest))
         state = {"model": model.state_dict()}
         path = store.step_dir(self.dir.checkpoints, step)
         try:

@@ -93,10 +93,11 @@ class SlurmRequest:
 
 
 def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts: int,
-               name: Optional[str] = None, *, cfg):
+               name: Optional[str] = None, *, cfg, read_dirs=()):
     """The job for the run at `run_dir` (which need not exist yet). Flags win over the site
     config, which wins over defaults (site.merge). `cfg`: the
-    run's config as the command holds it (the default job name is its run_name's). A job
+    run's config as the command holds it (the default job name is its run_name's);
+    `read_dirs`: what its model's kind reads besides the run (mounted read-only). A job
     asking for every GPU of a node gets it whole (slurm_values.whole_node_request). CPUs
     per task that neither sets are left to `sized_for_nodes`, when the job is handed over."""
     from enn_cluster.cluster.job_spec import JobSpec
@@ -131,7 +132,7 @@ def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts:
         qos=opts["qos"], exclusive=exclusive, wckey=opts["wckey"],
         signal_grace_s=opts["signal_grace_s"],
         container_image=None if bare else opts["image"],
-        container_mounts=() if bare else (*opts["mounts"], *model_mounts(cfg, opts["mounts"])),
+        container_mounts=() if bare else (*opts["mounts"], *read_mounts(read_dirs, opts["mounts"])),
         nccl_profile=opts["nccl_profile"],
         # bare metal: the tasks run this very interpreter (same venv on a shared filesystem)
         python=req.python or (sys.executable if bare else opts["python"]),
@@ -156,29 +157,23 @@ def measured_grace(run: RunDir, grace_s: int, time) -> int:
     return chosen
 
 
-def model_mounts(cfg, mounts) -> tuple[str, ...]:
-    """A Hugging Face run reads its weights and tokenizer inside the container at the paths the
-    config names: each directory is mounted read-only at its own path, unless a mount already
-    covers it. A model in the local HF cache mounts its whole cache entry (the snapshot's
-    files are links into its blobs)."""
+def read_mounts(dirs, mounts) -> tuple[str, ...]:
+    """The directories a model reads besides the run (its kind's `read_dirs`: a Hugging Face
+    run's weights and tokenizer), each mounted read-only at its own path, unless a mount
+    already covers it. A model in the local HF cache mounts its whole cache entry (the
+    snapshot's files are links into its blobs)."""
     from enn_cluster.cluster import pyxis
-    from enn_cluster.config.lm_config import is_hf_model
 
-    if not is_hf_model(cfg.model.name):
-        return ()
-    from enn_cluster.config.hf_name import weights_dir
-
-    wanted = [weights_dir(cfg.model.name)]
-    if cfg.data.tokenizer:
-        wanted.append(Path(cfg.data.tokenizer).expanduser().resolve())
     covered = [m.dst for m in pyxis.parse_mounts(tuple(mounts))]
     out: list[str] = []
-    for path in wanted:
+    for path in map(Path, dirs):
         entry = next((p for p in (path, *path.parents) if p.name.startswith("models--")), path)
         text = pyxis.check_path(str(entry), "model.name", "weights directory")
         if not any(text == c or text.startswith(c.rstrip("/") + "/") for c in [*covered, *out]):
             out.append(text)
     return tuple(f"{p}:{p}:ro" for p in out)
+
+
 def site_env(opts: dict) -> dict:
     """Variables the site's keys hand every task (Pyxis passes them into the container)."""
     env = {"ENN_SOCKET_IFNAME": opts["socket_ifname"]} if opts["socket_ifname"] else {}

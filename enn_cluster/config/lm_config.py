@@ -11,8 +11,23 @@ HF_PREFIX = "hf:"  # model.name of a Hugging Face causal LM: hf:/weights/dir or 
 LM_TASK = "causal_lm"
 
 
+TEXT_SUFFIXES = (".parquet", ".jsonl")  # text files a causal LM stages (tokenized once)
+
+
 def is_hf_model(name: str) -> bool:
     return str(name).startswith(HF_PREFIX)
+
+
+def takes_lora(model) -> bool:
+    """Whether LoRA adapters apply to this model (`model`: the config's ModelConfig): a
+    Hugging Face causal LM's linear layers; the config side of the kinds' rule."""
+    return is_hf_model(model.name)
+
+
+def is_text_data(data) -> bool:
+    """A causal LM reads text files, tokenized at staging; token ids given as arrays (.npy,
+    .npz or in memory) are staged as they are. `data`: the config's DataConfig."""
+    return not str(data.train_path).endswith((".npy", ".npz"))
 
 
 MAX_LORA_RANK = 4096

@@ -1,7 +1,7 @@
 """Will it fit? The per-GPU bytes of a training run, from the model's shape and the config.
 
 Pure arithmetic (no torch): `ModelShape` is what the model built on the meta device shows
-(client/model_shape.py builds it); everything else comes from the config and the launch
+(its model kind measures it: models/kinds.py, client/model_shape.py); everything else comes from the config and the launch
 shape. The formulas, per rank, with S the shard group size (HSDP: processes per node, FSDP:
 the world, DDP: 1; `plan_mesh` decides it as the run will):
 
@@ -34,8 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from enn_cluster.config.lm_config import is_hf_model
-
+from enn_cluster.config.lm_config import takes_lora
 from enn_cluster.config.run_config import RunConfig, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch
 
@@ -141,7 +140,7 @@ def memory_plan(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: in
         trainable = model.params
         stored = model.params * 4
     gathered = (model.largest_unit + model.largest_layer) * compute if shard > 1 else 0
-    seq = cfg.data.max_length if is_hf_model(cfg.model.name) else max(model.tokens, 1)
+    seq = model.tokens or cfg.data.max_length  # 0: a language model's rows, max_length long
     tokens = seq * micro * (compute / 2)
     logits = seq * model.vocab * micro * LOGIT_BYTES
     acts = {mode: activation_bytes(model.layers, layer_bytes_per_token(model), tokens,
@@ -165,7 +164,7 @@ def fix_candidates(cfg: RunConfig, world: int) -> list[tuple[str, RunConfig]]:
     if par.activation_checkpointing != "full":
         out.append(("parallel.activation_checkpointing=full",
                     replace(cfg, parallel=replace(par, activation_checkpointing="full"))))
-    if not cfg.lora.enabled and is_hf_model(cfg.model.name):
+    if not cfg.lora.enabled and takes_lora(cfg.model):
         out.append((f"lora.r={SUGGESTED_LORA_RANK}",
                     replace(cfg, lora=replace(cfg.lora, r=SUGGESTED_LORA_RANK))))
     if train.per_device_train_batch_size > 1:

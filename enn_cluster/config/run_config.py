@@ -30,7 +30,7 @@ from enn_cluster.config.checks import (
     check_metrics_path,
     no_credentials_in_url,
 )
-from enn_cluster.config.lm_config import HF_PREFIX, LM_TASK, LoraConfig, is_hf_model
+from enn_cluster.config.lm_config import HF_PREFIX, LM_TASK, LoraConfig, is_hf_model, takes_lora
 from enn_cluster.errors import UserError
 
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
@@ -347,7 +347,7 @@ class RunConfig:
         for section in (self.model, self.data, self.lora, self.training, self.checkpoint,
                         self.parallel, self.logging, self.profiling):
             section.validate()
-        if self.lora.enabled and not is_hf_model(self.model.name):
+        if self.lora.enabled and not takes_lora(self.model):
             raise UserError(f"lora.r: LoRA needs a Hugging Face model (model.name: hf:/dir); "
                             f"{self.model.name!r} is not one: set lora.r=0")
         return self

@@ -1,159 +1,62 @@
-"""Built-in models (MLP, a small transformer), user models from `module:factory`, and
-Hugging Face causal LMs (`hf:DIR`, in models/causal_lm.py).
-
-A model may expose `blocks()`, the submodules FSDP shards one by one (otherwise they are
-found: see `model_blocks`), and may define `loss(outputs, targets)`; otherwise the task's
-default loss is used.
+"""The models a run can have, by kind: `kind_of(cfg)` is the one place a config's kind is
+decided (models/kinds.py says what a kind answers: ArraysKind there, CausalLMKind and
+LoraKind in models/causal_lm.py, or a user's own named by `module:KindClass`). The built-in
+models and what every model fed arrays shares are in models/builtin.py, imported on first
+use (`from enn_cluster.models import MLP` works): this package imports no torch itself, so
+the client can ask a kind before it refuses bad input.
 """
 from __future__ import annotations
 
-import importlib
 import math
-from typing import Callable
-
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from enn_cluster.config.lm_config import is_hf_model
-
-from enn_cluster.config.run_config import ModelConfig, RunConfig
-from enn_cluster.errors import UserError
-
-
-class MLP(nn.Module):
-    def __init__(self, n_features: int, n_outputs: int, hidden_sizes=(64, 64), dropout=0.0):
-        super().__init__()
-        sizes = [n_features, *hidden_sizes]
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Dropout(dropout))
-            for a, b in zip(sizes[:-1], sizes[1:]))
-        self.head = nn.Linear(sizes[-1], n_outputs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(x.shape[0], -1)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-    def blocks(self) -> list[nn.Module]:
-        return list(self.layers)
-
-
-class FeatureTransformer(nn.Module):
-    """Each input feature (or time step of a 3-D input) is a token; mean-pooled head."""
-
-    def __init__(self, n_features: int, n_outputs: int, d_model=64, n_layers=2, n_heads=4,
-                 dropout=0.0, n_tokens: int = 0, token_dim: int = 1):
-        super().__init__()
-        self.token_dim = token_dim
-        self.embed = nn.Linear(token_dim, d_model)
-        self.pos = nn.Parameter(torch.randn(n_tokens or n_features, d_model) * 0.02)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout,
-                                       batch_first=True, norm_first=True)
-            for _ in range(n_layers))
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, n_outputs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.unsqueeze(-1) if x.dim() == 2 else x
-        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h).mean(dim=1))
-
-    def blocks(self) -> list[nn.Module]:
-        return list(self.layers)
-
+from enn_cluster.config.run_config import RunConfig
+from enn_cluster.models.kinds import (  # noqa: F401  (re-exported: every side asks here)
+    ARRAYS,
+    ArraysKind,
+    ModelKind,
+    check_factory,
+    import_factory,
+    measure,
+    model_blocks,
+    repeated_blocks,
+)
 
 BUILTIN_MODELS = ("mlp", "transformer")  # model.name values that are not `module:factory`
+_BUILTIN = ("MLP", "FeatureTransformer", "build_model", "input_dtype", "compute_loss")
 
 
-def import_factory(path: str) -> Callable:
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(f"model.name: cannot import {module_name!r} ({exc}); make it importable "
-                        "on every node (PYTHONPATH or pip install)")
-    obj = module
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise UserError(f"model.name: {module_name} has no attribute {attr!r}")
-    return obj
+def __getattr__(name: str):
+    """The built-in models and helpers (models/builtin.py, torch), imported on first use."""
+    if name in _BUILTIN:
+        from enn_cluster.models import builtin
+
+        return getattr(builtin, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def build_model(cfg: ModelConfig, input_shape: tuple, n_outputs: int) -> nn.Module:
-    """Build on the current default device (meta_init builds under torch.device("meta"))."""
-    n_features = math.prod(int(d) for d in input_shape) if input_shape else 1
-    if cfg.name == "mlp":
-        return MLP(n_features, n_outputs, tuple(cfg.hidden_sizes), cfg.dropout)
-    if cfg.name == "transformer":
-        if len(input_shape) == 2:
-            return FeatureTransformer(n_features, n_outputs, cfg.d_model, cfg.n_layers,
-                                      cfg.n_heads, cfg.dropout, input_shape[0], input_shape[1])
-        return FeatureTransformer(n_features, n_outputs, cfg.d_model, cfg.n_layers,
-                                  cfg.n_heads, cfg.dropout)
-    factory = import_factory(cfg.name)
-    model = factory(n_features=n_features, n_outputs=n_outputs, **cfg.kwargs)
-    if not isinstance(model, nn.Module):
-        raise UserError(f"model.name: {cfg.name} returned {type(model).__name__}, not an nn.Module")
-    return model
+def build_run_model(cfg: RunConfig, input_shape: tuple, n_outputs: int):
+    """The run's model on the current default device, as its kind builds it (a causal LM's
+    base weights still to load)."""
+    return kind_of(cfg).build(cfg, input_shape, n_outputs)
 
 
-def build_run_model(cfg: RunConfig, input_shape: tuple, n_outputs: int) -> nn.Module:
-    """The run's model on the current default device: a Hugging Face causal LM (with LoRA
-    where configured; its base weights still to load) or `build_model`."""
-    if is_hf_model(cfg.model.name):
-        from enn_cluster.models.causal_lm import build_causal_lm
+def kind_of(cfg: RunConfig) -> ModelKind:
+    """The kind of `cfg`'s model: a causal LM (`hf:`; LoRA with lora.r > 0), a kind of the
+    user's named by `module:KindClass` (a ModelKind subclass, or an instance), else a model
+    fed arrays."""
+    name = cfg.model.name
+    if is_hf_model(name):
+        from enn_cluster.models.causal_lm import CAUSAL_LM, LORA
 
-        return build_causal_lm(cfg)
-    return build_model(cfg.model, input_shape, n_outputs)
-
-
-def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The units FSDP shards one by one: the model's own `blocks()`, else its repeated
-    layers (`repeated_blocks`), else its top-level children that train."""
-    if hasattr(model, "blocks"):
-        return list(model.blocks())
-    return repeated_blocks(model) or [
-        m for m in model.children() if any(p.requires_grad for p in m.parameters())]
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The layers a model repeats, found in the model itself (pure): the classes a Hugging
-    Face model names in `_no_split_modules` (its decoder layer), wherever it sits in a user's
-    wrapper; else the ModuleList of two or more modules of one class holding the most
-    parameters. [] when there is neither."""
-    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
-    if names:
-        found = [m for m in model.modules() if type(m).__name__ in names]
-        if found:
-            return found
-    lists = [lst for lst in model.modules() if isinstance(lst, nn.ModuleList) and len(lst) > 1
-             and len({type(m) for m in lst}) == 1]
-    if not lists:
-        return []
-    return list(max(lists, key=lambda lst: sum(p.numel() for p in lst.parameters())))
-
-
-def input_dtype(model: nn.Module) -> torch.dtype:
-    """What the model takes: token ids (a model whose `input_dtype` says an integer type,
-    as CausalLM does) travel as integers from the memmap to its embedding; everything else
-    gets float32 values. Pure."""
-    inner = getattr(model, "module", model)  # DDP wraps the user's module
-    return getattr(inner, "input_dtype", torch.float32)
-
-
-def compute_loss(model: nn.Module, task: str, outputs: torch.Tensor, targets: torch.Tensor):
-    inner = getattr(model, "module", model)  # DDP wraps the user's module
-    if hasattr(inner, "loss"):
-        return inner.loss(outputs, targets)
-    if task == "classification":
-        return F.cross_entropy(outputs.float(), targets.long().reshape(-1))
-    return F.mse_loss(outputs.float(), targets.float().reshape(outputs.shape))
+        return LORA if cfg.lora.enabled else CAUSAL_LM
+    if ":" in name:
+        named = check_factory(name)  # one line when it does not import
+        if isinstance(named, type) and issubclass(named, ModelKind):
+            return named()
+        if isinstance(named, ModelKind):
+            return named
+    return ARRAYS
 
 
 def output_size(cfg: RunConfig, manifest: dict) -> int:

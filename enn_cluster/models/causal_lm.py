@@ -1,5 +1,14 @@
 """Hugging Face causal LMs (`model.name: hf:DIR`): built from the weights directory's
-config.json, LoRA adapters from peft, and the next-token loss with masked labels.
+config.json, LoRA adapters from peft, the next-token loss with masked labels, what a
+prediction computes of a row (mean log-likelihood, or generated tokens), and the two kinds
+(models/kinds.py) that answer for such a run: CausalLMKind (every weight trains) and
+LoraKind (peft adapters over a frozen base).
+
+Prediction rows are token ids right-padded with -1 (staged so by the client from text, or
+given as an array). A row's score is the mean log-likelihood of its tokens after the first
+and their count (`[mean_logprob, n]`); with `generate` the row's prompt is continued by up
+to N tokens (greedy, or sampled from a generator seeded by the request's seed and the row's
+index, so a restarted chunk draws the same), padded with -1 after the end-of-sequence token.
 
 The module is built wherever the caller's default device says: on the meta device in the
 workers (sharded first, then each rank reads its own shards of the safetensors: see
@@ -13,17 +22,20 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from enn_cluster.config.hf_name import weights_dir
-from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig
+from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
+from enn_cluster.models.kinds import ModelKind, measure
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
+PAD = -1  # a prediction row's position past its end (input ids and generated tokens)
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # peft's adapter name
 
@@ -112,15 +124,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def build_causal_lm(cfg: RunConfig) -> CausalLM:
-    """The model of `cfg` on the current default device, with LoRA where `lora.r` > 0.
-    Its weights are random here (meta in the workers): the caller loads the base weights."""
-    lm = bare_lm(cfg.model.name)
-    if cfg.lora.enabled:
-        lm = with_lora(lm, cfg.lora)
-    return CausalLM(lm)
-
-
 def hf_name(ours: str) -> str:
     """Our parameter name -> its name in the weights directory's safetensors."""
     name = ours.removeprefix("lm.").removeprefix(PEFT_PREFIX)
@@ -129,3 +132,166 @@ def hf_name(ours: str) -> str:
 
 def is_adapter(name: str) -> bool:
     return ".lora_" in name
+
+
+def score(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """[rows, 2]: mean log-likelihood of each row's tokens after the first, and their count.
+    Right padding never changes an earlier position's logits (causal attention)."""
+    ids = ids.long()
+    valid = ids[:, 1:] >= 0
+    logits = model(ids.clamp(min=0)).float()[:, :-1]
+    logp = F.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].clamp(min=0).unsqueeze(-1))[..., 0]
+    n = valid.sum(dim=1)
+    mean = (logp * valid).sum(dim=1) / n.clamp(min=1)
+    return torch.stack([mean, n.to(mean.dtype)], dim=1)
+
+
+def generate(model: CausalLM, ids: torch.Tensor, new_tokens: int, seed, first_row: int,
+             eos_id) -> torch.Tensor:
+    """[rows, new_tokens]: each row's continuation (one row at a time: rows differ in length),
+    -1 after the end-of-sequence token."""
+    out = torch.full((len(ids), new_tokens), PAD, dtype=torch.float32)
+    for i, row in enumerate(ids.long()):
+        prompt = row[row >= 0][None]
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=0, pad_token_id=eos_id,
+                      do_sample=seed is not None)
+        if seed is not None:
+            torch.manual_seed(int(seed) * 1_000_003 + first_row + i)
+        else:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        made = model.lm.generate(prompt, **kwargs)[0, prompt.shape[1]:]
+        stop = (made == eos_id).nonzero()
+        keep = int(stop[0]) + 1 if len(stop) and eos_id is not None else len(made)
+        out[i, :keep] = made[:keep].float()
+    return out
+
+
+def generate_in_step(model, ids: torch.Tensor, new_tokens: int, eos_id) -> torch.Tensor:
+    """Greedy continuation by full forwards, every row exactly `new_tokens` of them whatever
+    it draws (a sharded model's forwards are collectives: every rank must run as many);
+    -1 after the end-of-sequence token, as `generate` writes."""
+    out = torch.full((len(ids), new_tokens), PAD, dtype=torch.float32)
+    for i, row in enumerate(ids.long()):
+        cur = row[row >= 0][None]
+        for t in range(new_tokens):
+            nxt = model(cur)[0, -1].argmax()
+            out[i, t] = float(nxt)
+            cur = torch.cat([cur, nxt.view(1, 1)], dim=1)
+        stop = (out[i] == eos_id).nonzero() if eos_id is not None else []
+        if len(stop):
+            out[i, int(stop[0]) + 1:] = PAD
+    return out
+
+
+MAX_NEW_TOKENS = 1 << 16  # predict --generate
+
+
+class CausalLMKind(ModelKind):
+    """A Hugging Face causal LM whose every weight trains (lora.r = 0)."""
+
+    name = "causal_lm"
+    export_formats = ("hf",)  # besides every model's torch and export
+    predicts_sharded = True
+    compares_fp32 = False  # a second whole LM beside the replica, for the check: not kept
+
+    def check(self, cfg: RunConfig) -> None:
+        """The llm extra installed, and a weights directory with safetensors."""
+        import importlib.util
+
+        name = cfg.model.name
+        missing = [m for m in ("transformers", "safetensors")
+                   if importlib.util.find_spec(m) is None]
+        if missing:
+            raise UserError(f"model.name: {name} needs {' and '.join(missing)}; "
+                            "pip install 'enn_cluster[llm]' (and in the image)")
+        path = weights_dir(name)
+        if not any(path.glob("*.safetensors")):
+            raise UserError(f"model.name: {path} has no *.safetensors weights; save the model "
+                            "with save_pretrained(..., safe_serialization=True) there")
+
+    def load_code(self, cfg: RunConfig) -> None:
+        import transformers  # noqa: F401  (its kernel choices, as the model will see them)
+
+    def stages_text(self, cfg: RunConfig) -> bool:
+        return is_text_data(cfg.data)
+
+    def read_dirs(self, cfg: RunConfig) -> list[Path]:
+        """The weights directory, and a tokenizer directory of its own where one is set."""
+        dirs = [weights_dir(cfg.model.name)]
+        if cfg.data.tokenizer:
+            dirs.append(Path(cfg.data.tokenizer).expanduser().resolve())
+        return dirs
+
+    def build(self, cfg: RunConfig, input_shape: tuple = (), n_outputs: int = 0) -> CausalLM:
+        """On the current default device, weights random (meta in the workers): the caller
+        loads the base weights."""
+        return CausalLM(bare_lm(cfg.model.name))
+
+    def weights_dir(self, cfg: RunConfig) -> Optional[Path]:
+        return weights_dir(cfg.model.name)
+
+    def output_shape(self, cfg: RunConfig, manifest: dict,
+                     generate: Optional[dict] = None) -> list[int]:
+        """Scores ([mean log-likelihood, tokens]) or the generated tokens."""
+        return [generate["max_new_tokens"]] if generate else [2]
+
+    def generation(self, cfg: RunConfig, new_tokens: Optional[int],
+                   seed: Optional[int]) -> Optional[dict]:
+        """None scores rows; N continues each by up to N tokens, greedy or sampled with
+        `seed` (pure but for the model's config.json)."""
+        if new_tokens is None:
+            if seed is not None:
+                raise UserError("--seed: samples only with --generate N; add --generate")
+            return None
+        if not 1 <= new_tokens <= MAX_NEW_TOKENS:
+            raise UserError(f"--generate: {new_tokens} must be between 1 and {MAX_NEW_TOKENS}")
+        if seed is not None and not 0 <= seed < 2**31:
+            raise UserError(f"--seed: {seed} must be between 0 and {2**31 - 1}")
+        eos = hf_config(weights_dir(cfg.model.name)).eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+        return {"max_new_tokens": int(new_tokens), "seed": seed, "eos_token_id": eos}
+
+    def predict(self, model, xb, request: dict, first_row: int, sharded: bool = False):
+        gen = request.get("generate")
+        if gen and sharded:
+            return generate_in_step(model, xb, int(gen["max_new_tokens"]),
+                                    gen.get("eos_token_id"))
+        if gen:
+            return generate(model, xb, int(gen["max_new_tokens"]), gen.get("seed"), first_row,
+                            gen.get("eos_token_id"))
+        return score(model, xb)
+
+    def describe(self, cfg: RunConfig, model, input_shape: tuple = ()) -> str:
+        total = sum(p.numel() for p in model.parameters())
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return f"{cfg.model.name} builds ({total} parameters, {trained} trained)"
+
+    def meta_shape(self, cfg: RunConfig, data_shape=None):
+        """From config.json alone: the model built on the meta device (no weights read);
+        tokens 0: a row is data.max_length tokens."""
+        with torch.device("meta"):
+            model = bare_lm(cfg.model.name)
+        config = model.config.get_text_config()
+        return measure(model, decoder_layers(model), int(config.hidden_size),
+                       0, int(config.vocab_size))
+
+    def uses_data_shape(self) -> bool:
+        return False
+
+
+class LoraKind(CausalLMKind):
+    """LoRA adapters (peft) over a frozen causal LM: the checkpoints hold the adapters, the
+    base weights are read from the weights directory at every start."""
+
+    name = "lora"
+    export_formats = ("hf", "peft")
+
+    def build(self, cfg: RunConfig, input_shape: tuple = (), n_outputs: int = 0) -> CausalLM:
+        """peft's LoRA on the target modules, every base parameter frozen."""
+        return CausalLM(with_lora(bare_lm(cfg.model.name), cfg.lora))
+
+    def describe(self, cfg: RunConfig, model, input_shape: tuple = ()) -> str:
+        return super().describe(cfg, model, input_shape)[:-1] + f", LoRA r={cfg.lora.r})"
+
+
+CAUSAL_LM, LORA = CausalLMKind(), LoraKind()

@@ -16,7 +16,6 @@ from typing import Any, Optional, TextIO
 
 import numpy as np
 
-from enn_cluster.config.lm_config import LM_TASK
 
 from enn_cluster.config.run_config import DataConfig, ModelConfig, SyntheticConfig
 from enn_cluster.errors import UserError
@@ -32,7 +31,6 @@ from enn_cluster.storage.memmap_writer import (
 from enn_cluster.storage.npy_header import check_layout, read_header
 from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
 from enn_cluster.storage.run_files import read_run_text
-from enn_cluster.storage.text_sources import is_text_data
 
 _BLOCK = 16 << 20
 
@@ -183,10 +181,12 @@ def _target_scaler(y: np.ndarray) -> dict:
 
 
 def stage_run_data(data: DataConfig, model: ModelConfig, data_dir: Path,
-                   arrays: Optional[dict] = None, progress: Optional[TextIO] = None) -> dict:
+                   arrays: Optional[dict] = None, progress: Optional[TextIO] = None,
+                   text: bool = False) -> dict:
     """Stage train (and eval) arrays; `arrays` (x, y, eval_x, eval_y) override the config.
-    A causal LM's text files are tokenized into token memmaps (storage.text_staging)."""
-    if model.task == LM_TASK and not arrays and is_text_data(data):
+    `text` (the model's kind says: a causal LM's text files): tokenized into token memmaps
+    (storage.text_staging)."""
+    if text:
         from enn_cluster.storage.text_staging import stage_text_data
 
         return stage_text_data(data, model, data_dir, progress)

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from enn_cluster.config.hf_name import check_model_files, weights_dir
+from enn_cluster.config.lm_config import TEXT_SUFFIXES
+
 from enn_cluster.config.run_config import DataConfig, ModelConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage.checksum import RunningChecksum
 
-TEXT_SUFFIXES = (".parquet", ".jsonl")
 # files that define a tokenizer's vocabulary: a directory with none of them has no tokenizer
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 # every file a tokenizer's save_pretrained may write: its identity is the hash of these
@@ -30,12 +31,6 @@ TOKENIZER_FILES = VOCAB_FILES + ("tokenizer_config.json", "special_tokens_map.js
                                  "added_tokens.json", "merges.txt", "chat_template.jinja",
                                  "sentencepiece.bpe.model")
 LLM_EXTRA = "pip install 'enn_cluster[llm]'"
-
-
-def is_text_data(data: DataConfig) -> bool:
-    """A causal LM reads text files, tokenized at staging; token ids given as arrays (.npy,
-    .npz or in memory) are staged as they are."""
-    return not str(data.train_path).endswith((".npy", ".npz"))
 
 
 def text_files(data: DataConfig) -> list[tuple[str, str]]:

@@ -28,6 +28,7 @@ from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import ChecksummingWriter, ShardVerifier, safe_load
 from enn_cluster.storage.rundir import atomic_write_bytes, atomic_write_text
 from enn_cluster.storage.run_files import open_run_file
+from enn_cluster.worker.fault_injection import hold_before_commit
 from enn_cluster.worker.lanes import Lanes
 
 log = logging.getLogger("enn_cluster.worker.checkpoint")
@@ -139,29 +140,12 @@ def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
     _agreed(lanes, lambda: _write_side_files(path, lanes, snap))
     writer = ChecksummingWriter(path, writer_threads)
     dcp.save(state, storage_writer=writer, planner=planner, process_group=lanes.control)
-    _hold_before_commit(step, lanes.rank)
+    hold_before_commit(step, lanes.rank)
     _commit(path, step, writer.checksums, tuple(state), started, lanes,
             {k: snap.trainer_state[k] for k in RECORDED if k in snap.trainer_state})
     if keep_last is not None and lanes.rank == 0:
         store.prune(root, keep_last, protect=[step])
     return time.perf_counter() - started
-
-
-HOLD_BEFORE_COMMIT = "ENN_FAULT_HOLD_BEFORE_COMMIT"  # tests: "STEP:DIR", see below
-
-
-def _hold_before_commit(step: int, rank: int) -> None:
-    """Tests (a node lost while a checkpoint is written): at step STEP, with every shard
-    and DCP's .metadata on disk but no commit record, each rank touches DIR/held-rank-R
-    and waits until DIR/release exists (at most 10 minutes). Once released, never again:
-    the relaunched step passes STEP without holding."""
-    at, _, where = os.environ.get(HOLD_BEFORE_COMMIT, "").partition(":")
-    if not where or at != str(step) or (Path(where) / "release").exists():
-        return
-    (Path(where) / f"held-rank-{rank}").touch()
-    deadline = time.monotonic() + 600
-    while not (Path(where) / "release").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
 
 
 RECORDED = ("base_weights",)  # trainer-state keys the commit record names as well

@@ -11,7 +11,6 @@ start and allocates the buffers, so that the first save allocates nothing (at 8B
 from __future__ import annotations
 
 import copy
-import os
 import time
 from typing import Callable, Optional
 
@@ -19,7 +18,8 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
-SLOW_STAGING = "ENN_FAULT_SLOW_STAGING_S"  # tests: the copy starts this late (seconds)
+from enn_cluster.worker.fault_injection import staging_delay_s
+
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -110,7 +110,7 @@ class StagingPlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan):
         plan = super().finish_plan(new_plan)
         try:
-            time.sleep(float(os.environ.get(SLOW_STAGING, "0")))
+            time.sleep(staging_delay_s())  # tests only
             self._staged = self._buffers.stage(self, plan.items, self._ready, self._device)
         finally:
             self._on_staged()

@@ -197,14 +197,10 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
     backends are process-wide) are what the task will run with."""
     import torch.distributed as dist
 
-    from enn_cluster.config.lm_config import is_hf_model
-    from enn_cluster.models import import_factory
+    from enn_cluster.models import kind_of
     from enn_cluster.worker.model_setup import use_bf16
 
-    if is_hf_model(cfg.model.name):
-        import transformers  # noqa: F401  (its kernel choices, as the model will see them)
-    elif ":" in cfg.model.name:
-        import_factory(cfg.model.name)
+    kind_of(cfg).load_code(cfg)  # its kernel choices, as the model will see them
 
     backends = {"accelerator": str(dist.get_backend()),
                 "control": str(dist.get_backend(lanes.control)),

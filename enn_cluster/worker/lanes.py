@@ -24,7 +24,6 @@ from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.placement import choose_device, device_clashes
 
-FAULT_DEVICE_ID = "ENN_FAULT_DEVICE_ID"  # tests: every rank claims this device (device_claim)
 
 
 @dataclass
@@ -149,9 +148,11 @@ def device_id(device: torch.device) -> str:
 
 def device_claim(device: torch.device) -> Optional[str]:
     """The physical device this rank claims (None on CPU: nothing to share). Tests name one
-    in FAULT_DEVICE_ID, as two ranks on one GPU would claim it, to refuse a CPU run."""
-    if os.environ.get(FAULT_DEVICE_ID):
-        return os.environ[FAULT_DEVICE_ID]
+    by fault injection, as two ranks on one GPU would claim it, to refuse a CPU run."""
+    from enn_cluster.worker.fault_injection import claimed_device
+
+    if claimed_device():
+        return claimed_device()
     return device_id(device) if device.type == "cuda" else None
 
 

@@ -27,7 +27,7 @@ FULL_INIT = "full"  # build_plan values
 META_BUILTIN = "meta-builtin"
 META_OWN = "meta-init_weights"
 META_CHECKPOINT = "meta-checkpoint"  # the weights are in the run's step-0 checkpoint
-META_HF = "meta-hf"  # a Hugging Face LM: its weights directory's safetensors (lm_weights)
+META_FILES = "meta-files"  # base weights in files of the kind's (an LM's safetensors: lm_weights)
 
 
 def init_plan(model: nn.Module, from_checkpoint: bool = False, builtin: bool = True) -> str:
@@ -124,7 +124,7 @@ def materialize(model: nn.Module, plan: str, tmpls: dict, seed: int,
                 device: torch.device) -> None:
     """Give the meta model (sharded, or whole for DDP) real tensors on `device`."""
     with_storage(model, device)  # to_empty alone would untie weights shared by two modules
-    if plan in (META_CHECKPOINT, META_HF):  # storage only: a checkpoint holds the values
+    if plan in (META_CHECKPOINT, META_FILES):  # storage only: a checkpoint holds the values
         return
     if plan == META_OWN:
         model.init_weights()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,9 +14,7 @@ import torch
 from torch import nn
 
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
-from enn_cluster.models import BUILTIN_MODELS, build_run_model, output_size
-from enn_cluster.config.hf_name import weights_dir
-from enn_cluster.models.causal_lm import CausalLM
+from enn_cluster.models import BUILTIN_MODELS, build_run_model, kind_of, output_size
 from enn_cluster.storage.model_structure import FACTORY as STRUCTURE_FACTORY
 from enn_cluster.worker.environment import WorkerEnv
 from enn_cluster.worker.lanes import Lanes
@@ -53,12 +50,13 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     from enn_cluster.worker import meta_init
 
     shape, n_out = tuple(input_shape), output_size(cfg, manifest)
+    weights = kind_of(cfg).weights_dir(cfg)  # base weights read from files (a causal LM's)
     model = meta_built(cfg, shape, n_out)
     from_checkpoint = cfg.model.name == STRUCTURE_FACTORY
-    how = meta_init.FULL_INIT if model is None else meta_init.META_HF \
-        if isinstance(model, CausalLM) else \
+    how = meta_init.FULL_INIT if model is None else meta_init.META_FILES \
+        if weights is not None else \
         meta_init.init_plan(model, from_checkpoint, builtin=cfg.model.name in BUILTIN_MODELS)
-    if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT, meta_init.META_HF):
+    if how in (meta_init.FULL_INIT, meta_init.META_CHECKPOINT, meta_init.META_FILES):
         torch.manual_seed(cfg.training.seed)
     if how == meta_init.FULL_INIT:
         check_whole_build(cfg.model.name, model, lanes.device)  # sized from the meta build
@@ -72,31 +70,29 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     tmpls = meta_init.templates(model) if how == meta_init.META_BUILTIN else {}
     inner = model
     if how != meta_init.FULL_INIT and plan.strategy == "ddp":  # DDP replicates whole weights
-        _materialize(cfg, inner, how, tmpls, lanes)
+        _materialize(cfg, inner, how, tmpls, lanes, weights)
     model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype,
                        cfg.parallel.activation_checkpointing, cfg.training.compile)
     if how != meta_init.FULL_INIT and plan.strategy != "ddp":  # FSDP/HSDP: local shards only
-        _materialize(cfg, inner, how, tmpls, lanes)
+        _materialize(cfg, inner, how, tmpls, lanes, weights)
     return ShardedModel(model, plan, mesh, bf16, from_checkpoint)
 
 
-def _materialize(cfg: RunConfig, model, how: str, tmpls: dict, lanes: Lanes) -> None:
+def _materialize(cfg: RunConfig, model, how: str, tmpls: dict, lanes: Lanes, weights) -> None:
     from enn_cluster.worker import lm_weights, meta_init
 
     meta_init.materialize(model, how, tmpls, cfg.training.seed, lanes.device)
-    if how == meta_init.META_HF:
-        lm_weights.initialize(model, weights_dir(cfg.model.name), cfg.training.seed,
-                              lanes.control)
-
-
-FAULT_DEVICE_MEMORY = "ENN_FAULT_DEVICE_MEMORY_BYTES"  # tests: the device's memory, faked
+    if how == meta_init.META_FILES:
+        lm_weights.initialize(model, weights, cfg.training.seed, lanes.control)
 
 
 def device_memory_bytes(device: torch.device) -> Optional[int]:
     """The device's total memory (None on CPU: host memory is not checked here). Tests
-    name a figure in FAULT_DEVICE_MEMORY, as a small GPU would report it."""
-    if os.environ.get(FAULT_DEVICE_MEMORY):
-        return int(os.environ[FAULT_DEVICE_MEMORY])
+    name a figure by fault injection, as a small GPU would report it."""
+    from enn_cluster.worker.fault_injection import device_memory
+
+    if device_memory() is not None:
+        return device_memory()
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return None

@@ -16,20 +16,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.errors import UserError
-from enn_cluster.models import input_dtype
+from enn_cluster.models import input_dtype, kind_of
 from enn_cluster.storage import prediction_collapse
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
 from enn_cluster.worker import checkpoint as ckpt
+from enn_cluster.worker.fault_injection import maybe_exit_after_chunks
 from enn_cluster.worker.loader import host_rows
 from enn_cluster.worker.model_setup import use_bf16
 from enn_cluster.worker.predict_weights import load_replica
 
 log = logging.getLogger("enn_cluster.worker.predict")
-FAULT_AFTER_CHUNKS = "ENN_FAULT_PREDICT_EXIT_AFTER_CHUNKS"  # tests: exit hard after k chunks
 
 
 def summarised(values) -> np.ndarray:
@@ -79,22 +78,23 @@ class ChunkWriter:
     Chunk 0's record carries the precision check (`first_fp32`: rank 0's fp32 output on
     its first batch, when the replica is bf16)."""
 
-    grad_mode = staticmethod(torch.inference_mode)  # a sharded model's: no_grad (FSDP2)
-
-    def __init__(self, pdir: Path, model, x, request: dict, lanes,
-                 first_fp32=None) -> None:
+    def __init__(self, pdir: Path, model, x, request: dict, lanes, kind,
+                 first_fp32=None, sharded: bool = False) -> None:
         self.pdir, self.model, self.x, self.request, self.lanes = pdir, model, x, request, lanes
-        self.first_fp32 = first_fp32
+        self.kind, self.sharded, self.first_fp32 = kind, sharded, first_fp32
         self.dtype = next(model.parameters()).dtype
         self.takes = input_dtype(model)  # token ids stay integers up to the embedding
         self.out_shape = tuple(request["output_shape"])
+        # a sharded model's forwards are FSDP2 collectives, which inference mode refuses
+        self.grad_mode = torch.no_grad if sharded else torch.inference_mode
 
     def committed(self, spec: pm.ChunkSpec) -> bool:
         return committed(self.pdir, spec)
 
 
     def _forward(self, xb: torch.Tensor, first_row: int) -> torch.Tensor:
-        return self.model(xb.to(self.dtype) if xb.is_floating_point() else xb).float()
+        xb = xb.to(self.dtype) if xb.is_floating_point() else xb
+        return self.kind.predict(self.model, xb, self.request, first_row, self.sharded).float()
 
     def infer(self, spec: pm.ChunkSpec) -> tuple[np.ndarray, dict | None, float]:
         """The chunk's raw outputs, the precision check (first batch of chunk 0) and the
@@ -136,6 +136,8 @@ class ChunkWriter:
         each output's spread in both (a collapse verdict's fp32 re-run candidate)."""
         if self.dtype == torch.float32:
             return {"reduced_precision": False, "dtype": "float32"}
+        if not self.kind.compares_fp32:  # no fp32 replica beside it: the record says which
+            return {"reduced_precision": True, "dtype": str(self.dtype).replace("torch.", "")}
         ref, self.first_fp32 = self.first_fp32, None
         if ref is None:  # rank 0 always has it for chunk 0 (run_prediction): be loud
             raise RuntimeError("precision check: no fp32 output for chunk 0's first batch")
@@ -173,47 +175,6 @@ class ChunkWriter:
         return rec
 
 
-class LMChunkWriter(ChunkWriter):
-    """A causal LM's chunks: per-row scores, or generated tokens (see worker/lm_predict)."""
-
-    def __init__(self, *args, sharded: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sharded = sharded
-        if sharded:
-            self.grad_mode = torch.no_grad
-
-    def _forward(self, xb: torch.Tensor, first_row: int) -> torch.Tensor:
-        from enn_cluster.worker import lm_predict
-
-        gen = self.request.get("generate")
-        if gen and self.sharded:
-            return lm_predict.generate_in_step(self.model, xb, int(gen["max_new_tokens"]),
-                                               gen.get("eos_token_id"))
-        if gen:
-            return lm_predict.generate(self.model, xb, int(gen["max_new_tokens"]), gen.get("seed"),
-                                       first_row, gen.get("eos_token_id"))
-        return lm_predict.score(self.model, xb)
-
-    def _precision_check(self, yb: torch.Tensor) -> dict:
-        """Scores in reduced precision are not compared with an fp32 replica (a second whole
-        LM on the rank); the record says which precision made them."""
-        return {"reduced_precision": self.dtype != torch.float32,
-                "dtype": str(self.dtype).replace("torch.", "")}
-
-
-def _maybe_inject_fault(run: RunDir, name: str, rank: int, written: int) -> None:
-    after = int(os.environ.get(FAULT_AFTER_CHUNKS, "0") or 0)
-    if not after or written != after or rank != int(os.environ.get("ENN_FAULT_PREDICT_RANK", "0")):
-        return
-    marker = run.path / "faults" / f"predict-{name}-fired"
-    if marker.exists():
-        return
-    marker.parent.mkdir(exist_ok=True)
-    marker.write_text(str(os.getpid()))
-    log.error("fault injection: rank %d exits hard after %d chunks", rank, written)
-    os._exit(13)
-
-
 def _idle_forwards(request: dict, pending: list, lanes) -> int:
     """A sharded model's forwards are collectives: the forwards this rank must add to its own
     so that every rank runs as many as the busiest (each rank's count gathered once)."""
@@ -243,23 +204,23 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         committed(pdir, chunks[0])  # checksummed once: the loop below trusts this answer
     if dtype != torch.float32 and lanes.rank == 0 and chunks and not first_done:
         check_rows = np.array(x[:min(int(request["batch_size"]), chunks[0].rows)])
-    sharded = bool(request.get("sharded"))
-    if is_hf_model(cfg.model.name) and sharded:
+    sharded, kind = bool(request.get("sharded")), kind_of(cfg)
+    if sharded or not kind.compares_fp32:
+        first_done = False  # no fp32 re-run to skip
+    if sharded and kind.predicts_sharded:
         from enn_cluster.worker.lm_predict import sharded_lm
 
-        writer = LMChunkWriter(pdir, sharded_lm(cfg, run, chosen, env, lanes, x.shape[1:]), x,
-                               request, lanes, sharded=True)
-        first_done = False
-    elif is_hf_model(cfg.model.name):
+        model = sharded_lm(cfg, run, chosen, env, lanes, x.shape[1:])
+        writer = ChunkWriter(pdir, model, x, request, lanes, kind, sharded=True)
+    elif kind.weights_dir(cfg) is not None:  # base weights from files, the checkpoint on top
         from enn_cluster.worker.lm_predict import lm_replica
 
         model = lm_replica(cfg, run.checkpoints, chosen, lanes, env.node_rank, dtype)
-        writer = LMChunkWriter(pdir, model, x, request, lanes)
-        first_done = False
+        writer = ChunkWriter(pdir, model, x, request, lanes, kind)
     else:
         model, first_fp32 = load_replica(run, cfg, chosen, x.shape[1:], lanes, env.node_rank,
-                                         dtype, check_rows)
-        writer = ChunkWriter(pdir, model, x, request, lanes, first_fp32)
+                                         dtype, check_rows if kind.compares_fp32 else None)
+        writer = ChunkWriter(pdir, model, x, request, lanes, kind, first_fp32)
     mine = pm.chunks_for_rank(chunks, lanes.rank, lanes.world_size)
     started, written, skipped = time.perf_counter(), 0, 0
     pending = [spec for spec in mine if not ((first_done and spec == chunks[0]) or
@@ -273,7 +234,7 @@ def run_prediction(run: RunDir, cfg, env, lanes, name: str, step=None) -> None:
         raw, check, spread = writer.infer(spec)
         writer.write(spec, raw, check, spread, began)
         written += 1
-        _maybe_inject_fault(run, name, lanes.rank, written)
+        maybe_exit_after_chunks(run.path, name, lanes.rank, written)
     if idle:
         from enn_cluster.worker.lm_predict import idle_forwards
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from enn_cluster.models import build_model, output_size
+from enn_cluster.models import build_run_model, output_size
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.model_structure import with_storage
 from enn_cluster.storage.rundir import RunDir
@@ -54,7 +54,7 @@ def empty_replica(cfg, manifest: dict, input_shape: tuple, dtype: torch.dtype,
     shape, n_out = tuple(input_shape), output_size(cfg, manifest)
     model = meta_built(cfg, shape, n_out)
     if model is None:  # its factory refuses the meta device: built whole
-        return build_model(cfg.model, shape, n_out).to(dtype=dtype).to(device).eval()
+        return build_run_model(cfg, shape, n_out).to(dtype=dtype).to(device).eval()
     buffers = dict(model.named_buffers())
     lost = sorted(name for name in set(buffers) - set(model.state_dict()) if buffers[name].is_meta)
     own_init = callable(getattr(model, "init_weights", None))
@@ -64,7 +64,7 @@ def empty_replica(cfg, manifest: dict, input_shape: tuple, dtype: torch.dtype,
                  f"buffers {lost} are not in its state dict" if lost
                  else "its factory made real tensors")
         if not real:
-            model = build_model(cfg.model, shape, n_out)
+            model = build_run_model(cfg, shape, n_out)
         return model.to(dtype=dtype).to(device).eval()
     model.to(dtype=dtype)  # on meta: floating tensors only, no memory
     with_storage(model, device)
