@@ -31,7 +31,7 @@ def _ident(pid):
 @pytest.mark.parametrize("change, expect", [
     ({}, None),
     ({"pid": -1}, "not a launcher"), ({"pid": 0}, "not a launcher"),
-    ({"pid": 1}, "not a launcher"), ({"pid": "123"}, "not a launcher"),
+    ({"pid": 1}, "not running"), ({"pid": "123"}, "not a launcher"),
     ({"pid": True}, "not a launcher"), ({"host": "elsewhere"}, "host 'elsewhere'"),
     ({"boot_id": "x"}, "booted"), ({"boot_id": None}, "booted"),
     ({"start_ticks": ME["start_ticks"] + 1}, "start differs"),
@@ -138,8 +138,10 @@ def test_stale_locks_are_taken_over_live_ones_refused(tmp_path):
         acquire_lock(run, {**lock_owner(), "pid": 2 ** 22 + 9})
 
 
-NAMESPACE_SCRIPT = textwrap.dedent("""
-    import json, os, subprocess, sys
+# both namespace scripts: the two run directories, and start(code): a process that runs
+# `code` (printing one JSON line), then sleeps; (the process, what it printed)
+SCRIPT_HEAD = textwrap.dedent("""
+    import json, os, shutil, subprocess, sys
     from pathlib import Path
     run, other = Path(sys.argv[1]), Path(sys.argv[2])
     def start(code):
@@ -149,6 +151,9 @@ NAMESPACE_SCRIPT = textwrap.dedent("""
             "from enn_cluster.storage.rundir import RunDir\\nfrom enn_cluster.storage.run_lock import acquire_lock, lock_owner\\n"
             + code + "\\ntime.sleep(600)\\n")], stdout=subprocess.PIPE, text=True)
         return p, json.loads(p.stdout.readline())
+""")
+
+NAMESPACE_SCRIPT = SCRIPT_HEAD + textwrap.dedent("""
     # the launcher of this run, holding its lock; an unrelated process; another run's launcher
     holder, real = start(f"print(json.dumps(acquire_lock(RunDir(Path({str(run)!r})))), flush=True)")
     bystander, stranger = start("print(json.dumps(lock_owner()), flush=True)")
@@ -179,9 +184,9 @@ NAMESPACE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_cancel_signals_only_the_proven_launcher_in_a_pid_namespace(tmp_path):
-    """A lock copied from /proc of any process (an unrelated sleeper, another run's
-    launcher) is refused: only the process holding this run's lock file open is signalled."""
+def _in_pid_namespace(tmp_path, script: str) -> dict:
+    """Run `script` (args: two run directories it may lock) as PID 1 of a new PID namespace,
+    so that nothing it signals can be outside it; its last stdout line, as JSON."""
     if shutil.which("unshare") is None:
         pytest.skip("no unshare: cannot isolate a test that sends signals")
     probe = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "true"],
@@ -193,11 +198,17 @@ def test_cancel_signals_only_the_proven_launcher_in_a_pid_namespace(tmp_path):
         (tmp_path / name / "config.yaml").write_text("run_name: r\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
-                           sys.executable, "-c", NAMESPACE_SCRIPT, str(tmp_path / "run"),
+                           sys.executable, "-c", script, str(tmp_path / "run"),
                            str(tmp_path / "other")],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cancel_signals_only_the_proven_launcher_in_a_pid_namespace(tmp_path):
+    """A lock copied from /proc of any process (an unrelated sleeper, another run's
+    launcher) is refused: only the process holding this run's lock file open is signalled."""
+    out = _in_pid_namespace(tmp_path, NAMESPACE_SCRIPT)
     for name, (code, text, alive) in out.items():
         if name == "genuine":
             assert code == 0, text
@@ -208,3 +219,72 @@ def test_cancel_signals_only_the_proven_launcher_in_a_pid_namespace(tmp_path):
         assert text.startswith("enn-submit: error: run.lock:"), text
     assert "does not hold run.lock open" in out["unrelated_process"][1]
     assert "does not hold run.lock open" in out["other_runs_launcher"][1]
+
+
+LINK_SCRIPT = SCRIPT_HEAD + textwrap.dedent("""
+    mine, _ = start(f"print(json.dumps(acquire_lock(RunDir(Path({str(run)!r})))), flush=True)")
+    theirs, _ = start(f"print(json.dumps(acquire_lock(RunDir(Path({str(other)!r})))), flush=True)")
+    keep = run.parent / "keep"
+    os.link(run / "run.lock", keep)  # this run's own lock, set aside (its holder keeps it open)
+    def cancel():
+        p = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "cancel", str(run)],
+                           capture_output=True, text=True)
+        return [p.returncode, p.stdout + p.stderr, {"mine": mine.poll(), "theirs": theirs.poll()}]
+    out = {}
+    os.unlink(run / "run.lock")
+    os.link(other / "run.lock", run / "run.lock")
+    out["hard_link"] = cancel()
+    os.unlink(run / "run.lock")
+    os.symlink(other / "run.lock", run / "run.lock")
+    out["symlink"] = cancel()
+    os.unlink(run / "run.lock")
+    shutil.copy2(other / "run.lock", run / "run.lock")
+    out["copy"] = cancel()
+    os.unlink(run / "run.lock")
+    os.rename(keep, run / "run.lock")
+    subprocess.run(["mount", "--bind", str(other), str(run)], check=True)  # this namespace only
+    out["bind_mount"] = cancel()
+    subprocess.run(["umount", str(run)], check=True)
+    out["genuine"] = cancel()[:2] + [{"mine": mine.wait(timeout=60), "theirs": theirs.poll()}]
+    theirs.kill()
+    print(json.dumps(out))
+""")
+
+
+def test_cancel_never_signals_through_another_runs_lock_in_a_pid_namespace(tmp_path):
+    """Issue 38 section 1: another live run's lock file hard-linked, symlinked, copied or
+    bind-mounted where this run's lock is: `cancel` signals neither run (the file must be
+    this run's own, one link and no symlink, and name this run); the genuine lock still
+    stops its launcher."""
+    out = _in_pid_namespace(tmp_path, LINK_SCRIPT)
+    for name in ("hard_link", "symlink", "copy", "bind_mount"):
+        code, text, alive = out[name]
+        assert code == 2 and set(alive.values()) == {None}, (name, text, alive)
+        assert "Traceback" not in text and text.strip().count("\n") == 0, (name, text)
+        assert text.startswith("enn-submit: error: run.lock"), (name, text)
+    assert "links" in out["hard_link"][1] and "names another run" in out["bind_mount"][1]
+    code, text, alive = out["genuine"]
+    assert code == 0 and alive == {"mine": -15, "theirs": None}, text
+
+
+def test_a_launcher_that_is_pid_1_trains_and_the_run_resumes(tmp_path):
+    """Issue 37 section 5: `enn-submit train` as a container's entrypoint (PID 1 of its own
+    namespace): its lock is legitimate (the workers refused it, exit 2, and left it stale),
+    and a resume afterwards takes the run over."""
+    from helpers import cli, small_config, write_config
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare: cannot start a launcher as PID 1")
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "init", training={"max_steps": 2}, checkpoint={"every_steps": 2},
+        parallel={"nodes": 1, "procs_per_node": 1}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
+                           sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
+                           str(cfg)], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    if "unshare failed" in done.stderr or "Operation not permitted" in done.stderr:
+        pytest.skip("unshare --pid is not permitted here: " + done.stderr[:80])
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = cli("resume", tmp_path / "runs" / "init", "--set", "training.max_steps=4")
+    assert res.returncode == 0, res.stderr[-3000:]

@@ -9,12 +9,14 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import cli, write_config
-from lm_support import bf16_training, lm_config, tiny_model
+from helpers import ROOT, cli, write_config
+from lm_support import bf16_training, copy_model, corpus, lm_config, tiny_model, write_texts
 
 pytestmark = pytest.mark.slow
 
@@ -137,3 +139,76 @@ def test_an_hf_cache_snapshot_of_symlinks_into_blobs_exports(lm_run, tmp_path):
             file.unlink()
             shutil.move(blobs / file.name, file)
         blobs.rmdir()
+
+def _custom_code_folder(model_dir: Path, dest: Path, marker: Path) -> Path:
+    """A weights folder whose config.json names a model type transformers does not know and
+    an `auto_map` into a Python file of the folder: loading it would run that file."""
+    shutil.copytree(model_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(model_type="enn_custom_arch", auto_map={
+        "AutoConfig": "modeling_custom.CustomConfig",
+        "AutoModelForCausalLM": "modeling_custom.CustomLM"})
+    (dest / "config.json").write_text(json.dumps(config))
+    (dest / "modeling_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nraise SystemExit(0)\n")
+    return dest
+
+
+def test_a_weights_folder_asking_for_custom_code_is_refused_without_a_prompt(lm_run, tmp_path):
+    """Issue 38 section 2: `prepare` (a keyboard on stdin answering y) refuses in one line
+    naming the file and the model type; nothing of the folder runs, nothing waits."""
+    marker = tmp_path / "ran"
+    weights = _custom_code_folder(lm_run["model"], tmp_path / "custom", marker)
+    cfg = lm_config(tmp_path, weights, "custom", rows=16, length=16,
+                    parallel={"nodes": 1, "procs_per_node": 1})
+    res = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "prepare", "--config",
+                          str(write_config(tmp_path / "run.yaml", **cfg))], input="y\n",
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = _refused(res, "model.name")
+    assert f"{weights}/config.json" in line and "enn_custom_arch" in line, line
+    assert "custom code" in line and "[y/N]" not in res.stdout + res.stderr
+    assert not marker.exists() and not (tmp_path / "runs" / "custom").exists()
+
+
+def test_export_of_a_run_whose_weights_now_ask_for_custom_code_is_one_line(lm_run, tmp_path):
+    """The same folder put where a finished run's weights were: `export` refuses in one
+    line (it was a raw ValueError traceback), and nothing of the folder runs."""
+    marker = tmp_path / "ran"
+    kept = tmp_path / "kept"
+    shutil.move(lm_run["model"], kept)
+    try:
+        _custom_code_folder(kept, lm_run["model"], marker)
+        res = cli("export", lm_run["run"], "--out", tmp_path / "out", "--format", "hf",
+                  timeout=120)
+        line = _refused(res, "model.name")
+        assert "custom code" in line and "enn_custom_arch" in line, line
+        assert not marker.exists() and not (tmp_path / "out").exists()
+    finally:
+        shutil.rmtree(lm_run["model"], ignore_errors=True)
+        shutil.move(kept, lm_run["model"])
+
+
+def test_a_tokenizer_changed_after_training_is_refused_by_predict_and_export(lm_run, tmp_path):
+    """Issue 38 section 5: a run that tokenized text keeps its tokenizer's checksum; once
+    the weights folder's tokenizer changes, text prediction and `export --format hf` (which
+    ships the tokenizer beside the model) refuse in one line instead of using other ids."""
+    weights = copy_model(lm_run["model"], tmp_path / "weights")
+    texts = write_texts(tmp_path / "train.parquet", corpus(200, 4))
+    cfg = lm_config(tmp_path, weights, "text", rows=16, length=16,
+                    data={"train_path": str(texts), "train_targets_path": None},
+                    training={"max_steps": 2, "per_device_train_batch_size": 2},
+                    checkpoint={"every_steps": 2}, parallel={"nodes": 1, "procs_per_node": 1})
+    res = cli("train", "--config", write_config(tmp_path / "text.yaml", **cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "text"
+    prompts = write_texts(tmp_path / "prompts.jsonl", ["the cluster trains"])
+    config = json.loads((weights / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 77  # any change to the tokenizer's files
+    (weights / "tokenizer_config.json").write_text(json.dumps(config))
+    res = cli("predict", run, "--input", prompts, "--nodes", 1, "--procs-per-node", 1,
+              "--gpus-per-node", 0)
+    assert "changed since this run tokenized its data" in _refused(res, "model.name")
+    res = cli("export", run, "--out", tmp_path / "hf", "--format", "hf")
+    assert "changed since this run tokenized its data" in _refused(res, "model.name")
+    assert not (tmp_path / "hf").exists() and list((run / "predictions").iterdir()) == []

@@ -219,3 +219,22 @@ def test_a_tampered_model_pickle_runs_nothing_under_doctor_or_export(trained, tm
     done = cli("doctor", run, timeout=120)
     assert done.returncode == 1 and "refers to posix.system" in done.stdout, done.stdout
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "loop"])
+def test_checkpoints_that_is_no_directory_is_one_line_in_status_verify_and_export(
+        trained, tmp_path, kind):
+    """Issue 38 section 4: a regular file or a symlink loop where checkpoints/ should be was
+    a NotADirectoryError / ELOOP traceback; now one line naming it, exit 2."""
+    run, _ = _copy(trained, tmp_path)
+    shutil.rmtree(run / "checkpoints")
+    if kind == "file":
+        (run / "checkpoints").write_text("not a folder")
+    else:
+        os.symlink(run / "checkpoints", run / "checkpoints")
+    for args in (("status", run), ("verify", run), ("export", run, "--out", tmp_path / "out")):
+        done = cli(*args, timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "checkpoints" in lines[0], done.stderr
+    assert not (tmp_path / "out").exists()

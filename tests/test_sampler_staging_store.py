@@ -76,6 +76,14 @@ def test_commit_record_verification_and_prune(tmp_path):
     assert "missing" in store.verify_checkpoint(torn)[0]
     assert store.prune_plan([1, 2, 3, 4, 5], [1, 3, 4], keep_last=2) == [1, 2]
     assert store.prune_plan([1, 2, 3, 6], [1, 3], keep_last=5) == [2]  # torn 6 may be in flight
+    # issue 37: an attempt set aside as torn goes once a commit at or after its step exists
+    names = ["step-3.torn-17", "step-5.torn-9", "step-4", "step-3.torn-x", "x.torn-1"]
+    assert store.torn_aside(names, [1, 3]) == ["step-3.torn-17"]
+    assert store.torn_aside(names, []) == []
+    aside = tmp_path / "step-10.torn-123"
+    aside.mkdir()
+    store.prune(tmp_path, keep_last=5)
+    assert not aside.exists() and store.committed_steps(tmp_path) == [10]
     assert json.loads((good / "commit.json").read_text())["step"] == 10
 
 

@@ -367,3 +367,21 @@ def test_ordinary_values_are_not_taken_for_credentials(text):
     from enn_cluster.errors import looks_secret
 
     assert not looks_secret(text)
+
+
+@pytest.mark.parametrize("value", [[{"password": "SUPERSECRET-1"}],
+                                   {"inner": [{"db": "postgres://u:SUPERSECRET-2@h/d"}]},
+                                   "postgres://u:SUPERSECRET-3@h/d"])
+def test_a_type_error_never_shows_a_secret_at_any_depth(value):
+    """Issue 38 section 6: a wrong type names the key and the type; a container is not
+    echoed (a secret may sit anywhere in it), nor a string that looks like a credential."""
+    from enn_cluster.config.loading import config_from_dict
+
+    key = "run_name" if isinstance(value, str) else "model.kwargs"
+    section = {"run_name": 7} if isinstance(value, str) else {"model": {"kwargs": value}}
+    if isinstance(value, str):  # a str where an int goes: data.synthetic.seed
+        section = {"data": {"synthetic": {"seed": value}}}
+        key = "data.synthetic.seed"
+    with pytest.raises(UserError) as err:
+        config_from_dict(section)
+    assert str(err.value).startswith(key) and "SUPERSECRET" not in str(err.value), err.value

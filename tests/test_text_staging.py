@@ -256,6 +256,13 @@ def _parquet(path: Path, **columns) -> Path:
     return path
 
 
+def _sparse(path: Path, size: int) -> Path:
+    """A file of `size` zero bytes that takes no disk (a hole): one endless line."""
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    return path
+
+
 BAD = {  # name: (write the input under tmp, extra data keys, what the one line says)
     "missing text column": (lambda t: llm_assets.write_texts(t / "c.parquet", TEXTS, field="body"),
                             {}, ["c.parquet has no column 'text'", "its columns: body",
@@ -286,6 +293,14 @@ BAD = {  # name: (write the input under tmp, extra data keys, what the one line 
                             {}, ["data.max_length:", "fewer than one row of 32"]),
     "not UTF-8": (lambda t: _file(t / "c.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'),
                   {}, ["c.jsonl is not UTF-8 text"]),
+    "a line without end": (lambda t: _sparse(t / "c.jsonl", 10 << 30),  # 10 GB, no newline
+                           {}, ["c.jsonl line 1 is longer than 67108864 characters"]),
+    "a line nested 100,000 deep": (lambda t: _file(t / "c.jsonl", "[" * 100_000 + "\n"),
+                                   {}, ["c.jsonl line 1 nests JSON deeper than a reader allows"]),
+    "a later line nested deep": (
+        lambda t: _file(t / "c.jsonl", "".join(f'{{"text": "{x}"}}\n' for x in TEXTS[:40])
+                        + "[" * 100_000 + "\n"),
+        {}, ["c.jsonl line 41 nests JSON deeper"]),
     "tokenizer without files": (lambda t: llm_assets.write_texts(t / "c.jsonl", TEXTS),
                                 {"tokenizer": "EMPTY"}, ["data.tokenizer:", "has no tokenizer files"]),
 }
@@ -331,3 +346,18 @@ def test_a_cached_model_name_is_found_offline_and_a_missing_one_refused(tmp_path
     assert "'hf:acme/absent' names no directory with a config.json (and no model in the " \
         "local Hugging Face cache)" in res.stderr
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["lm"]
+
+
+def test_a_jsonl_that_starts_with_a_byte_order_mark_stages_as_without(tmp_path, model_dir):
+    """Issue 38: a UTF-8 byte-order mark before the first line is skipped, as pandas and
+    datasets skip it (it was refused as "line 1 is not valid JSON")."""
+    plain = llm_assets.write_texts(tmp_path / "plain.jsonl", TEXTS)
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    rows = {}
+    for name, source in (("plain", plain), ("marked", marked)):
+        (tmp_path / name).mkdir()
+        _, out = stage(tmp_path / name, lm_config(tmp_path, model_dir, source))
+        rows[name] = staged(out)
+    for a, b in zip(rows["plain"], rows["marked"]):
+        np.testing.assert_array_equal(a, b)

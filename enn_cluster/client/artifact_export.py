@@ -137,7 +137,7 @@ def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict)
         raise UserError(f"--format: {fmt} is for Hugging Face causal LMs (model.name: hf:DIR); "
                         f"{cfg.model.name} exports with --format torch or export")
     return _write_artifact(out, lambda tmp: write_hf(cfg, store.step_dir(run.checkpoints, step),
-                                                     tmp, fmt),
+                                                     tmp, fmt, manifest.get("text")),
                            run, step, fmt, tuple(manifest["entries"]["train_x"]["shape"][1:]),
                            manifest)
 

@@ -178,11 +178,14 @@ def _stop_launcher(run: RunDir, owner: dict) -> int:
         identity,
         launcher_problem,
     )
+    from enn_cluster.storage.run_lock import signal_refusal
 
     why = launcher_problem(owner, socket.gethostname(), boot_id(), identity)
     if why is None and not holds_open(owner["pid"], run.lock_path):
         why = (f"pid {owner['pid']} does not hold {run.lock_path.name} open, so it is not this "
                "run's launcher (a lock copied from another process?)")
+    if why is None:  # the pid holds this very file: it must be this run's own, naming it
+        why = signal_refusal(run, owner)
     if why == "not running":
         print(f"{run.path}: nothing is running (the lock's launcher has exited)")
         return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Optional
 
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
@@ -19,7 +20,7 @@ from enn_cluster.models.causal_lm import CausalLM
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.dcp_io import safe_load
 from enn_cluster.storage.dcp_metadata import tensor_names
-from enn_cluster.storage.text_sources import tokenizer_dir
+from enn_cluster.storage.text_sources import check_same_tokenizer, tokenizer_dir
 
 
 def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
@@ -34,8 +35,12 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
     from enn_cluster.models.causal_lm import is_adapter, with_lora
 
     path = weights_dir(cfg.model.name)
-    lm = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                              dtype=torch.float32)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
+                                                  dtype=torch.float32, trust_remote_code=False)
+    except (OSError, ValueError) as exc:  # transformers' refusals: one line, never a trace
+        raise UserError(f"model.name: the weights in {path} do not load ({str(exc).splitlines()[0][:200]}); "
+                        "point hf: at the directory save_pretrained wrote") from None
     if cfg.lora.enabled:
         _check_base(path, step_dir)
         lm = with_lora(lm, cfg.lora)
@@ -63,15 +68,17 @@ def _check_base(path: Path, step_dir: Path) -> None:
     check_same_base(record.get("base_weights"), identity(path), int(record.get("step", -1)))
 
 
-def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str) -> None:
+def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str,
+             staged_text: Optional[dict] = None) -> None:
     """Write `fmt` ("hf" or "peft") into the new directory `out`."""
     from transformers import AutoTokenizer
 
     if fmt == "peft" and not cfg.lora.enabled:
         raise UserError("--format: peft writes LoRA adapters, and this run fine-tuned every "
                         "weight (lora.r: 0); use --format hf")
+    check_same_tokenizer(staged_text, cfg.data, cfg.model)  # exported beside the model
     model = load_lm(cfg, step_dir, merge=fmt == "hf")
     model.lm.save_pretrained(str(out))
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir(cfg.data, cfg.model)[1]),
-                                        local_files_only=True)
+                                        local_files_only=True, trust_remote_code=False)
     tok.save_pretrained(str(out))

@@ -34,7 +34,7 @@ from enn_cluster.storage.rundir import (
     sigterm_unwinds,
 )
 from enn_cluster.storage.staging import read_manifest, stage_array
-from enn_cluster.storage.text_sources import check_text_file
+from enn_cluster.storage.text_sources import check_same_tokenizer, check_text_file
 from enn_cluster.storage.text_staging import text_rows
 
 DEFAULT_CHUNK_ROWS = 65536
@@ -168,6 +168,7 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     step = _choose_step(run, step)
     if text:  # tokenized here, staged as the array of token ids it makes
         name = name or default_name(source, step, "")
+        check_same_tokenizer(read_manifest(run.data_dir).get("text"), cfg.data, cfg.model)
         source = text_rows("--input", str(source), cfg.data, cfg.model)
     with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
         return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size, generate,

@@ -63,6 +63,11 @@ _SECRET_NAME = re.compile(r"token|secret|pass(?:w|phrase|$)|pwd|api[-_ ]?key|pri
                           r"|auth(?!or)", re.IGNORECASE)
 
 
+def looks_secret_key(name: str) -> bool:
+    """Does a config key's name (its last part) say it holds a secret?"""
+    return bool(_SECRET_NAME.search(str(name).rsplit(".", 1)[-1]))
+
+
 def _no_secret_keys(where: str, tree: Any) -> None:
     """config.yaml is frozen into a group-readable run directory: no secrets in it, by a
     key's name or by what its value looks like. The value is never shown."""

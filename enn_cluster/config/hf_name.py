@@ -1,6 +1,7 @@
 """What a `model.name: hf:...` names: a local weights directory, never the network."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -25,11 +26,32 @@ def weights_dir(name: str) -> Path:
         raise UserError(f"model.name: {name!r} names no directory with a config.json (and no "
                         "model in the local Hugging Face cache); give hf:/path/to/weights, the "
                         "directory save_pretrained wrote (the network is never used)")
-    return check_model_files(path, "model.name")
+    path = check_model_files(path, "model.name")
+    check_no_custom_code(path, "model.name")
+    return path
 
 
 CONFIG_LIMIT = 16 << 20  # config.json, tokenizer.json and the like: far more than any real one
 _SMALL = (".json", ".txt", ".model", ".jinja")
+
+
+def check_no_custom_code(folder: Path, field: str) -> None:
+    """transformers runs Python files of a weights folder whose config.json (or
+    tokenizer_config.json) has an `auto_map`, once someone answers its prompt; we never
+    do: every load passes trust_remote_code=False, and such a folder is refused here in one
+    line that names the file and the model type, before any library reads it."""
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(folder) / name
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        except (OSError, ValueError, RecursionError):
+            continue  # the library's own load says what is wrong with it
+        if isinstance(data, dict) and data.get("auto_map"):
+            kind = data.get("model_type") or data.get("tokenizer_class") or "unnamed"
+            raise UserError(f"{field}: {path} asks for custom code (auto_map; model_type "
+                            f"{str(kind)[:80]!r}), and enn_cluster never runs code that comes "
+                            "with weights; use a model whose type transformers has, or convert "
+                            "it to one")
 
 
 def check_model_files(folder: Path, field: str) -> Path:

@@ -42,8 +42,23 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     expected = origin or tp
     if expected is int and isinstance(value, bool) or not isinstance(value, expected):
         name = getattr(expected, "__name__", str(expected))
-        raise UserError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+        raise UserError(f"{key}: expected {name}, got {shown(key, value)}")
     return value
+
+
+def shown(key: str, value: Any) -> str:
+    """A wrong value as an error line may show it: a scalar's repr (cut to 60 characters),
+    a container by its type and size only (a secret may sit at any depth under it), and
+    nothing of a value whose key or text looks secret."""
+    from enn_cluster.config.checks import looks_secret_key
+    from enn_cluster.errors import looks_secret
+
+    kind = type(value).__name__
+    if isinstance(value, (dict, list, tuple, set)):
+        return f"a {kind} of {len(value)} item(s)"
+    if looks_secret_key(key) or looks_secret(value):
+        return f"a {kind} (not shown: it looks like a secret)"
+    return f"{kind} {repr(value)[:60]}"
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:

@@ -45,7 +45,8 @@ def hf_config(path: Path):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                          trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"model.name: {HF_PREFIX}{path}: no usable config.json "
                         f"({str(exc).splitlines()[0][:160]}); give the directory "
@@ -59,7 +60,7 @@ def bare_lm(name: str) -> nn.Module:
 
     config = hf_config(weights_dir(name))
     try:
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except ValueError as exc:
         raise UserError(f"model.name: {name}: {config.model_type!r} is not a causal LM "
                         f"transformers can build ({str(exc).splitlines()[0][:160]})") from None

@@ -36,11 +36,16 @@ def parse_step(name: str) -> Optional[int]:
 
 
 def list_steps(root: Path) -> list[int]:
-    """Step directories, a symlink to one included (verify refuses it, by name)."""
+    """Step directories, a symlink to one included (verify refuses it, by name). A run's
+    checkpoints/ that is not a directory (a regular file, a symlink loop) is one line."""
     try:
         names = [p.name for p in Path(root).iterdir() if p.is_dir() or p.is_symlink()]
     except FileNotFoundError:
         return []
+    except OSError as exc:  # NotADirectoryError, ELOOP, EACCES
+        raise UserError(f"checkpoints: {root} cannot be listed ({exc.strerror or exc}); it "
+                        "must be the run's directory of step-N folders: move it aside to "
+                        "start over, or restore it") from None
     return sorted(s for s in map(parse_step, names) if s is not None)
 
 
@@ -307,10 +312,25 @@ def prune_plan(steps: list[int], committed: list[int], keep_last: int,
     return sorted(doomed)
 
 
+_TORN_ASIDE = re.compile(r"^step-(\d+)\.torn-\d+$")  # a torn attempt moved aside (checkpoint.py)
+
+
+def torn_aside(names: Iterable[str], committed: list[int]) -> list[str]:
+    """The torn attempts set aside (`step-N.torn-<ns>`) that a commit has since replaced:
+    N at or below the newest committed step. They never count as checkpoints. Pure."""
+    newest = committed[-1] if committed else None
+    return sorted(n for n in names if (m := _TORN_ASIDE.match(n)) and newest is not None
+                  and int(m.group(1)) <= newest)
+
+
 def prune(root: Path, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
-    doomed = prune_plan(list_steps(root), committed_steps(root), keep_last, protect)
+    """Delete what prune_plan dooms, and the torn attempts set aside that a commit replaced."""
+    committed = committed_steps(root)
+    doomed = prune_plan(list_steps(root), committed, keep_last, protect)
     for s in doomed:
         shutil.rmtree(step_dir(root, s), ignore_errors=True)
+    for name in torn_aside((p.name for p in Path(root).iterdir()), committed):
+        shutil.rmtree(Path(root) / name, ignore_errors=True)
     return doomed
 
 

@@ -69,7 +69,9 @@ def launcher_problem(owner: dict, host: str, boot: str,
     """Why the lock's pid cannot be proven to be its launcher (None: it is proven).
     'not running' means the recorded process is gone; anything else is a mismatch."""
     pid = owner.get("pid")
-    if type(pid) is not int or pid <= 1:
+    # 1 is a launcher that is a PID namespace's init (a container's entrypoint): proven, as
+    # any pid, by its start time and command line (elsewhere, pid 1 is another process)
+    if type(pid) is not int or pid < 1:
         return f"its pid {pid!r} is not a launcher's"
     if owner.get("host") != host:
         return f"it ran on host {owner.get('host')!r}, not this host {host!r}"

@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import socket
+import stat
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -39,8 +40,8 @@ def lock_format_problem(owner) -> Optional[str]:
     if owner.get("slurm_job_id") is not None:
         job = str(owner["slurm_job_id"])
         return None if job.replace("_", "").isdigit() else f"slurm_job_id {job[:40]!r}"
-    if type(owner.get("pid")) is not int or owner["pid"] <= 1:
-        return f"pid {str(owner.get('pid'))[:40]!r} is not a process id above 1"
+    if type(owner.get("pid")) is not int or owner["pid"] < 1:  # 1: a container's launcher
+        return f"pid {str(owner.get('pid'))[:40]!r} is not a process id"
     if not isinstance(owner.get("host"), str):
         return "no host"
     return None
@@ -138,7 +139,7 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
     """Take the run lock (O_EXCL) and keep its descriptor open until `release_lock`: the
     open file is what proves to `cancel` that a pid is this run's launcher. A stale lock is
     taken over by renaming it aside (`take_aside`), never by a blind unlink."""
-    owner = owner or lock_owner()
+    owner = {**(owner or lock_owner()), "run": run_identity(run.path)}
     for _ in range(3):
         try:
             fd = os.open(run.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
@@ -164,6 +165,34 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
     raise UserError(f"run directory {run.path}: could not take {run.lock_path}; try again")
 
 
+def run_identity(path) -> str:
+    """The run a lock belongs to, written into it: the digest of the run's real path that
+    its Slurm jobs carry as their comment. A lock file linked, copied or bind-mounted into
+    another run still names its own."""
+    from enn_cluster.storage.slurm_jobs import submission_comment
+
+    return submission_comment(path)
+
+
+def signal_refusal(run: RunDir, owner: dict) -> Optional[str]:
+    """Why `cancel` must not signal the lock's launcher on this run's behalf, as far as the
+    lock file itself can tell (None: it may go on to prove the pid): the file must be this
+    run's own (one link, no symlink) and name this run."""
+    try:
+        st = os.lstat(run.lock_path)
+    except OSError as exc:
+        return f"{run.lock_path.name} cannot be read ({exc.strerror or exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{run.lock_path.name} is a symbolic link, not this run's own lock file"
+    if st.st_nlink != 1:
+        return (f"{run.lock_path.name} has {st.st_nlink} links: it may be another run's lock "
+                "linked in")
+    if owner.get("run") != run_identity(run.path):
+        return (f"{run.lock_path.name} names another run (or none: written by an older "
+                "enn_cluster?), not this one")
+    return None
+
+
 def _who(owner: dict) -> str:
     job = owner.get("slurm_job_id")
     return f"Slurm job {job}" if job else f"pid {owner.get('pid')} on {owner.get('host')}"
@@ -184,6 +213,7 @@ def clear_lock_of_job(run: RunDir, job_id: str) -> bool:
 def replace_lock(run: RunDir, owner: dict) -> None:
     """Hand a lock we hold to a new owner in one step (write aside, rename over it): no
     moment without a lock for a racing submitter to take."""
+    owner = {**owner, "run": run_identity(run.path)}
     tmp = run.lock_path.with_name(f".{run.lock_path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     with os.fdopen(fd, "w") as fh:

@@ -12,12 +12,13 @@ imports neither).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
 from typing import Iterator, Optional
 
-from enn_cluster.config.hf_name import check_model_files, weights_dir
+from enn_cluster.config.hf_name import check_model_files, check_no_custom_code, weights_dir
 from enn_cluster.config.lm_config import TEXT_SUFFIXES
 
 from enn_cluster.config.run_config import DataConfig, ModelConfig
@@ -159,12 +160,25 @@ def _read_batches(key: str, path: str, columns: list[str], batch: int):
         yield record_batch
 
 
+MAX_LINE_CHARS = 64 << 20  # a .jsonl line (one document) is read whole: at most this long
+
+
 def _jsonl_rows(key: str, path: str, data: DataConfig,
                 first_only: bool = False) -> Iterator[tuple[str, str]]:
-    """(text, prompt) of each non-blank line, each line checked."""
-    with open(os.path.expanduser(path), encoding="utf-8") as fh:
+    """(text, prompt) of each non-blank line, each line checked. A line is read up to
+    MAX_LINE_CHARS (a 10 GB file with no newline is refused, not read into memory); a
+    leading UTF-8 byte-order mark is skipped (as pandas and datasets do)."""
+    with open(os.path.expanduser(path), encoding="utf-8-sig") as fh:
         try:
-            for number, line in enumerate(fh, 1):
+            for number in itertools.count(1):
+                line = fh.readline(MAX_LINE_CHARS + 1)
+                if not line:
+                    return
+                if len(line) > MAX_LINE_CHARS:
+                    raise UserError(f"{key}: {path} line {number} is longer than "
+                                    f"{MAX_LINE_CHARS} characters (one document per line, "
+                                    "each at most that long); split the document or fix "
+                                    "the file") from None
                 if not line.strip():
                     continue
                 yield _jsonl_record(key, path, number, line, data)
@@ -180,6 +194,9 @@ def _jsonl_record(key: str, path: str, number: int, line: str, data: DataConfig)
     except ValueError:
         raise UserError(f"{key}: {path} line {number} is not valid JSON; write one JSON "
                         "object per line") from None
+    except RecursionError:
+        raise UserError(f"{key}: {path} line {number} nests JSON deeper than a reader "
+                        "allows; write one flat object per line") from None
     if not isinstance(record, dict):
         raise UserError(f"{key}: {path} line {number} is a JSON {type(record).__name__}, not "
                         f"an object; write one object per line, e.g. {{\"{data.text_field}\": \"...\"}}")
@@ -221,6 +238,7 @@ def load_tokenizer(data: DataConfig, model: ModelConfig):
         raise UserError(f"{key}: {path} is not a directory; give the directory a tokenizer's "
                         "save_pretrained wrote")
     check_model_files(path, key)  # a FIFO or /dev/zero in place of a tokenizer file
+    check_no_custom_code(path, key)
     if not any((path / name).is_file() for name in VOCAB_FILES):
         raise UserError(f"{key}: {path} has no tokenizer files ({', '.join(VOCAB_FILES[:2])}); "
                         "set data.tokenizer to a directory a tokenizer's save_pretrained wrote")
@@ -230,7 +248,8 @@ def load_tokenizer(data: DataConfig, model: ModelConfig):
         raise UserError(f"{key}: loading the tokenizer in {path} needs transformers; "
                         f"{LLM_EXTRA}") from None
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True,
+                                            trust_remote_code=False)
     except Exception as exc:  # a broken tokenizer file: name it in one line
         raise UserError(f"{key}: the tokenizer in {path} does not load ({type(exc).__name__}: "
                         f"{str(exc)[:200]}); fix or re-save it with save_pretrained") from None
@@ -242,6 +261,21 @@ def load_tokenizer(data: DataConfig, model: ModelConfig):
         raise UserError(f"{key}: the tokenizer in {path} has no eos_token; set eos_token in "
                         "its tokenizer_config.json (documents are ended with it)")
     return path, tok
+
+
+def check_same_tokenizer(staged: Optional[dict], data: DataConfig, model: ModelConfig) -> None:
+    """A run that tokenized text keeps its tokenizer's identity (the manifest's `text`
+    entry, `staged`); a tokenizer changed since maps text to other ids than the model
+    learned, so predicting text with it or exporting it beside the model is refused."""
+    if not staged or not staged.get("tokenizer_hash"):
+        return
+    key, path = tokenizer_dir(data, model)
+    now = tokenizer_hash(path) if path.is_dir() else "missing"
+    if now != staged["tokenizer_hash"]:
+        raise UserError(f"{key}: the tokenizer in {path} changed since this run tokenized its "
+                        f"data (checksum {staged['tokenizer_hash']} then, {now} now): its ids "
+                        "are not the ones the model learned; restore the tokenizer's files, "
+                        "or start a new run with this tokenizer")
 
 
 def tokenizer_hash(path: Path) -> str:

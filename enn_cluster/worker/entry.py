@@ -281,6 +281,7 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
     """Every launcher's way in (the module's main, Slurm's submitit entry): the same
     signal handling and the same exit codes, 2 for bad input (never retried)."""
     install_early_stop_handlers()
+    no_keyboard()
     die_with_launcher(os.environ)
     from enn_cluster.worker.lanes import PortTaken
 
@@ -318,6 +319,15 @@ def slurm_exit_code(code: int, under_slurm: bool) -> int:
     requeue marker the host-side trap acts on, and a non-zero exit would trip srun's
     --kill-on-bad-exit, killing the peers still on their way out ("Terminated" noise)."""
     return EXIT_OK if under_slurm and code == EXIT_REQUEUE else code
+
+
+def no_keyboard() -> None:
+    """Nothing a worker runs may wait for a keyboard (a library's prompt, a debugger): its
+    stdin is /dev/null, whatever the launcher handed down (the local launcher's is the
+    user's terminal)."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
