@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +196,27 @@ def controller_up_scontrol(bin_dir: Path) -> None:
     stub.write_text(f'#!/bin/sh\n[ "$1" = ping ] && echo "{up}" && exit 0\n'
                     'echo "scontrol: error: unexpected" >&2\nexit 1\n')
     stub.chmod(0o755)
+
+
+def outside_layout(run: Path) -> list[str]:
+    """Paths of a run directory that storage/layout.py's table does not list (a file
+    nobody documented is a file nobody cleans up, locks or explains)."""
+    import fnmatch
+
+    from enn_cluster.storage import layout
+
+    def pattern(name: str) -> str:  # <job>, <name>, <ns>, N stand for one path part
+        return re.sub(r"<[a-z]+>|\bN\b", "*", name.rstrip("/"))
+
+    files, folders = set(), set()
+    tops = {entry.name.split("/")[0] for entry in layout.LAYOUT}  # requeue/, checkpoints/
+    for entry in layout.LAYOUT:
+        (folders if entry.name.endswith("/") else files).add(pattern(entry.name))
+    bad = []
+    for path in sorted(run.rglob("*")):
+        rel = path.relative_to(run).as_posix()
+        if rel not in tops and not any(fnmatch.fnmatchcase(rel, f) for f in files) and not any(
+                fnmatch.fnmatchcase(rel, f) or fnmatch.fnmatchcase(rel, f + "/*")
+                for f in folders):
+            bad.append(rel)
+    return bad

@@ -102,6 +102,7 @@ RENDER_FLAGS = st.lists(st.one_of(
     _flag("--partition", ARGV_SAFE), _flag("--time", ARGV_SAFE | st.sampled_from(["30", "2-00"])),
     _flag("--nodes", ARGV_SAFE | st.sampled_from(["2", "1-3", "0", "-1"])),
     _flag("--python", ARGV_SAFE), _flag("--signal-grace", ARGV_SAFE | st.sampled_from(["0", "30"])),
+    st.just(["--admin"]),
 ), max_size=4).map(lambda pairs: [a for pair in pairs for a in pair])
 
 

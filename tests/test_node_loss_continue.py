@@ -15,8 +15,8 @@ import pytest
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import node_loss
 from enn_cluster.storage.rundir import RunDir
-from helpers import (assert_same_steps, cli, metrics, small_config, wait_train_step,
-                     write_config)
+from helpers import (assert_same_steps, cli, metrics, outside_layout, small_config,
+                     wait_train_step, write_config)
 from pyxis_fixture import require_pyxis
 from slurm_fixture import CLUSTER_SH
 
@@ -346,3 +346,4 @@ def test_fewer_nodes_left_than_the_minimum_frees_the_run_for_resume_at_once(slur
     assert not metrics(run, "node_lost")
     assert [s["world_size"] for s in metrics(run, "start")] == [6, 2]
     assert not list(run.glob("requeue/relaunch-*"))
+    assert outside_layout(run) == []  # the batch shell's records included

@@ -17,7 +17,7 @@ import torch
 
 import enn_cluster
 from enn_cluster.storage import prediction_manifest as pm
-from helpers import cli, small_config, write_config
+from helpers import cli, outside_layout, small_config, write_config
 
 ATOL = 1e-5
 TRIALS = int(os.environ.get("ENN_FAULT_TRIALS", "1"))
@@ -78,6 +78,7 @@ def test_predict_2x2_equals_single_process_forward(trained, tmp_path):
                for r in (0, 2)), said
     assert "received from rank 0 on this node" in said[1] and \
         "received from rank 2 on this node" in said[3], said
+    assert outside_layout(run) == []  # every file a train and a predict wrote is listed
     got = cli("collect", run, "--name", "full", "--out", tmp_path / "y.npy")
     assert got.returncode == 0, got.stderr
     assert "warning" not in got.stderr  # a trained model's outputs vary across samples

@@ -115,6 +115,34 @@ def test_rendered_script_launches_the_worker_with_the_submitit_flags(stub, run_d
     assert stub.scontrol == []
 
 
+def test_render_admin_prints_the_template_filled_for_this_run(stub, tmp_path):
+    """`enn-submit render RUN.yaml --admin`: the admin template with the run's values fixed
+    (what a site that runs its own sbatch keeps); it passes shellcheck and starts the worker
+    on the run directory with the sbatch lines the flags asked for."""
+    import yaml
+    from helpers import cli, small_config
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(small_config(tmp_path, "kept")))
+    res = cli("render", cfg, "--admin", "--container", "none", "--nodes", "2",
+              "--procs-per-node", "2", "--gpus-per-node", "0", "--cpus-per-task", "3",
+              "--time", "45", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    run_dir = str(tmp_path / "runs" / "kept")
+    assert not Path(run_dir).exists()  # a dry run
+    text = res.stdout
+    assert text.startswith("#!/bin/bash") and "# Rendered by enn-submit" in text
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=3",
+                 "#SBATCH --time=45", f"ENN_RUN_DIR={shlex.quote(run_dir)}"):
+        assert line in text.splitlines(), line
+    (tmp_path / "kept.sbatch").write_text(text)
+    shellcheck(tmp_path / "kept.sbatch")
+    Path(run_dir).mkdir(parents=True)
+    done = stub.run(text)
+    assert done.returncode == 0, done.stderr
+    assert stub.argv[-5:] == ["-m", "enn_cluster.worker", run_dir, "--task", "train"]
+
+
 def test_rendered_script_keeps_user_nccl_settings(stub, run_dir):
     spec = JobSpec(job_name="j", run_dir=run_dir, nccl_profile="socket")
     stub.run(job_spec.render_batch_script(spec), NCCL_SOCKET_IFNAME="eth7", NCCL_IB_DISABLE="")

@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=("train", "predict"), default="train")
     p.add_argument("--name", default=None, help="prediction name (--task predict)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--admin", action="store_true",
+                   help="print slurm/TASK.sbatch with this run's values filled in (a script "
+                   "to keep and submit with sbatch) instead of the script enn-submit submits")
     _add_shape_flags(p)
 
     p = sub.add_parser("logs", help="a rank's log of the newest attempt")

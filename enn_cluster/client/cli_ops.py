@@ -66,7 +66,10 @@ def plan_from_flags(args, cfg, task: str = "train", run_dir=None, *,
 def cmd_render(args) -> int:
     """Print, byte for byte, the batch script `train`/`resume`/`predict --cluster slurm`
     would hand to sbatch for this run (dry run, nothing written); CPUs per task sized as
-    submit sizes them, from the partition's nodes where Slurm can be asked from here."""
+    submit sizes them, from the partition's nodes where Slurm can be asked from here.
+    --admin: the admin template with the same job's values fixed in it (a site that
+    submits with its own sbatch keeps that file)."""
+    from enn_cluster.cluster.job_spec import render_batch_script
     from enn_cluster.cluster.submit_slurm import (
         batch_script,
         sized_for_nodes,
@@ -75,9 +78,9 @@ def cmd_render(args) -> int:
     )
     from enn_cluster.storage.rundir import run_dir_for
 
-    target = Path(args.target)
+    target = Path(args.target).expanduser()
     if RunDir(target).has_config:
-        run = RunDir(target.resolve())
+        run = RunDir.existing(target)
         cfg = run.load_config()
     else:
         cfg = load_flagged_config(str(target), args.overrides, args.site,
@@ -85,7 +88,8 @@ def cmd_render(args) -> int:
         run = run_dir_for(cfg)
     plan = plan_from_flags(args, cfg, args.task, run.path)
     spec, warning = sized_for_nodes(plan.spec)
-    sys.stdout.write(batch_script(slurm_executor(spec, submitit_folder(run.path))))
+    sys.stdout.write(render_batch_script(spec) if args.admin
+                     else batch_script(slurm_executor(spec, submitit_folder(run.path))))
     if warning:  # submit refuses a GPU job that this line names
         print(f"enn-submit: warning: submit refuses this job: {warning}"
               if spec.gpus_per_node else warning, file=sys.stderr)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.errors import UserError
+from enn_cluster.storage import layout
 from enn_cluster.config.launch_env import (
     ATTEMPT_VAR,
     GPUS_REQUESTED_VAR,
@@ -172,7 +173,7 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
         rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=0.1, start_method="spawn",  # torchrun's: a failure seen in 0.1 s
         **shutdown_options(stop_grace_s, {f.name for f in dataclasses.fields(LaunchConfig)}))
-    marker = Path(run_dir) / "requeue" / "local"
+    marker = Path(run_dir) / layout.REQUEUE / layout.LOCAL_MARKER
     marker.unlink(missing_ok=True)
     previous = signal.signal(signal.SIGUSR2, _forward_to_workers)
     try:

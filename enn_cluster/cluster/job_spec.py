@@ -38,6 +38,7 @@ from enn_cluster.cluster.slurm_values import (
 from enn_cluster.config import nccl
 from enn_cluster.config.checks import node_range
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
+from enn_cluster.storage import layout
 from enn_cluster.storage.slurm_jobs import LIVE_STATES, submission_comment
 
 TASKS = ("train", "predict")
@@ -216,13 +217,15 @@ def _template(name: str) -> str:
 
 
 # host_setup.sh's @NAME@ placeholders: the rendezvous port rule of config/launch_env.py,
-# which worker/environment.port_for_job applies too (a site's own srun line runs no snippet).
+# which worker/environment.port_for_job applies too (a site's own srun line runs no snippet),
+# the Slurm states a lock's job is alive in, and the requeue/ marker names (storage/layout.py).
 HOST_SETUP_VALUES = {"MASTER_PORT_BASE": MASTER_PORT_BASE,
                      "MASTER_PORT_BASE_LESS_1": MASTER_PORT_BASE - 1,
                      "MASTER_PORT_LAST": MASTER_PORT_BASE + MASTER_PORT_SPAN - 1,
                      "MASTER_PORT_SPAN": MASTER_PORT_SPAN,
                      "LIVE_STATE_PATTERNS": "|".join(f'*" JobState={state} "*'
-                                                     for state in sorted(LIVE_STATES))}
+                                                     for state in sorted(LIVE_STATES)),
+                     **layout.shell_names()}
 
 
 def host_setup_lines() -> list[str]:

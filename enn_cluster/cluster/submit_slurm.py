@@ -21,7 +21,7 @@ from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: 
 )
 from enn_cluster.config.launch_env import SUBMISSION_VAR
 from enn_cluster.errors import UserError
-from enn_cluster.storage import commits as store
+from enn_cluster.storage import commits as store, layout
 from enn_cluster.storage.rundir import RunDir, run_umask
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock, replace_lock
 from enn_cluster.worker.slurm_entry import code_identity, worker_entry
@@ -249,7 +249,7 @@ def _read_mounts() -> str:
 
 def submitit_folder(run_dir: Path) -> Path:
     """Where submitit keeps a job's pickles and logs; the batch script names it."""
-    return Path(run_dir) / "slurm" / "%j"
+    return Path(run_dir) / layout.SUBMITIT / "%j"
 
 
 # What Slurm's clients say where no slurm.conf, SLURM_CONF or DNS SRV record names a cluster.

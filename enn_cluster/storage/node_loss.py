@@ -26,6 +26,8 @@ import stat
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.storage import layout
+
 MAX_BYTES = 4096
 _HOST = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _NUMBER = re.compile(r"^\d{1,12}(\.\d{1,9})?$")
@@ -66,13 +68,13 @@ def parse_relaunch(text: str) -> Optional[dict]:
 
 
 def read_relaunch(run_path: Path, job_id: str) -> Optional[dict]:
-    text = _read_small(Path(run_path) / "requeue" / f"relaunch-{job_id}")
+    text = _read_small(layout.marker(run_path, "relaunch", job_id))
     return parse_relaunch(text) if text is not None else None
 
 
 def probing_since(run_path: Path, job_id: str) -> Optional[float]:
     """When the batch shell of `job_id` began probing its nodes, or None (not probing)."""
-    text = _read_small(Path(run_path) / "requeue" / f"probing-{job_id}")
+    text = _read_small(layout.marker(run_path, "probing", job_id))
     text = (text or "").strip()
     return float(text) if _NUMBER.match(text) else None
 
@@ -109,7 +111,7 @@ def parse_ended(text: str) -> Optional[dict]:
 
 
 def read_ended(run_path: Path, job_id: str) -> Optional[dict]:
-    text = _read_small(Path(run_path) / "requeue" / f"ended-{job_id}")
+    text = _read_small(layout.marker(run_path, "ended", job_id))
     return parse_ended(text) if text is not None else None
 
 

@@ -1,18 +1,6 @@
-"""The run directory on the shared filesystem: layout, frozen config, atomic writes.
-(The run lock, run.lock, is storage/run_lock.py.)
-
-Layout of `<runs_root>/<run_name>/`:
-  config.yaml            resolved config every task reads (history in config-history/)
-  data/                  staged memmaps + manifest.json
-  checkpoints/step-N/    DCP checkpoints, complete only with commit.json
-  metrics.jsonl          rank-0 metrics
-  logs/                  per-attempt, per-rank logs
-  jobs.jsonl             every launch (local or Slurm job id)
-  requeue/<job id>       marker: the host batch script should requeue this job
-  requeue/refused-<job>  a rank refused its input (exit 2): never requeue this job
-  predictions/<name>/    prediction chunks + manifest
-  run.lock               who is writing this run now
-"""
+"""The run directory on the shared filesystem: its paths, frozen config, atomic writes.
+Every file of `<runs_root>/<run_name>/`, with its writer and readers, is listed once in
+storage/layout.py; the run lock, run.lock, is storage/run_lock.py."""
 from __future__ import annotations
 
 import json
@@ -31,6 +19,7 @@ from enn_cluster.config.loading import config_from_dict, dump_config, without_re
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import PlainLoader
 from enn_cluster.errors import UserError
+from enn_cluster.storage import layout
 from enn_cluster.storage.output_target import missing_parents, remove_empty
 from enn_cluster.storage.run_files import (
     LOG_LIMIT,
@@ -108,7 +97,7 @@ class RunDir:
 
     @property
     def config_path(self) -> Path:
-        return self.path / "config.yaml"
+        return self.path / layout.CONFIG
 
     @property
     def has_config(self) -> bool:
@@ -118,11 +107,11 @@ class RunDir:
 
     @property
     def data_dir(self) -> Path:
-        return self.path / "data"
+        return self.path / layout.DATA
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / layout.CHECKPOINTS
 
     @property
     def metrics(self) -> Path:
@@ -130,23 +119,23 @@ class RunDir:
         try:
             return self.path / self.load_config().logging.metrics_path
         except UserError:
-            return self.path / "metrics.jsonl"
+            return self.path / layout.METRICS
 
     @property
     def logs(self) -> Path:
-        return self.path / "logs"
+        return self.path / layout.LOGS
 
     @property
     def predictions(self) -> Path:
-        return self.path / "predictions"
+        return self.path / layout.PREDICTIONS
 
     @property
     def requeue(self) -> Path:
-        return self.path / "requeue"
+        return self.path / layout.REQUEUE
 
     @property
     def lock_path(self) -> Path:
-        return self.path / "run.lock"
+        return self.path / layout.LOCK
 
     @classmethod
     def existing(cls, path) -> "RunDir":
@@ -189,12 +178,12 @@ class RunDir:
         """Append one launch record (job id, kind, shape); appends of one line are atomic."""
         fields.setdefault("time", time.time())
         line = json.dumps(fields, sort_keys=True) + "\n"
-        with run_umask(), append_run_file(self.path / "jobs.jsonl") as fh:
+        with run_umask(), append_run_file(self.path / layout.JOBS) as fh:
             fh.write(line)
 
     def jobs(self) -> list[dict]:
         try:
-            text = read_run_text(self.path / "jobs.jsonl", LOG_LIMIT)
+            text = read_run_text(self.path / layout.JOBS, LOG_LIMIT)
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
         except FileNotFoundError:
             return []
@@ -262,7 +251,7 @@ def remove_new_run(run: RunDir) -> None:
 
 def update_config(run: RunDir, cfg: RunConfig) -> None:
     """Re-freeze the config on resume (new schedule or shape); keep the old one."""
-    history = run.path / "config-history"
+    history = run.path / layout.CONFIG_HISTORY
     with run_umask():
         if not history.exists():
             _mkdir(history)

@@ -24,7 +24,7 @@ from typing import Optional
 from enn_cluster.config import nccl
 from enn_cluster.config.launch_env import LAUNCH_ID_VAR, LAUNCHER_PID_VAR
 from enn_cluster.errors import UserError
-from enn_cluster.storage import backend_report
+from enn_cluster.storage import backend_report, layout
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import clean_environment, detect_launcher, discover
@@ -249,7 +249,7 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
     if outcome == "stopped":
         # every rank writes the marker: with --kill-on-bad-exit the first rank to exit may
         # get the others killed before rank 0 alone would have written it
-        marker = run.requeue / str(env.job_id or "local")
+        marker = run.requeue / str(env.job_id or layout.LOCAL_MARKER)
         marker.parent.mkdir(exist_ok=True)
         marker.write_text(str(trainer.step))
         log.warning("stopped at step %d with a committed checkpoint: %s", trainer.step,
@@ -307,9 +307,9 @@ def record_refusal(run_dir: str, job_id: str, message: str) -> None:
     from enn_cluster.storage.rundir import atomic_write_text
 
     try:
-        folder = Path(run_dir) / "requeue"
-        if folder.is_dir():
-            atomic_write_text(folder / f"refused-{job_id}", " ".join(message.split())[:400] + "\n")
+        path = layout.marker(run_dir, "refused", job_id)
+        if path.parent.is_dir():
+            atomic_write_text(path, " ".join(message.split())[:400] + "\n")
     except OSError as exc:
         print(f"enn_cluster worker: could not record the refusal: {exc}", file=sys.stderr)
 

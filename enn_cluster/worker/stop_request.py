@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from enn_cluster.storage import layout
+
 POLL_EVERY_S = 1.0
 
 
 def stop_file(run_dir: str | os.PathLike, job_id: str) -> Path:
     """Where the batch shell (or an early handler) records a stop request for `job_id`."""
-    return Path(run_dir) / "requeue" / f"stop-{job_id}"
+    return layout.marker(run_dir, "stop", job_id)
 
 
 def requested(run_dir: str | os.PathLike, job_id: Optional[str]) -> bool:

@@ -7,7 +7,7 @@ enn_digits() { case "$1" in ''|*[!0-9]*) return 1 ;; esac; [ "${#1}" -le 12 ]; }
 # and written only by a rename into a requeue/ that is a real directory.
 enn_regular() { [ -f "$1" ] && [ ! -L "$1" ]; }
 enn_write_requeue() {
-  local dir="$ENN_RUN_DIR/requeue" tmp
+  local dir="$ENN_RUN_DIR/@REQUEUE@" tmp
   if [ -L "$dir" ] || ! mkdir -p -- "$dir" || [ -L "$dir" ]; then
     echo "enn: $dir is not a directory of this run; not writing $1" >&2
     return 1
@@ -46,9 +46,9 @@ enn_requeue_if_asked() {
     echo "enn: SLURM_JOB_ID or ENN_MAX_RESTARTS is not a whole number; not requeueing" >&2
     return 1
   fi
-  marker="$ENN_RUN_DIR/requeue/$SLURM_JOB_ID"
-  refused="$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID"
-  failures_file="$ENN_RUN_DIR/requeue/failures-$SLURM_JOB_ID"
+  marker="$ENN_RUN_DIR/@REQUEUE@/@MARK_REQUEUE@$SLURM_JOB_ID"
+  refused="$ENN_RUN_DIR/@REQUEUE@/@MARK_REFUSED@$SLURM_JOB_ID"
+  failures_file="$ENN_RUN_DIR/@REQUEUE@/@MARK_FAILURES@$SLURM_JOB_ID"
   if [ -e "$refused" ] || [ -L "$refused" ]; then
     why="(its note is not a regular file)"
     enn_regular "$refused" && why=$(head -n 1 -- "$refused" | head -c 400)
@@ -104,7 +104,7 @@ enn_on_exit() {
   local rc=$?
   enn_requeue_if_asked "$rc" && return 0
   enn_digits "${SLURM_JOB_ID:-}" || return 0
-  enn_write_requeue "$ENN_RUN_DIR/requeue/ended-$SLURM_JOB_ID" "$(printf 'rc=%s\ntime=%s%s' \
+  enn_write_requeue "$ENN_RUN_DIR/@REQUEUE@/@MARK_ENDED@$SLURM_JOB_ID" "$(printf 'rc=%s\ntime=%s%s' \
     "$rc" "$(date +%s)" "${enn_short:+$'\n'$enn_short}")" || true
 }
 trap enn_on_exit EXIT
@@ -114,10 +114,10 @@ trap enn_on_exit EXIT
 # shell only; the trap records RUN_DIR/requeue/stop-JOB_ID, which rank 0 polls every step.
 # What an earlier attempt of this job id left (a Slurm-side requeue kills this shell before
 # its EXIT trap runs) must neither stop this attempt nor decide its requeue.
-enn_stop_file="$ENN_RUN_DIR/requeue/stop-$SLURM_JOB_ID"
-rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/requeue/$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/refused-$SLURM_JOB_ID" \
-  "$ENN_RUN_DIR/requeue/relaunch-$SLURM_JOB_ID" "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID" \
-  "$ENN_RUN_DIR/requeue/ended-$SLURM_JOB_ID"
+enn_stop_file="$ENN_RUN_DIR/@REQUEUE@/@MARK_STOP@$SLURM_JOB_ID"
+rm -f -- "$enn_stop_file" "$ENN_RUN_DIR/@REQUEUE@/@MARK_REQUEUE@$SLURM_JOB_ID" "$ENN_RUN_DIR/@REQUEUE@/@MARK_REFUSED@$SLURM_JOB_ID" \
+  "$ENN_RUN_DIR/@REQUEUE@/@MARK_RELAUNCH@$SLURM_JOB_ID" "$ENN_RUN_DIR/@REQUEUE@/@MARK_PROBING@$SLURM_JOB_ID" \
+  "$ENN_RUN_DIR/@REQUEUE@/@MARK_ENDED@$SLURM_JOB_ID"
 enn_short=""  # lost=..., nodes=..., min=... when a lost node leaves fewer than ENN_MIN_NODES
 enn_request_stop() {
   enn_write_requeue "$enn_stop_file" "$(date +%s)" || return 0
@@ -161,14 +161,14 @@ enn_watch_step() {  # $1 srun's pid, $2 the decision file; the nodes in enn_node
     if enn_step_tasks_here; then seen=1 gone=0 ended=""; continue; fi
     [ "$seen" = 1 ] && gone=$((gone + 1)) && ended="${ended:-$(date +%s.%N)}"
     [ "$gone" -ge 2 ] || continue  # gone twice: srun waits on another node
-    mkdir -p -- "$ENN_RUN_DIR/requeue" && date +%s > "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
+    mkdir -p -- "$ENN_RUN_DIR/@REQUEUE@" && date +%s > "$ENN_RUN_DIR/@REQUEUE@/@MARK_PROBING@$SLURM_JOB_ID"
     echo "enn: the step's tasks on $(hostname) ended but srun waits: probing ${enn_nodes[*]}" >&2
     alive=$(enn_probe_nodes "${enn_nodes[@]}" | sort | paste -sd, -)
     lost=""
     for node in "${enn_nodes[@]}"; do
       case ",$alive," in *",$node,"*) ;; *) lost="${lost:+$lost,}$node" ;; esac
     done
-    rm -f -- "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
+    rm -f -- "$ENN_RUN_DIR/@REQUEUE@/@MARK_PROBING@$SLURM_JOB_ID"
     if [ -z "$lost" ]; then gone=-10; continue; fi  # every node answers: not a lost node
     if [ -n "${SLURMD_NODENAME:-}" ] && [[ ",$lost," == *",$SLURMD_NODENAME,"* ]]; then
       # this shell's own node did not answer: the probe (the controller) is what is slow
@@ -182,7 +182,7 @@ enn_watch_step() {  # $1 srun's pid, $2 the decision file; the nodes in enn_node
   done
 }
 srun() {
-  local pid watcher rc decision="$ENN_RUN_DIR/requeue/decision-$SLURM_JOB_ID" lost alive tpn
+  local pid watcher rc decision="$ENN_RUN_DIR/@REQUEUE@/@MARK_DECISION@$SLURM_JOB_ID" lost alive tpn
   local relaunch=0 step_args=() node watch=0
   tpn="${ENN_GPUS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-}}"
   if enn_digits "${ENN_MIN_NODES:-}" && enn_digits "$tpn"; then
@@ -209,7 +209,7 @@ srun() {
       kill -0 "$pid" 2>/dev/null || break
     done
     [ -z "$watcher" ] || { kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null || true; }
-    rm -f -- "$ENN_RUN_DIR/requeue/probing-$SLURM_JOB_ID"
+    rm -f -- "$ENN_RUN_DIR/@REQUEUE@/@MARK_PROBING@$SLURM_JOB_ID"
     [ -s "$decision" ] || break
     lost=$(sed -n 's/^lost=//p' "$decision") alive=$(sed -n 's/^nodes=//p' "$decision")
     read -r -a enn_nodes <<< "${alive//,/ }"
@@ -223,7 +223,7 @@ srun() {
     relaunch=$((relaunch + 1))
     export ENN_RELAUNCH="$relaunch"
     { cat -- "$decision"; echo "relaunch=$relaunch"; echo "launched=$(date +%s.%N)"; } \
-      > "$ENN_RUN_DIR/requeue/relaunch-$SLURM_JOB_ID"
+      > "$ENN_RUN_DIR/@REQUEUE@/@MARK_RELAUNCH@$SLURM_JOB_ID"
     echo "enn: lost node(s) $lost: relaunching on ${#enn_nodes[@]} nodes ($alive), relaunch $relaunch" >&2
     step_args=(--overlap --mem=0 "--nodes=${#enn_nodes[@]}" "--ntasks-per-node=$((10#$tpn))"
       "--ntasks=$((${#enn_nodes[@]} * 10#$tpn))" "--nodelist=$alive")
@@ -244,7 +244,7 @@ if [ -n "$enn_lock_job" ] && [ "$enn_lock_job" != "${SLURM_JOB_ID:-}" ] && comma
   if enn_lock_says=$(timeout 30 scontrol show job -o "$enn_lock_job" 2>&1); then
     # a job whose own batch shell recorded its end holds nothing while Slurm cleans up
     [[ " $enn_lock_says " != *" JobState=COMPLETING "* ]] \
-      || ! enn_regular "$ENN_RUN_DIR/requeue/ended-$enn_lock_job" || enn_lock_says="JobState=ENDED"
+      || ! enn_regular "$ENN_RUN_DIR/@REQUEUE@/@MARK_ENDED@$enn_lock_job" || enn_lock_says="JobState=ENDED"
     case " $enn_lock_says " in
       @LIVE_STATE_PATTERNS@) export ENN_LOCK_JOB_STATE="$enn_lock_job:alive" ;;
       *" JobState="*) export ENN_LOCK_JOB_STATE="$enn_lock_job:gone" ;;
