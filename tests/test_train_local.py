@@ -129,6 +129,37 @@ def test_fsdp_run_resumes_under_ddp_with_async_checkpoints(tmp_path):
     assert verify.returncode == 0 and "step-56: OK" in verify.stdout and "step-48: OK" in verify.stdout
 
 
+def test_eval_every_steps_and_at_the_end_of_a_run_shorter_than_an_epoch(tmp_path):
+    """training.eval_every_steps evaluates within an epoch, and every run ends evaluated
+    (10 and 13 steps of a 14-step epoch); the loss is the mean over the eval rows of the
+    checkpoint's own forward."""
+    import numpy as np
+    import torch
+
+    import enn_cluster
+    from enn_cluster.storage.staging import open_array, read_manifest
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "evals", parallel={"nodes": 1, "procs_per_node": 2},
+        training={"max_steps": 10, "eval_every_steps": 4}))
+    res = cli("train", "--config", cfg)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "evals"
+    assert [(r["step"], r["epoch"]) for r in metrics(run, "eval")] == [(4, 0), (8, 0), (10, 0)]
+    res = cli("resume", run, "--set", "training.max_steps=13")
+    assert res.returncode == 0, res.stderr[-3000:]
+    evals = metrics(run, "eval")
+    assert [r["step"] for r in evals] == [4, 8, 10, 12, 13]
+    manifest = read_manifest(run / "data")
+    lo, hi = manifest["eval_rows"]
+    x = torch.from_numpy(np.array(open_array(run / "data", "train_x")[lo:hi]))
+    y = torch.from_numpy(np.array(open_array(run / "data", "train_y")[lo:hi]))
+    model = enn_cluster.Run.open(run).load_model(13, raw=True)
+    with torch.no_grad():
+        expect = float(torch.nn.functional.mse_loss(model(x), y))
+    assert math.isclose(evals[-1]["eval_loss"], expect, rel_tol=1e-5), (evals[-1], expect)
+
+
 def test_non_finite_losses_abort_with_a_clear_message(tmp_path):
     import numpy as np
 

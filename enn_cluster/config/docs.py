@@ -121,6 +121,11 @@ DESCRIPTIONS = {
     "training.weight_decay": "AdamW weight decay (>= 0).",
     "training.warmup_ratio": "Fraction of the total steps spent in linear warmup, then "
                              "cosine decay to 0.1 x `lr`; in [0, 1).",
+    "training.eval_every_steps": "Also evaluate on the eval rows (`data.eval_path` or "
+                                 "`data.eval_fraction`) every N optimizer steps; 0: at each "
+                                 "epoch's end only. Every run that trains evaluates once "
+                                 "more at its last step (a `max_steps` run shorter than an "
+                                 "epoch included), not at a stop that will be resumed.",
     "training.grad_clip": "Clip the global gradient norm to this value; 0 disables clipping.",
     "training.seed": "Seed for the initial weights and the per-epoch data permutation.",
     "training.bf16": "`auto` (bf16 on GPU only), `true` or `false`; FSDP keeps fp32 "

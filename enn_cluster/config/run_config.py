@@ -154,6 +154,7 @@ class TrainingConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_ratio: float = 0.0
+    eval_every_steps: int = 0  # also evaluate every N steps; 0: at epoch ends (and the end)
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 0
     bf16: str = "auto"  # auto (GPU only) | true | false
@@ -170,6 +171,8 @@ class TrainingConfig:
         _bounded("training.gradient_accumulation_steps", self.gradient_accumulation_steps,
                  MAX_BATCH_ROWS)
         _non_negative("training.global_batch_size", self.global_batch_size)
+        _non_negative("training.eval_every_steps", self.eval_every_steps)
+        _bounded("training.eval_every_steps", max(self.eval_every_steps, 1), MAX_COUNT)
         _bounded("training.global_batch_size", max(self.global_batch_size, 1), MAX_GLOBAL_BATCH)
         _positive("training.max_nonfinite_steps", self.max_nonfinite_steps)
         _seed("training.seed", self.seed)

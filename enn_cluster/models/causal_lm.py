@@ -136,14 +136,15 @@ def is_adapter(name: str) -> bool:
 
 
 def score(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """[rows, 2]: mean log-likelihood of each row's tokens after the first, and their count.
-    Right padding never changes an earlier position's logits (causal attention)."""
+    """[rows, 2]: mean log-likelihood of each row's tokens after the first, and their count
+    (NaN and 0 for a row of one token: nothing was predicted, so no score, not a perfect
+    0.0). Right padding never changes an earlier position's logits (causal attention)."""
     ids = ids.long()
     valid = ids[:, 1:] >= 0
     logits = model(ids.clamp(min=0)).float()[:, :-1]
     logp = F.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].clamp(min=0).unsqueeze(-1))[..., 0]
     n = valid.sum(dim=1)
-    mean = (logp * valid).sum(dim=1) / n.clamp(min=1)
+    mean = torch.where(n > 0, (logp * valid).sum(dim=1) / n.clamp(min=1), float("nan"))
     return torch.stack([mean, n.to(mean.dtype)], dim=1)
 
 

@@ -245,6 +245,10 @@ class Trainer:
             raise TrainingAborted(reason)
         return skipped
 
+    def _write_eval(self, epoch: int) -> None:
+        self.metrics.write("eval", step=self.step, epoch=epoch, eval_loss=self.evaluate())
+        self.last_eval = self.step
+
     def evaluate(self) -> float:
         """Mean eval loss; every rank runs the same number of forwards (FSDP collectives)."""
         return mean_eval_loss(self.sm, self.cfg.model.task,
@@ -319,6 +323,7 @@ class Trainer:
         self._write_start()
         perm_epoch, perm = -1, None
         last_saved = self.step if store.latest_committed(self.run.checkpoints) == self.step else -1
+        first_step, self.last_eval, every_eval = self.step, -1, cfg.training.eval_every_steps
         stop_file = StopPoller(self.run.path, self.env.job_id, self.env.rank)  # batch shell's USR2
         log_step = True
         while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
@@ -349,9 +354,9 @@ class Trainer:
             if log_step:
                 self.metrics.write("train", step=self.step, epoch=epoch_before,
                                    peak_mem_mb=round(peak_memory_mb(), 1), **stats)
-            if self.pos.epoch != epoch_before and self.eval_x is not None:
-                self.metrics.write("eval", step=self.step, epoch=epoch_before,
-                                   eval_loss=self.evaluate())
+            if self.eval_x is not None and (self.pos.epoch != epoch_before or every_eval and
+                                            self.step % every_eval == 0):
+                self._write_eval(epoch_before)
             if not still_open:
                 self.saver.finish_pending(self.step)
             if stop:
@@ -361,6 +366,8 @@ class Trainer:
                 self.save(async_save=self.saver.async_periodic)
                 last_saved = self.step
         self.saver.finish_pending(self.step)
+        if self.eval_x is not None and self.step > first_step and self.last_eval != self.step:
+            self._write_eval(epoch_before)  # a run ends evaluated, at an epoch's end or not
         self._profiled(self.profiler.after_step(self.step, final=True))
         if not log_step:  # the steps after the last log step (a loop ended by epochs)
             self._check_nonfinite()
