@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import shutil
 
+import pytest
 
 from helpers import cli, faults, full_params, metrics, small_config, write_config
 
@@ -132,20 +133,25 @@ def test_fsdp_run_resumes_under_ddp_with_async_checkpoints(tmp_path):
 def test_eval_every_steps_and_at_the_end_of_a_run_shorter_than_an_epoch(tmp_path):
     """training.eval_every_steps evaluates within an epoch, and every run ends evaluated
     (10 and 13 steps of a 14-step epoch); the loss is the mean over the eval rows of the
-    checkpoint's own forward."""
+    checkpoint's own forward. The run's lr follows training.lr_schedule."""
     import numpy as np
     import torch
 
     import enn_cluster
+    from enn_cluster.config.schedule import lr_at
     from enn_cluster.storage.staging import open_array, read_manifest
 
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "evals", parallel={"nodes": 1, "procs_per_node": 2},
-        training={"max_steps": 10, "eval_every_steps": 4}))
+        training={"max_steps": 10, "eval_every_steps": 4, "lr_schedule": "linear",
+                  "min_lr_ratio": 0.5, "adam_beta2": 0.95}))
     res = cli("train", "--config", cfg)
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "runs" / "evals"
     assert [(r["step"], r["epoch"]) for r in metrics(run, "eval")] == [(4, 0), (8, 0), (10, 0)]
+    t = small_config(tmp_path)["training"]  # the schedule asked for, step by step
+    assert [r["lr"] for r in metrics(run, "train")] == pytest.approx(
+        [lr_at(s, 10, t["lr"], t["warmup_ratio"], 0.5, "linear") for s in range(10)])
     res = cli("resume", run, "--set", "training.max_steps=13")
     assert res.returncode == 0, res.stderr[-3000:]
     evals = metrics(run, "eval")

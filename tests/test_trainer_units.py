@@ -236,6 +236,11 @@ def test_defaults_differ_on_gpu_and_cpu_and_explicit_values_win():
     (["checkpoint.writer_threads=17"], "checkpoint.writer_threads: 17 must be 0 (auto) to 16"),
     (["checkpoint.async_save=sometimes"], "checkpoint.async_save"),
     (["logging.every_steps=-2"], "logging.every_steps: -2 must be >= 0"),
+    (["training.lr_schedule=step"], "training.lr_schedule"),
+    (["training.min_lr_ratio=1.5"], "training.min_lr_ratio: 1.5 must be in"),
+    (["training.adam_beta2=1"], "training.adam_beta2: 1.0 must be in"),
+    (["training.adam_eps=0"], "training.adam_eps: 0.0 must be in (0, 1]"),
+    (["training.eval_every_steps=-1"], "training.eval_every_steps: -1 must be >= 0"),
 ])
 def test_bad_cadence_settings_name_the_key(tmp_path, overrides, message):
     from enn_cluster.config.loading import load_config
@@ -296,3 +301,55 @@ def test_time_based_checkpoints_are_agreed_and_carry_their_metrics(tmp_path):
     assert [r["step"] for r in metrics(run, "train")] == saved
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         f"step-{s}" for s in saved]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_lr_schedules_after_warmup_are_torch_s_own(schedule):
+    """lr_at against torch.optim.lr_scheduler over the same steps: CosineAnnealingLR to
+    eta_min, LinearLR to end_factor, ConstantLR with factor 1 (no warmup; warmup is the
+    documented (s + 1) / W ramp, checked after)."""
+    import torch
+
+    from enn_cluster.config.schedule import lr_at
+
+    total, lr, floor = 37, 3e-3, 0.2
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = {"cosine": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(
+                 opt, T_max=total, eta_min=floor * lr),
+             "linear": lambda: torch.optim.lr_scheduler.LinearLR(
+                 opt, start_factor=1.0, end_factor=floor, total_iters=total),
+             "constant": lambda: torch.optim.lr_scheduler.ConstantLR(
+                 opt, factor=1.0, total_iters=total)}[schedule]()
+    theirs = []
+    for _ in range(total + 1):
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ours = [lr_at(s, total, lr, 0.0, floor, schedule) for s in range(total + 1)]
+    assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-15)
+    warm = [lr_at(s, 100, lr, 0.1, floor, schedule) for s in range(11)]
+    assert warm[:10] == pytest.approx([lr * (s + 1) / 10 for s in range(10)])
+    assert warm[10] == pytest.approx(lr)  # the decay starts from lr
+
+
+def test_a_resume_takes_the_config_s_optimizer_settings_not_the_checkpoint_s():
+    """A loaded AdamW state brings the betas, eps and weight decay it was saved with;
+    apply_hyperparameters gives the run's config the last word (and the fused kernel)."""
+    import torch
+
+    from enn_cluster.config.run_config import TrainingConfig
+    from enn_cluster.worker.step_math import apply_hyperparameters, new_optimizer
+
+    param = torch.nn.Parameter(torch.ones(3))
+    old = new_optimizer([param], TrainingConfig(adam_beta2=0.95, adam_eps=1e-6, weight_decay=0.1))
+    param.grad = torch.ones(3)
+    old.step()
+    t = TrainingConfig(adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-7, weight_decay=0.0)
+    new = new_optimizer([param], t)
+    new.load_state_dict(old.state_dict())
+    assert new.param_groups[0]["betas"] == (0.9, 0.95)  # the checkpoint's, as loaded
+    apply_hyperparameters(new, t)
+    group = new.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"], group["fused"]) == \
+        ((0.8, 0.99), 1e-7, 0.0, True)
+    assert int(new.state[param]["step"]) == 1  # the moments and step count are kept

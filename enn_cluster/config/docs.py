@@ -85,7 +85,10 @@ DESCRIPTIONS = {
     "data.tokenizer": "Causal LM: directory of the tokenizer files; empty: the model's "
                       "weights directory.",
     "lora.r": "Adapter rank; 0 (the default) fine-tunes every weight, > 0 trains LoRA "
-              "adapters only.",
+              "adapters only. Initialisation (whatever the world size): each `lora_A` "
+              "uniform in [-1/sqrt(in), 1/sqrt(in)] (in: its input features) from a "
+              "generator seeded by `training.seed` x 1000003 + crc32(its parameter name), "
+              "each `lora_B` zero, so training starts from the base model's output.",
     "lora.alpha": "LoRA scaling numerator (the update is scaled by alpha / r).",
     "lora.dropout": "Dropout on the adapters' input, in [0, 1).",
     "lora.target_modules": "Names of the linear modules that get adapters (peft's "
@@ -118,9 +121,21 @@ DESCRIPTIONS = {
                                   "uninterrupted run. Setting it on resume re-plans the "
                                   "schedule from the current step.",
     "training.lr": "Peak AdamW learning rate (> 0).",
-    "training.weight_decay": "AdamW weight decay (>= 0).",
-    "training.warmup_ratio": "Fraction of the total steps spent in linear warmup, then "
-                             "cosine decay to 0.1 x `lr`; in [0, 1).",
+    "training.weight_decay": "AdamW weight decay (>= 0), decoupled as torch's AdamW "
+                             "applies it, to every trained parameter.",
+    "training.warmup_ratio": "Fraction of the total steps spent in linear warmup, in [0, "
+                             "1): W = floor(total steps x ratio) steps, step s (from 0) at "
+                             "`lr` x (s + 1) / W; then `lr_schedule`.",
+    "training.lr_schedule": "After warmup: `cosine` (the default) or `linear` decay from "
+                            "`lr` to `min_lr_ratio` x `lr` at the last step, or `constant` "
+                            "`lr`. Step s of T after W warmup steps: p = (s - W) / (T - W); "
+                            "cosine: `lr` x (m + (1 - m) x (1 + cos(pi p)) / 2), linear: "
+                            "`lr` x (m + (1 - m) x (1 - p)).",
+    "training.min_lr_ratio": "Where `cosine` and `linear` decay end, as a fraction of `lr` "
+                             "(m above), in [0, 1].",
+    "training.adam_beta1": "AdamW's beta1, in [0, 1); a resume takes a new value.",
+    "training.adam_beta2": "AdamW's beta2, in [0, 1); a resume takes a new value.",
+    "training.adam_eps": "AdamW's epsilon, in (0, 1]; a resume takes a new value.",
     "training.eval_every_steps": "Also evaluate on the eval rows (`data.eval_path` or "
                                  "`data.eval_fraction`) every N optimizer steps; 0: at each "
                                  "epoch's end only. Every run that trains evaluates once "

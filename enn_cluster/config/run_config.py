@@ -154,6 +154,11 @@ class TrainingConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_ratio: float = 0.0
+    lr_schedule: str = "cosine"  # after warmup: cosine | linear | constant
+    min_lr_ratio: float = 0.1  # cosine and linear end at this x lr
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     eval_every_steps: int = 0  # also evaluate every N steps; 0: at epoch ends (and the end)
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 0
@@ -182,6 +187,16 @@ class TrainingConfig:
             raise UserError("training.weight_decay / training.grad_clip: must be >= 0")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise UserError("training.warmup_ratio: must be in [0, 1)")
+        _choice("training.lr_schedule", str(self.lr_schedule), ("cosine", "linear", "constant"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"training.min_lr_ratio: {self.min_lr_ratio!r} must be in [0, 1], "
+                            "e.g. 0.1 (the decay ends at this x lr)")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise UserError(f"training.{key}: {getattr(self, key)!r} must be in [0, 1), "
+                                "e.g. 0.9 and 0.999")
+        if not 0.0 < self.adam_eps <= 1.0:
+            raise UserError(f"training.adam_eps: {self.adam_eps!r} must be in (0, 1], e.g. 1e-8")
         _choice("training.bf16", str(self.bf16).lower(), ("auto", "true", "false"))
         _choice("training.nonfinite_policy", str(self.nonfinite_policy),
                 ("skip", "abort", "skip_then_abort"))

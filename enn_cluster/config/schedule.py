@@ -27,15 +27,24 @@ class BatchPlan:
     dp_size: int
 
 
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
 def lr_at(step: int, total_steps: int, base_lr: float, warmup_ratio: float,
-          final_ratio: float = 0.1) -> float:
-    """Linear warmup, then cosine decay to `final_ratio * base_lr` at `total_steps`."""
+          final_ratio: float = 0.1, schedule: str = "cosine") -> float:
+    """The learning rate of the optimizer step that follows `step` completed steps:
+    W = floor(total_steps * warmup_ratio) warmup steps at base_lr * (step + 1) / W, then
+    `cosine` or `linear` decay from base_lr to final_ratio * base_lr at total_steps, or
+    `constant` base_lr. A pure function of the step, so a resume continues it exactly."""
     warmup = int(total_steps * warmup_ratio)
     if warmup and step < warmup:
         return base_lr * (step + 1) / warmup
+    if schedule == "constant":
+        return base_lr
     span = max(total_steps - warmup, 1)
     progress = min(max(step - warmup, 0) / span, 1.0)
-    return base_lr * (final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    left = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return base_lr * (final_ratio + (1 - final_ratio) * left)
 
 
 def requested_global_batch(t: TrainingConfig, dp_size: int) -> int:

@@ -93,13 +93,18 @@ def new_optimizer(params, t) -> torch.optim.Optimizer:
     """AdamW's fused kernel, whose `found_inf` input skips a step on the device itself
     (parameters, moments and step count untouched): the non-finite guard needs no
     device-to-host read per step."""
-    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
+    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True,
+                             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
 
 
-def keep_fused(optimizer: torch.optim.Optimizer) -> None:
-    """A loaded optimizer state (an older checkpoint) may carry fused=False in its groups."""
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, t) -> None:
+    """A loaded optimizer state brings its groups' settings from the checkpoint (fused=False
+    from an older one, the betas, eps and weight decay it was saved with): the run's config
+    decides them, so a resume with new values takes them, as it takes a new lr."""
     for group in optimizer.param_groups:
         group["fused"], group["foreach"] = True, None
+        group["betas"], group["eps"] = (t.adam_beta1, t.adam_beta2), t.adam_eps
+        group["weight_decay"] = t.weight_decay
 
 
 @dataclass

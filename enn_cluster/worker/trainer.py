@@ -58,7 +58,7 @@ from enn_cluster.worker.step_math import (
     GC_EVERY_STEPS,
     Cadence,
     StepNorm,
-    keep_fused,
+    apply_hyperparameters,
     new_optimizer,
     scheduled_gc,
 )
@@ -179,7 +179,8 @@ class Trainer:
         leaves them in `self.unread`, for a checkpoint agreed on during the step."""
         t, sm, dev = self.cfg.training, self.sm, self.lanes.device
         started = time.perf_counter()
-        lr = lr_at(self.step, self.total_steps, t.lr, t.warmup_ratio)
+        lr = lr_at(self.step, self.total_steps, t.lr, t.warmup_ratio, t.min_lr_ratio,
+                   t.lr_schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
@@ -273,7 +274,7 @@ class Trainer:
         step, state = found
         if self.base_weights:
             check_same_base(state.get("base_weights"), self.base_weights, step)
-        keep_fused(self.optimizer)
+        apply_hyperparameters(self.optimizer, self.cfg.training)
         changed = self.load_state_dict(state)
         b = self.batch
         # an API run's step-0 checkpoint holds the caller's weights: loading it is the
