@@ -115,3 +115,19 @@ def test_a_rank_of_the_failed_step_never_joins_the_relaunch_on_the_same_port():
     stale.set("addr/0", "stale")
     peer = rendezvous_store(replace(new, rank=1), timedelta(seconds=10))
     assert store.get("addr/0") == peer.get("addr/0") == b"new"
+
+
+def test_a_refusal_note_is_written_by_the_worker_and_read_as_one_printable_line(tmp_path):
+    """worker/entry.record_refusal writes requeue/refused-JOB; status and doctor read its
+    first line as untrusted text: no terminal escape, no FIFO opened, nothing oversized."""
+    from enn_cluster.worker.entry import record_refusal
+
+    (tmp_path / "requeue").mkdir()
+    record_refusal(str(tmp_path), "41", "data.train_path: /d/x\u00e9.npy \x1b[2J is missing;\nfix it")
+    assert node_loss.read_refusal(tmp_path, "41") == \
+        "data.train_path: /d/x\u00e9.npy ?[2J is missing; fix it"
+    assert node_loss.read_refusal(tmp_path, "42") is None
+    os.mkfifo(tmp_path / "requeue" / "refused-43")
+    assert node_loss.read_refusal(tmp_path, "43") is None
+    _write(tmp_path, "refused-44", "x" * (node_loss.MAX_BYTES + 1))
+    assert node_loss.read_refusal(tmp_path, "44") is None

@@ -185,3 +185,12 @@ def test_a_rank_refusing_its_input_alone_is_never_requeued(slurm_cluster, tmp_pa
     lines = res.stderr.splitlines()
     assert f"Slurm job {job}: FAILED" in res.stderr and any(refusal in line for line in lines), res.stderr
     assert f"the ranks' logs: enn-submit logs {run} --rank R" in lines, res.stderr
+    # issue 40: the reason is where an operator looks next, status and doctor
+    status = cli("status", run, timeout=60)
+    line = next(ln for ln in status.stdout.splitlines() if ln.startswith("refused:"))
+    assert f"job {job} refused its input and was not requeued: out of memory at step 2 on " \
+        "rank 1 with micro-batch 1" in line and line.endswith(f"enn-submit resume {run}"), line
+    doctor = cli("doctor", run, timeout=120)
+    logs = next(ln for ln in doctor.stdout.splitlines() if ln.startswith("logs "))
+    assert doctor.returncode == 1 and logs.split()[1] == "problem", doctor.stdout
+    assert f"job {job} refused its input (not requeued): out of memory at step 2" in logs, logs

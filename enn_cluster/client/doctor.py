@@ -22,7 +22,7 @@ from typing import Optional
 
 from enn_cluster.client.status import save_grace_line
 from enn_cluster.errors import UserError
-from enn_cluster.storage import backend_report
+from enn_cluster.storage import backend_report, node_loss
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import oom_record
 from enn_cluster.storage import prediction_manifest as pm
@@ -186,8 +186,24 @@ def _attempt_findings(log_dir: Path, newest: bool, live: bool) -> tuple[str, lis
     return level, notes
 
 
+def _newest_refusal(run: RunDir) -> Optional[str]:
+    """The refusal note of the run's newest Slurm job, as one line, or None."""
+    try:
+        jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
+    except UserError:  # damaged jobs.jsonl: the files check names it
+        return None
+    if not jobs:
+        return None
+    job = str(jobs[-1]["job_id"])
+    note = node_loss.read_refusal(run.path, job)
+    return f"job {job} refused its input (not requeued): {note}" if note else None
+
+
 def check_logs(run: RunDir, live: bool, q: str) -> Finding:
     dirs = attempt_dirs(run)
+    refusal = _newest_refusal(run) if not live else None
+    if refusal and not dirs:  # refused before any rank wrote a log (version skew)
+        return Finding("logs", "problem", refusal, f"enn-submit status {q}")
     if not dirs:
         return Finding("logs", "warning", "no worker logs: the run never started",
                        f"enn-submit status {q}")
@@ -211,6 +227,9 @@ def check_logs(run: RunDir, live: bool, q: str) -> Finding:
     if losses:
         lines += losses
         worst = max(worst, "warning", key=LEVELS.index)
+    if refusal:  # why the job stopped comes first, whatever its ranks' logs say after it
+        lines.insert(0, refusal)
+        worst, more = "problem", f"enn-submit status {q}"
     detail = "; ".join(lines) if lines else f"{len(dirs)} attempt(s), every rank ended cleanly"
     return Finding("logs", worst, detail, more)
 

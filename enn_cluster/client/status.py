@@ -76,6 +76,7 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
         status["slurm"] = slurm.job_state(str(slurm_jobs[-1]["job_id"]))
         status["probing_since"] = node_loss.probing_since(run.path, str(slurm_jobs[-1]["job_id"]))
         status["ended"] = node_loss.read_ended(run.path, str(slurm_jobs[-1]["job_id"]))
+        status["refused"] = node_loss.read_refusal(run.path, str(slurm_jobs[-1]["job_id"]))
     return status
 
 
@@ -220,6 +221,11 @@ def node_loss_lines(st: dict) -> list[str]:
     if st.get("probing_since") and live(st):
         lines.append(f"probing:         since {_clock(st['probing_since'])} the job's ranks "
                      "on its first node have ended: asking which nodes still answer")
+    if st.get("refused") and not st.get("lock"):
+        job = (st.get("slurm") or {}).get("job_id", "?")
+        lines.append(f"refused:         job {job} refused its input and was not requeued: "
+                     f"{st['refused']}; fix that, then enn-submit resume "
+                     f"{shlex.quote(st['run_dir'])}")
     ended = st.get("ended") or {}
     if ended.get("lost") and not st.get("lock"):
         answered = len(ended["nodes"])

@@ -1,5 +1,5 @@
-"""A node lost inside a Slurm allocation, as the batch shell (cluster/templates/
-host_setup.sh) leaves it in RUN_DIR/requeue/ for the workers and `status`:
+"""How a Slurm job ended or went on, as the batch shell (cluster/templates/host_setup.sh)
+and the workers leave it in RUN_DIR/requeue/ for the workers, `status` and `doctor`:
 
 - ``probing-JOB``: the epoch second the shell began asking which nodes still answer (the
   step's tasks on its node had ended, srun still waited); gone once the probe answered.
@@ -14,6 +14,9 @@ host_setup.sh) leaves it in RUN_DIR/requeue/ for the workers and `status`:
   answered), ``min``. No task of the job runs after it; Slurm may still show the job
   COMPLETING for minutes (it waits for the lost node's cleanup), and this record is what
   frees the run for `resume` then (`ended_by_itself`) and what `status` explains.
+
+- ``refused-JOB``: a rank refused its input (exit 2), one line saying why (worker/entry.py
+  writes it); the job is not requeued, and `status` and `doctor` show the line.
 
 All are read as untrusted: regular files of bounded size, every value checked; anything
 else reads as absent (the run goes on, only the record is lost).
@@ -33,9 +36,9 @@ _HOST = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _NUMBER = re.compile(r"^\d{1,12}(\.\d{1,9})?$")
 
 
-def _read_small(path: Path) -> Optional[str]:
+def _read_small(path: Path, encoding: str = "ascii") -> Optional[str]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: no wait
     except OSError:
         return None
     try:
@@ -46,7 +49,7 @@ def _read_small(path: Path) -> Optional[str]:
         os.close(fd)
     if len(data) > MAX_BYTES:
         return None
-    return data.decode("ascii", "replace")
+    return data.decode(encoding, "replace")
 
 
 def _hosts(text: str) -> Optional[list[str]]:
@@ -113,6 +116,15 @@ def parse_ended(text: str) -> Optional[dict]:
 def read_ended(run_path: Path, job_id: str) -> Optional[dict]:
     text = _read_small(layout.marker(run_path, "ended", job_id))
     return parse_ended(text) if text is not None else None
+
+
+def read_refusal(run_path: Path, job_id: str) -> Optional[str]:
+    """Why a rank of `job_id` refused its input: the note's first line, printable characters
+    only (it may hold a path in any script), or None where there is none."""
+    text = _read_small(layout.marker(run_path, "refused", job_id), "utf-8")
+    line = (text or "").split("\n", 1)[0]
+    line = "".join(c if c.isprintable() else "?" for c in line).strip()
+    return line[:400] or None
 
 
 def ended_by_itself(run_path: Path, job_id) -> bool:
