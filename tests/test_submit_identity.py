@@ -119,13 +119,18 @@ def test_worker_defaults_allocator_and_caches_where_home_is_missing(tmp_path):
     assert out == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert process_defaults({"HOME": str(home), "PYTORCH_CUDA_ALLOC_CONF": "backend:native"}) == {}
     assert process_defaults({"HOME": str(home), "PYTORCH_ALLOC_CONF": "x:y"}) == {}
-    missing = process_defaults({"HOME": "/home/nobody-here", "TMPDIR": "/scratch/local",
+    missing = process_defaults({"HOME": "/home/nobody-here", "TMPDIR": str(tmp_path),
                                 "TRITON_CACHE_DIR": "/mine"}, uid=7)
-    assert missing["HOME"] == "/scratch/local/enn-cache-7"
-    assert missing["XDG_CACHE_HOME"] == "/scratch/local/enn-cache-7/xdg"
-    assert missing["TORCHINDUCTOR_CACHE_DIR"] == "/scratch/local/enn-cache-7/inductor"
-    assert "TRITON_CACHE_DIR" not in missing  # the user's kept
+    assert missing["HOME"] == f"{tmp_path}/enn-cache-7"
+    assert missing["XDG_CACHE_HOME"] == f"{tmp_path}/enn-cache-7/xdg"
+    assert missing["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/enn-cache-7/inductor"
+    assert "TRITON_CACHE_DIR" not in missing and "TMPDIR" not in missing  # the user's kept
     assert process_defaults({}, uid=3)["HOME"] == "/tmp/enn-cache-3"
+    # issue 39: a site's per-job TMPDIR that the container's read-only root lacks
+    site = process_defaults({"HOME": "/home/nobody-here", "TMPDIR": "/local/job-9"}, uid=7)
+    assert (site["TMPDIR"], site["HOME"]) == ("/tmp", "/tmp/enn-cache-7")
+    kept_home = process_defaults({"HOME": str(home), "TMPDIR": "/local/job-9"}, uid=7)
+    assert kept_home["TMPDIR"] == "/tmp" and "HOME" not in kept_home
 
 
 def test_a_worker_whose_home_is_missing_trains_with_caches_in_scratch(tmp_path):
@@ -181,3 +186,22 @@ def test_an_image_holding_other_code_is_refused_through_pyxis(pyxis_cluster, tes
     assert line in logs, logs[-3000:]
     assert "requeueing" not in logs.replace("not requeueing", ""), logs[-3000:]
     assert not (run / "metrics.jsonl").exists(), state
+
+
+def test_workers_start_where_the_site_s_tmpdir_and_home_do_not_exist(tmp_path):
+    """A real run whose TMPDIR and HOME name paths that do not exist on this node (a site's
+    per-job TMPDIR on the host, a HOME the image lacks): every worker starts, says once
+    where temporary files and caches went, and the run trains."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "tmpdir", training={"max_steps": 2}, parallel={"nodes": 1, "procs_per_node": 2}))
+    gone = tmp_path / "not-here"
+    res = cli("train", "--config", cfg, env={"TMPDIR": str(gone / "job-9"),
+                                             "HOME": str(gone / "home")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    (logs,) = [d for d in (tmp_path / "runs" / "tmpdir" / "logs").iterdir() if d.is_dir()]
+    for rank in (0, 1):
+        text = (logs / f"rank-{rank}.log").read_text()
+        assert f"TMPDIR {gone}/job-9 is not a writable directory here: temporary files go " \
+               "to /tmp" in text, text[-2000:]
+        assert "HOME and caches under /tmp/enn-cache-" in text, text[-2000:]
+    assert not gone.exists()

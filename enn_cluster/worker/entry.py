@@ -47,6 +47,7 @@ def install_early_stop_handlers() -> None:
 
 
 _process_defaults: dict = {}  # what process_defaults set in this task (logged once logging is up)
+_tmpdir_given = ""  # TMPDIR as the launcher handed it down (process_defaults may replace it)
 
 
 def _attempt_tag(env) -> str:
@@ -79,6 +80,9 @@ def _setup_logging(run: RunDir, env) -> Path:
     log.info("worker rank %d/%d local %d node %d pid %d host %s launcher %s restart %d",
              env.rank, env.world_size, env.local_rank, env.node_rank, os.getpid(),
              socket.gethostname(), env.launcher, env.restart_count)
+    if "TMPDIR" in _process_defaults:  # a site's per-job path that the container lacks
+        log.info("TMPDIR %s is not a writable directory here: temporary files go to %s",
+                 _tmpdir_given, _process_defaults["TMPDIR"])
     if "HOME" in _process_defaults:  # --no-container-mount-home: a HOME the image lacks
         log.info("HOME is not a writable directory here: HOME and caches under %s",
                  _process_defaults["HOME"])
@@ -129,6 +133,8 @@ def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
     cleaned = clean_environment(os.environ, env)
     os.environ.clear()
     os.environ.update(cleaned)
+    global _tmpdir_given
+    _tmpdir_given = os.environ.get("TMPDIR", "")
     _process_defaults.update(process_defaults(os.environ))  # before CUDA starts; logged
     os.environ.update(_process_defaults)
     Path(os.environ["HOME"]).mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -139,6 +139,7 @@ def _names_library(value: str, directory: str, exists) -> bool:
 
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 CACHE_VARS = ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+SCRATCH_FALLBACKS = ("/tmp", "/dev/shm", "/var/tmp")  # an Enroot container: /tmp is a tmpfs
 
 
 def process_defaults(environ: Mapping[str, str], home_usable=None,
@@ -149,15 +150,21 @@ def process_defaults(environ: Mapping[str, str], home_usable=None,
     exist or cannot be written (`srun --no-container-mount-home` keeps the host's HOME, which
     the image lacks), HOME and the XDG, triton and inductor caches go to node-local
     scratch ($TMPDIR or /tmp, enn-cache-UID): triton, inductor and Hugging Face write
-    under ~/.cache and would fail."""
+    under ~/.cache and would fail. A TMPDIR that is not a writable directory here (a site's
+    per-job host path that the container's read-only root lacks) is replaced by the first
+    of SCRATCH_FALLBACKS that is, before anything writes a temporary file."""
     out = {}
     if not {ALLOC_CONF[0], "PYTORCH_ALLOC_CONF"} & set(environ):
         out[ALLOC_CONF[0]] = ALLOC_CONF[1]
     home = environ.get("HOME", "")
     usable = home_usable or (lambda path: bool(path) and os.path.isdir(path)
                              and os.access(path, os.W_OK))
+    tmp = environ.get("TMPDIR") or ""
+    if tmp and not usable(tmp):
+        tmp = out["TMPDIR"] = next((d for d in SCRATCH_FALLBACKS if usable(d)),
+                                   SCRATCH_FALLBACKS[0])
     if not usable(home):
-        scratch = os.path.join(environ.get("TMPDIR") or "/tmp",
+        scratch = os.path.join(tmp or SCRATCH_FALLBACKS[0],
                                f"enn-cache-{os.getuid() if uid is None else uid}")
         out["HOME"] = scratch
         for name, sub in zip(CACHE_VARS, ("xdg", "triton", "inductor")):
