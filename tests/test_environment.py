@@ -32,6 +32,23 @@ def test_slurm_discovery_and_cleaning():
     assert bound["OMP_NUM_THREADS"] == "12"
 
 
+def test_a_cyclic_task_layout_is_refused_naming_the_srun_flag():
+    """SLURM_DISTRIBUTION=cyclic (a site default) puts rank 1 on node 1: each node's shard
+    group would span nodes. The worker refuses (exit 2) before any lane opens; the block
+    layout of the same step passes."""
+    cyclic = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_NODEID": "1",
+              "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+              "SLURM_JOB_ID": "7", "SLURM_DISTRIBUTION": "cyclic"}
+    with pytest.raises(UserError, match=r"^SLURM_DISTRIBUTION: rank 1 is task 0 of node 1, "
+                       r"where a block layout puts rank 2: .*\(cyclic\).*"
+                       r"srun --distribution=block"):
+        discover(cyclic)
+    block = discover({**cyclic, "SLURM_PROCID": "2", "SLURM_DISTRIBUTION": "block"})
+    assert (block.rank, block.node_rank, block.local_rank) == (2, 1, 0)
+    uneven = {**cyclic, "SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_PROCID": "3"}
+    assert discover(uneven).local_world_size == 1
+
+
 def test_torchrun_and_local_discovery():
     tr = discover({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                    "GROUP_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1234",

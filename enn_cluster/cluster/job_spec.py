@@ -266,7 +266,9 @@ def cpu_lines(spec: JobSpec) -> list[str]:
     return lines
 
 
-SRUN_BASE_FLAGS = ("--kill-on-bad-exit=1",)
+# block: rank r runs on node r // tasks-per-node, as the (replicate, shard) mesh needs (a
+# site's SLURM_DISTRIBUTION=cyclic would stretch every shard group across nodes)
+SRUN_BASE_FLAGS = ("--kill-on-bad-exit=1", "--distribution=block")
 
 
 def srun_args(spec: JobSpec) -> list[str]:

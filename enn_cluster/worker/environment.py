@@ -132,9 +132,17 @@ def _from_slurm(environ: Mapping[str, str]) -> WorkerEnv:
     per_node_spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     per_node = expand_tasks_per_node(per_node_spec) if per_node_spec else [world]
     job_id = environ.get("SLURM_JOB_ID", "0")
+    rank, local_rank = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_LOCALID", 0)
+    block = sum(per_node[:node_rank]) + local_rank
+    if node_rank < len(per_node) and rank != block:
+        raise UserError(f"SLURM_DISTRIBUTION: rank {rank} is task {local_rank} of node "
+                        f"{node_rank}, where a block layout puts rank {block}: the tasks are "
+                        f"not laid out node by node ({environ.get('SLURM_DISTRIBUTION') or 'a site default'}), "
+                        "so each node's shard group would span nodes; start the step with "
+                        "srun --distribution=block (enn-submit's scripts do)")
     return WorkerEnv(
-        launcher="slurm", rank=_int(environ, "SLURM_PROCID"),
-        local_rank=_int(environ, "SLURM_LOCALID", 0), world_size=world,
+        launcher="slurm", rank=rank,
+        local_rank=local_rank, world_size=world,
         local_world_size=per_node[min(node_rank, len(per_node) - 1)],
         node_rank=node_rank, num_nodes=len(per_node),
         master_addr=environ.get("MASTER_ADDR") or hosts[0],
