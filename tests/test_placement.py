@@ -64,6 +64,22 @@ def test_numa_and_pci_from_a_fake_sysfs(tmp_path):
     assert placement.numa_cpus(str(tmp_path / "none")) == {}
 
 
+def test_a_cuda_device_s_pci_address_is_the_one_sysfs_names(tmp_path):
+    """cuda_bus_ids formats torch's device properties (a GPU build's; a fake with the same
+    attributes here): the address must find the device's numa_node in sysfs, domain
+    included; a build without pci_domain_id is domain 0."""
+    from types import SimpleNamespace
+
+    dev = tmp_path / "bus/pci/devices/0001:3b:00.0"
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text("1\n")
+    props = SimpleNamespace(pci_domain_id=1, pci_bus_id=0x3B, pci_device_id=0)
+    assert placement.pci_address(props) == "0001:3b:00.0"
+    assert placement.pci_numa_node(placement.pci_address(props), str(tmp_path)) == 1
+    old = SimpleNamespace(pci_bus_id=0xDB, pci_device_id=0x1F)
+    assert placement.pci_address(old) == "0000:db:1f.0"
+
+
 def test_describe_is_one_line():
     line = placement.describe(9, 1, [12, 13, 14, 15], 4, "slurm", "cuda:0 (GPU-ab12)", 0)
     assert line == ("placement: rank 9 local 1 gpu cuda:0 (GPU-ab12) numa 0 cpus 12-15 (4) "

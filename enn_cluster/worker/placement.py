@@ -254,11 +254,15 @@ def cuda_bus_ids() -> list[str]:
 
     if not torch.cuda.is_available():
         return []
-    out = []
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        out.append(f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
-    return out
+    return [pci_address(torch.cuda.get_device_properties(i))
+            for i in range(torch.cuda.device_count())]
+
+
+def pci_address(props) -> str:
+    """A CUDA device's PCI address as sysfs names it (/sys/bus/pci/devices/DDDD:BB:DD.0),
+    from its properties; a torch build without `pci_domain_id` means domain 0."""
+    return (f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:"
+            f"{props.pci_device_id:02x}.0")
 
 
 def place_task(env, device, sysfs_root: str = "/sys",
