@@ -7,6 +7,7 @@ import pytest
 
 from enn_cluster.config import nccl
 from enn_cluster.errors import UserError
+from helpers import ROOT
 
 
 def make_sysfs(root, rdma=(), net=("lo", "eth0"), drivers=None, ports=None):
@@ -240,3 +241,27 @@ def test_nccl_heartbeat_outlasts_the_collective_timeout():
 
     assert heartbeat_env(300) == {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}  # torch's default
     assert heartbeat_env(1800) == {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1920"}
+
+
+def test_a_locked_memory_limit_too_small_for_rdma_is_refused_with_the_fix(tmp_path):
+    """Issue 39: a login node's `ulimit -l` carried into the task makes NCCL's IB/EFA
+    registration fail at the first collective. The task reads its own limit (here one set
+    by prlimit on a real process) and a fabric profile refuses it in one line."""
+    import shutil
+    import subprocess
+    import sys
+
+    from enn_cluster.config.nccl import memlock_problem
+
+    line = memlock_problem("ib", 64 << 10)
+    assert line.startswith("ulimit -l: this task may lock 64 KiB of memory, and NCCL over ib")
+    assert "PropagateResourceLimitsExcept=MEMLOCK" in line and "\n" not in line
+    assert memlock_problem("efa", 8 << 20).startswith("ulimit -l: this task may lock 8192 KiB")
+    assert memlock_problem("ib", None) is None  # unlimited
+    assert memlock_problem("socket", 64 << 10) is None  # no RDMA, nothing pinned
+    if shutil.which("prlimit") is None:
+        pytest.skip("no prlimit")
+    code = "from enn_cluster.worker.entry import memlock_limit; print(memlock_limit())"
+    done = subprocess.run(["prlimit", "--memlock=65536:65536", sys.executable, "-c", code],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "65536", done.stderr

@@ -246,6 +246,23 @@ def flight_recorder_env(log_dir: str, environ: Mapping[str, str]) -> dict[str, s
     return {name: prefix for name in FR_FILE_VARS if name not in environ}
 
 
+MEMLOCK_ENOUGH = 1 << 40  # bytes a task may lock: above this counts as unlimited
+
+
+def memlock_problem(fabric: str, soft_limit: Optional[int]) -> Optional[str]:
+    """NCCL over InfiniBand or EFA registers its buffers with the NIC, which pins them:
+    a task whose `ulimit -l` is a login node's 64 KiB (Slurm propagates the submitting
+    shell's limits by default) fails inside NCCL at the first collective. None: fine
+    (`soft_limit` None is unlimited)."""
+    if fabric not in ("ib", "efa") or soft_limit is None or soft_limit >= MEMLOCK_ENOUGH:
+        return None
+    return (f"ulimit -l: this task may lock {soft_limit // 1024} KiB of memory, and NCCL over "
+            f"{fabric} pins its buffers for RDMA (it needs unlimited); submit from a shell "
+            "with `ulimit -l unlimited`, or have Slurm keep the node's limit "
+            "(PropagateResourceLimitsExcept=MEMLOCK in slurm.conf, or srun --propagate=NONE "
+            "in a site's own script)")
+
+
 def report(environ: Mapping[str, str], fabric: str) -> list[tuple[str, str]]:
     """(level, line) pairs for the log: the effective NCCL/FI/flight-recorder values, a
     warning for each value that differs from the fabric's profile (the image's ENV or the

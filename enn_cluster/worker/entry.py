@@ -115,8 +115,19 @@ def _configure_nccl(env, timeout_s: float) -> None:
     chosen = nccl.configure(os.environ, profile=profile) if hasattr(nccl, "configure") else None
     if env.rank == 0 and chosen is not None:
         log.info("NCCL profile: %s", chosen)
+    problem = nccl.memlock_problem(chosen or "none", memlock_limit())
+    if problem:  # every rank checks its own: the limit is per task, set where it started
+        raise UserError(problem)
     for level, line in nccl.report(os.environ, chosen or "none"):
         getattr(log, level)(line)
+
+
+def memlock_limit() -> Optional[int]:
+    """This task's soft `ulimit -l` in bytes; None: unlimited."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def run_task(run_dir: str, task: str = "train", name: Optional[str] = None,
