@@ -107,8 +107,13 @@ def test_resume_at_smaller_world_skips_torn_and_corrupt_checkpoints(baseline, tm
     after = [r for r in metrics(run, "train") if r["time"] > resume["time"]]
     assert [r["step"] for r in after] == list(range(33, 51))
     assert all(math.isfinite(r["loss"]) for r in after)
-    # step-40 was written again from step 32; the corrupt attempt was set aside, not deleted
-    assert len(list((run / "checkpoints").glob("step-40.torn-*"))) == 1
+    # step-40 was written again from step 32: the corrupt attempt was set aside, never
+    # written over, and pruned once the new step-40 committed (issue 37: keep-k removes it)
+    logs = max((d for d in (run / "logs").iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
+    said = (logs / "rank-0.log").read_text()
+    assert "step-40: an earlier attempt that never committed is set aside as step-40.torn-" \
+        in said, said[-3000:]
+    assert list((run / "checkpoints").glob("*.torn-*")) == []
     assert cli("verify", run).returncode == 0
 
 

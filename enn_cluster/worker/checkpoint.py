@@ -132,7 +132,10 @@ def write(root: Path, step: int, state: dict, snap: Snapshot, lanes: Lanes,
     def make_dir() -> None:
         if lanes.rank == 0:
             if path.exists():  # a torn attempt at this step: never write over it in place
-                path.rename(path.with_name(f"{path.name}.torn-{time.time_ns()}"))
+                aside = path.with_name(f"{path.name}.torn-{time.time_ns()}")
+                path.rename(aside)
+                log.warning("%s: an earlier attempt that never committed is set aside as %s "
+                            "(pruned once this step commits)", path.name, aside.name)
             path.mkdir(parents=True)
 
     started = time.perf_counter()
