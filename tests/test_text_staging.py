@@ -33,6 +33,13 @@ def model_dir(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def users_model_dir(tmp_path_factory) -> Path:
+    """The users' world alone (bf16 weights, ids above 4000), for refusals and lookups that
+    happen before any weight is read: an fp32 twin would run the same lines again."""
+    return tiny_model(tmp_path_factory.mktemp("llm-users"), precision="bf16")
+
+
+@pytest.fixture(scope="module")
 def bos_tokenizer(tmp_path_factory, model_dir) -> Path:
     """The same vocabulary with a BOS post-processor (as Llama's) and no pad token: BOS comes
     from the tokenizer's default special tokens, pads from EOS."""
@@ -307,13 +314,13 @@ BAD = {  # name: (write the input under tmp, extra data keys, what the one line 
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_text_input_is_one_line_exit_2_and_no_run(tmp_path, model_dir, case):
+def test_bad_text_input_is_one_line_exit_2_and_no_run(tmp_path, users_model_dir, case):
     write, extra, needles = BAD[case]
     source = write(tmp_path)
     if extra.get("tokenizer") == "EMPTY":
         (tmp_path / "empty").mkdir()
         extra = dict(extra, tokenizer=str(tmp_path / "empty"))
-    res = prepare(tmp_path, lm_config(tmp_path, model_dir, source, **extra))
+    res = prepare(tmp_path, lm_config(tmp_path, users_model_dir, source, **extra))
     assert res.returncode == 2, (res.returncode, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("enn-submit: error: "), res.stderr
@@ -323,23 +330,23 @@ def test_bad_text_input_is_one_line_exit_2_and_no_run(tmp_path, model_dir, case)
     assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
 
 
-def test_a_cached_model_name_is_found_offline_and_a_missing_one_refused(tmp_path, model_dir):
+def test_a_cached_model_name_is_found_offline_and_a_missing_one_refused(tmp_path, users_model_dir):
     """hf:ORG/NAME is looked up in the local Hugging Face cache (its real layout: refs/main
     names the snapshot), never on the network."""
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hf" / "hub" / "models--acme--tiny-lm"
-    shutil.copytree(model_dir, repo / "snapshots" / commit)
+    shutil.copytree(users_model_dir, repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     train = llm_assets.write_texts(tmp_path / "train.jsonl", TEXTS)
-    cfg = lm_config(tmp_path, model_dir, train)
+    cfg = lm_config(tmp_path, users_model_dir, train)
     cfg["model"]["name"] = "hf:acme/tiny-lm"
     res = prepare(tmp_path, cfg, env)
     assert res.returncode == 0, res.stderr
     manifest = json.loads((Path(res.stdout.strip()) / "data" / "manifest.json").read_text())
     assert manifest["text"]["tokenizer"] == str(repo / "snapshots" / commit)
-    assert manifest["text"]["tokenizer_hash"] == tokenizer_hash(model_dir)
+    assert manifest["text"]["tokenizer_hash"] == tokenizer_hash(users_model_dir)
     cfg["model"]["name"], cfg["run_name"] = "hf:acme/absent", "lm2"
     res = prepare(tmp_path, cfg, env)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
