@@ -216,7 +216,13 @@ def test_the_first_run_checklist_shows_the_lines_workers_write(cpu_run):
                                               "cuda:3 of [0,1,2,3,4,5,6,7] (0000:9c:00.0)", 0),
         # where the image lacks the host's HOME (tests/test_submit_identity.py runs it)
         "HOME is": "HOME is not a writable directory here: HOME and caches under %s"
-                   % "/tmp/enn-cache-1000"}
+                   % "/tmp/enn-cache-1000",
+        # a site's TMPDIR the container lacks (tests/test_submit_identity.py runs it)
+        "TMPDIR ...": "TMPDIR %s is not a writable directory here: temporary files go to %s"
+                      % ("/local/job-9", "/tmp"),
+        "ulimit -l:": nccl.memlock_problem("ib", 64 << 10)}
+    assert '"TMPDIR %s is not a writable directory here: temporary files go to %s"' in \
+        inspect.getsource(entry._setup_logging)
     assert '"HOME is not a writable directory here: HOME and caches under %s"' in \
         inspect.getsource(entry._setup_logging)
     doc = _checklist()
