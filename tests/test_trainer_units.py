@@ -163,9 +163,11 @@ def test_no_device_to_host_read_in_steps_that_do_not_log(tmp_path):
 
     from helpers import ROOT, cli, small_config, write_config
 
+    # no eval rows: an evaluation reads its loss back by design, as a checkpoint does, and a
+    # run ends with one (training.eval_every_steps); this counts the steps' own reads
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "sync", training={"max_steps": 10}, logging={"every_steps": 5},
-        parallel={"nodes": 1, "procs_per_node": 1}))
+        data={"eval_fraction": 0.0}, parallel={"nodes": 1, "procs_per_node": 1}))
     assert cli("prepare", "--config", cfg).returncode == 0
     env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_PORT=str(_free_port()))
     res = subprocess.run([sys.executable, "-c", SYNC_COUNTER, str(tmp_path / "runs" / "sync")],
