@@ -131,3 +131,20 @@ def test_a_refusal_note_is_written_by_the_worker_and_read_as_one_printable_line(
     assert node_loss.read_refusal(tmp_path, "43") is None
     _write(tmp_path, "refused-44", "x" * (node_loss.MAX_BYTES + 1))
     assert node_loss.read_refusal(tmp_path, "44") is None
+
+
+def test_status_names_the_slurm_job_that_holds_the_run_not_a_pid_0():
+    """Issue 37 section 4: a Slurm job's lock reads "Slurm job J (at step S)", never
+    "pid 0 on slurm"; a local launcher's names its pid and host."""
+    from enn_cluster.client.status import format_status
+
+    st = {"run_dir": "/r", "last_step": 190, "last_loss": 0.5, "last_eval_loss": None,
+          "checkpoints": [180], "last_checkpoint": 180, "corrupt_checkpoints": {},
+          "resumes": 0, "jobs": [{}],
+          "lock": {"pid": 0, "host": "slurm", "slurm_job_id": "12", "time": 1.0}}
+    lines = format_status(st).splitlines()
+    assert lines[-1] == "in use by:       Slurm job 12 (at step 190)", lines
+    st["lock"] = {"pid": 4321, "host": "login1", "time": 1.0}
+    st["starting"] = True
+    assert format_status(st).splitlines()[-1] == \
+        "in use by:       pid 4321 on login1 (starting: no step of this launch yet)"

@@ -192,9 +192,14 @@ def format_status(st: dict) -> str:
     lines += node_loss_lines(st)
     if st["lock"]:
         owner = st["lock"]
-        lines.append(f"in use by:       pid {owner.get('pid')} on {owner.get('host')}"
-                     + (f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else "")
-                     + (" (starting: no step of this launch yet)" if st.get("starting") else ""))
+        # a Slurm job's lock is written by the submitter for the job (pid 0 on "slurm"): the
+        # job is the holder, and where it stands is the run's last step
+        who = (f"Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id")
+               else f"pid {owner.get('pid')} on {owner.get('host')}")
+        lines.append(f"in use by:       {who}"
+                     + (" (starting: no step of this launch yet)" if st.get("starting") else
+                        f" (at step {st['last_step']})" if st.get("last_step") is not None
+                        else ""))
     return "\n".join(lines)
 
 
