@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.client.status import save_grace_line
+from enn_cluster.client.status import newest_slurm_job, save_grace_line
 from enn_cluster.errors import UserError
 from enn_cluster.storage import backend_report, node_loss
 from enn_cluster.storage import commits as store
@@ -189,13 +189,10 @@ def _attempt_findings(log_dir: Path, newest: bool, live: bool) -> tuple[str, lis
 def _newest_refusal(run: RunDir) -> Optional[str]:
     """The refusal note of the run's newest Slurm job, as one line, or None."""
     try:
-        jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
+        job = newest_slurm_job(run.jobs())
     except UserError:  # damaged jobs.jsonl: the files check names it
         return None
-    if not jobs:
-        return None
-    job = str(jobs[-1]["job_id"])
-    note = node_loss.read_refusal(run.path, job)
+    note = node_loss.read_refusal(run.path, job) if job is not None else None
     return f"job {job} refused its input (not requeued): {note}" if note else None
 
 

@@ -71,13 +71,19 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
     status["nonfinite"] = nonfinite_dumps(run.path / "nonfinite")
     status["oom"] = oom_record.read_record(run.path)
     status["save_over_grace"] = save_grace_line(run, jobs)
-    slurm_jobs = [j for j in jobs if j.get("kind") == "slurm"]
-    if slurm_jobs:
-        status["slurm"] = slurm.job_state(str(slurm_jobs[-1]["job_id"]))
-        status["probing_since"] = node_loss.probing_since(run.path, str(slurm_jobs[-1]["job_id"]))
-        status["ended"] = node_loss.read_ended(run.path, str(slurm_jobs[-1]["job_id"]))
-        status["refused"] = node_loss.read_refusal(run.path, str(slurm_jobs[-1]["job_id"]))
+    job = newest_slurm_job(jobs)
+    if job is not None:
+        status["slurm"] = slurm.job_state(job)
+        status["probing_since"] = node_loss.probing_since(run.path, job)
+        status["ended"] = node_loss.read_ended(run.path, job)
+        status["refused"] = node_loss.read_refusal(run.path, job)
     return status
+
+
+def newest_slurm_job(jobs: list[dict]) -> Optional[str]:
+    """The id of the run's newest Slurm job (the one status and doctor speak of), or None."""
+    ids = [str(j["job_id"]) for j in jobs if j.get("kind") == "slurm"]
+    return ids[-1] if ids else None
 
 
 # worker log dirs: slurm-<job>-r<restart>[-k<relaunch after a lost node>]
