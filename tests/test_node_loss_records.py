@@ -131,6 +131,10 @@ def test_a_refusal_note_is_written_by_the_worker_and_read_as_one_printable_line(
     assert node_loss.read_refusal(tmp_path, "43") is None
     _write(tmp_path, "refused-44", "x" * (node_loss.MAX_BYTES + 1))
     assert node_loss.read_refusal(tmp_path, "44") is None
+    (tmp_path / "requeue" / "refused-45").mkdir()
+    assert node_loss.read_refusal(tmp_path, "45") is None
+    (tmp_path / "requeue" / "refused-46").symlink_to(tmp_path / "requeue" / "refused-41")
+    assert node_loss.read_refusal(tmp_path, "46") is None  # never followed
 
 
 def test_status_names_the_slurm_job_that_holds_the_run_not_a_pid_0():
