@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps demo demo-llm test test-fast test-torch-floor bench clean
+.PHONY: venv system-deps demo demo-llm test test-fast test-torch-floor bench device-check clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,10 @@ test-torch-floor: $(FLOOR_STAMP)
 
 bench: venv
 	$(BIN)/python -m bench.run
+
+# On a GPU machine (its own python with torch; submitit installed): bench/results-gpu.md
+device-check:
+	PY=$${PY:-python3} bash bench/device_check.sh
 
 clean:
 	rm -rf $(VENV) .venv-floor* build *.egg-info demo-runs

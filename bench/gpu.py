@@ -111,7 +111,8 @@ def run(ctx: BenchContext, shape: Optional[Shape] = None) -> list[Result]:
 
     name = "GPU tokens/s and MFU, enn-submit train, ~1B Llama, FSDP2 on the node's GPUs, bf16"
     if not torch.cuda.is_available():
-        return [Result("gpu", name, skipped="skipped: no CUDA device on this machine")]
+        return [Result("gpu", name, skipped="skipped: no CUDA device on this machine "
+                                            "(GPU figures: bench/results-gpu.md)")]
     world, shape = torch.cuda.device_count(), shape or Shape()
     device_name = torch.cuda.get_device_name(0)
     peak = peak_tflops(device_name)

@@ -175,6 +175,9 @@ def test_compiled_blocks_stay_within_tolerance_of_eager(tmp_path):
         res = cli("train", "--config", write_config(tmp_path / f"{name}.yaml", **cfg), timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         losses[compiled] = [r["loss"] for r in metrics(tmp_path / "runs" / name, "train")]
+        report = json.loads(next((tmp_path / "runs" / name / "logs").glob(
+            "*/backend-rank-0.json")).read_text())
+        assert report["compile"] is compiled  # what doctor and status print
     assert len(losses[True]) == 3
     for eager, compiled in zip(losses[False], losses[True]):
         assert math.isclose(eager, compiled, rel_tol=LOSS_TOLERANCE["bf16"]), losses

@@ -192,8 +192,10 @@ def nccl_log_env(log_dir: Path, rank: int, environ: Mapping[str, str]) -> dict[s
 
 
 def gather(rank: int, device, lane_backends: Mapping[str, str], bf16: bool,
-           environ: Mapping[str, str], nccl_log: Optional[Path]) -> dict:
-    """This rank's report, from torch and the environment."""
+           environ: Mapping[str, str], nccl_log: Optional[Path],
+           compiled: bool = False) -> dict:
+    """This rank's report, from torch and the environment; `compiled`: training.compile
+    (the blocks torch.compile wraps)."""
     import torch
 
     from enn_cluster.config import nccl
@@ -205,7 +207,7 @@ def gather(rank: int, device, lane_backends: Mapping[str, str], bf16: bool,
         "torch": torch.__version__, "lanes": dict(lane_backends),
         "bf16": bool(bf16),
         "bf16_supported": bool(torch.cuda.is_bf16_supported()) if cuda else True,
-        "compile": False,  # the trainer never calls torch.compile (yet)
+        "compile": bool(compiled),
         "sdpa": {"flash": torch.backends.cuda.flash_sdp_enabled(),
                  "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                  "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),

@@ -224,7 +224,8 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
                 "checkpoint": str(dist.get_backend(lanes.checkpoint))}
     nccl_log = log_dir / backend_report.NCCL_LOG_NAME.format(rank=env.rank)
     report = backend_report.gather(env.rank, lanes.device, backends,
-                                   use_bf16(cfg, lanes.device), os.environ, nccl_log)
+                                   use_bf16(cfg, lanes.device), os.environ, nccl_log,
+                                   compiled=cfg.training.compile)
     report["placement"] = placed.report()
     backend_report.write_report(log_dir, report)
     for line in backend_report.mismatches(report):
