@@ -191,6 +191,47 @@ def inspect_run(run: Path, lora: bool) -> None:
         line("master_weights_fp32", fp32, f"(config.json says bfloat16) saved dtypes {kinds}")
 
 
+def chunked_loss_memory(dev, small: bool) -> None:
+    """The training loss of a 128k-vocabulary Llama with and without the full logits: the
+    same loss and gradients, and (on CUDA) the peak memory and time of each."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from enn_cluster.models.causal_lm import CausalLM
+
+    vocab, width, rows, seq = (4096, 64, 2, 64) if small else (128256, 1024, 2, 4096)
+    cfg = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=width,
+                               intermediate_size=4 * width, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = CausalLM(AutoModelForCausalLM.from_config(cfg).to(dev, torch.bfloat16))
+    ids = torch.randint(0, vocab, (rows, seq), device=dev)
+    cuda = dev.type == "cuda"
+    out = {}
+    for name, loss_of in (("full_logits", lambda: CausalLM.loss(model(ids), ids)),
+                          ("chunked", lambda: model(ids, ids))):
+        for _ in range(2):  # the second call is timed: the first pays for warming up
+            model.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            base, t = (torch.cuda.memory_allocated() if cuda else 0), time.time()
+            loss = loss_of()
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+        grad = model.base().get_output_embeddings().weight.grad.float()
+        out[name] = (loss.item(), grad, (torch.cuda.max_memory_allocated() - base) / 1e9
+                     if cuda else 0.0, time.time() - t)
+    (l_full, g_full, m_full, t_full), (l_ch, g_ch, m_ch, t_ch) = out["full_logits"], out["chunked"]
+    rel = ((g_full - g_ch).abs().max() / (g_full.abs().max() + 1e-12)).item()
+    same = abs(l_full - l_ch) <= 2e-3 * abs(l_full) and rel < 5e-2
+    line("chunked_loss_equal", same, f"loss {l_full:.5f} vs {l_ch:.5f}, head grad rel diff {rel:.3g}")
+    if cuda:
+        line("chunked_loss_memory", m_ch < 0.6 * m_full,
+             f"vocab {vocab}, {rows}x{seq} tokens: peak GB full logits {m_full:.2f} "
+             f"({t_full * 1e3:.0f} ms), chunked {m_ch:.2f} ({t_ch * 1e3:.0f} ms)")
+
+
 def main() -> int:
     from enn_cluster.worker.environment import discover
     from enn_cluster.worker.lanes import lane_device, open_lanes
@@ -214,7 +255,8 @@ def main() -> int:
     small = bool(os.environ.get("DC_SMALL"))
     for name, check in (("fused_adamw_found_inf", lambda: fused_adamw_skip(dev)),
                         ("compile_ac_grads",
-                         lambda: compile_and_checkpointing(dev, compile_blocks, small))):
+                         lambda: compile_and_checkpointing(dev, compile_blocks, small)),
+                        ("chunked_loss_equal", lambda: chunked_loss_memory(dev, small))):
         try:
             check()
         except Exception as exc:  # one check's failure is a FAIL line; the others still run

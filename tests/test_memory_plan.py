@@ -88,6 +88,7 @@ def test_the_parameter_count_is_the_hand_calculation():
     assert shape.params == hand and shape.layers == n and shape.hidden == h and shape.vocab == v
     assert shape.largest_layer == layer and shape.largest_unit == 2 * v * h + h
     assert (shape.intermediate, shape.gated) == (i, True)
+    assert shape.loss_chunk_tokens == 2**26 // v  # the loss holds 523 tokens' logits, not 8192
 
 
 def test_the_activation_estimate_is_what_autograd_saves_for_a_llama_layer(tmp_path):
@@ -177,6 +178,8 @@ def test_the_arithmetic_per_strategy_and_checkpointing():
     assert ddp.shard_group == 1 and ddp.params == 4000  # whole, nothing gathered
     fp32 = memory_plan(replace(base, training=replace(base.training, bf16="false")), shape, 2, 4)
     assert fp32.activations - logits == 2 * (hsdp.activations - logits)
+    chunked = memory_plan(base, _shape(loss_chunk_tokens=8), 2, 4)  # 8 of 32 tokens' logits
+    assert chunked.activations == hsdp.activations - logits + 8 * 10 * 10
     assert activation_bytes(4, 34.0, 1.0, 1, "selective") == 2 * 34 + 2 * 2 + 34
     assert usable_bytes(80) == pytest.approx(71 * GB)
     assert hsdp.fits and not memory_plan(base, _shape(params=10**12), 2, 4).fits

@@ -24,8 +24,10 @@ the world, DDP: 1; `plan_mesh` decides it as the run will):
   Llama-3 (i = 3.5 h), where autograd saves 49 in transformers' Llama (its RMSNorm works in
   fp32); a checkpointed layer keeps only its input, 2 x s x h x b, and one layer at a time
   recomputes its activations during backward; `selective` checkpoints every other layer;
-  plus the logits of a language model, s x vocab x b x 10 bytes (bf16 logits, their fp32
-  copy and fp32 log-softmax for the loss).
+  plus the logits of a language model, tokens x vocab x 10 bytes (bf16 logits, their fp32
+  copy and fp32 log-softmax for the loss): s x b tokens for a model whose loss needs its
+  whole logits, one chunk of the loss (models/causal_lm.py, a few thousand tokens with a
+  128k vocabulary) for the ones that compute it chunk by chunk.
 
 A run fits when the total is at most the usable memory: `gpu_mem_gb` less 10 % (allocator
 fragmentation, temporary buffers) and 1 GB (CUDA context, NCCL buffers). GB are 10**9 bytes.
@@ -61,6 +63,7 @@ class ModelShape:
     linears: tuple = ()  # (qualified name, in_features, out_features) of every nn.Linear
     intermediate: int = 0  # the MLP's width (0: 4 x hidden)
     gated: bool = False  # a gated MLP (SwiGLU: gate_proj and up_proj)
+    loss_chunk_tokens: int = 0  # tokens whose logits the chunked loss holds (0: all of them)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,9 @@ def memory_plan(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: in
     gathered = (model.largest_unit + model.largest_layer) * compute if shard > 1 else 0
     seq = model.tokens or cfg.data.max_length  # 0: a language model's rows, max_length long
     tokens = seq * micro * (compute / 2)
-    logits = seq * model.vocab * micro * LOGIT_BYTES
+    alive = seq * micro if not model.loss_chunk_tokens else min(seq * micro,
+                                                                 model.loss_chunk_tokens)
+    logits = alive * model.vocab * LOGIT_BYTES
     acts = {mode: activation_bytes(model.layers, layer_bytes_per_token(model), tokens,
                                    model.hidden, mode) + logits
             for mode in ("none", "selective", "full")}

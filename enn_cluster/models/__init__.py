@@ -23,7 +23,8 @@ from enn_cluster.models.kinds import (  # noqa: F401  (re-exported: every side a
 )
 
 BUILTIN_MODELS = ("mlp", "transformer")  # model.name values that are not `module:factory`
-_BUILTIN = ("MLP", "FeatureTransformer", "build_model", "input_dtype", "compute_loss")
+_BUILTIN = ("MLP", "FeatureTransformer", "build_model", "input_dtype", "compute_loss",
+            "model_loss")
 
 
 def __getattr__(name: str):

@@ -91,6 +91,16 @@ def input_dtype(model: nn.Module) -> torch.dtype:
     return getattr(inner, "input_dtype", torch.float32)
 
 
+def model_loss(model: nn.Module, task: str, inputs: torch.Tensor, targets: torch.Tensor):
+    """The loss of a batch: a model that computes it in its forward pass (a causal LM's
+    chunked cross-entropy, which never holds the whole logits) is called with the labels;
+    any other gives its outputs to compute_loss."""
+    inner = getattr(model, "module", model)  # DDP wraps the user's module
+    if getattr(inner, "loss_in_forward", False):
+        return model(inputs, labels=targets)
+    return compute_loss(model, task, model(inputs), targets)
+
+
 def compute_loss(model: nn.Module, task: str, outputs: torch.Tensor, targets: torch.Tensor):
     inner = getattr(model, "module", model)  # DDP wraps the user's module
     if hasattr(inner, "loss"):

@@ -17,6 +17,11 @@ directory or the local HF cache only; never from the network at run time.
 
 State-dict names are ours (`lm.` + the HF names; under LoRA, peft's): `hf_name` maps a
 parameter back to its name in the safetensors files.
+
+Training never makes the full logits: `forward(ids, labels)` runs the decoder, then the LM
+head and the cross-entropy over chunks of tokens, each chunk's logits recomputed in the
+backward pass rather than kept (with a 128k vocabulary the logits of one 8192-token row
+are 4.2 GB in fp32). Models whose head is more than a linear layer fall back to the logits.
 """
 from __future__ import annotations
 
@@ -37,6 +42,11 @@ from enn_cluster.models.kinds import ModelKind, measure
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
 PAD = -1  # a prediction row's position past its end (input ids and generated tokens)
 PEFT_PREFIX = "base_model.model."
+LOSS_CHUNK_LOGITS = 1 << 26  # logits per chunk of the loss: 256 MiB in fp32
+# Architectures whose logits are exactly lm_head(final hidden state): the chunked loss is
+# theirs to use. Others (Gemma 2's soft-capping, Cohere's logit scale) compute the logits.
+PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                              "qwen3_moe", "phi3", "olmo", "olmo2", "granite"})
 ADAPTER = "default"  # peft's adapter name
 
 
@@ -94,8 +104,27 @@ class CausalLM(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids.long(), use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The logits; with `labels`, the loss (chunked where `loss_in_forward`)."""
+        if labels is None:
+            return self.lm(input_ids=input_ids.long(), use_cache=False).logits
+        if not self.loss_in_forward:
+            return self.loss(self.forward(input_ids), labels)
+        base = self.base()
+        hidden = base.get_decoder()(input_ids=input_ids.long(), use_cache=False).last_hidden_state
+        head = base.get_output_embeddings()
+        return chunked_loss(hidden, head, labels, loss_chunk_tokens(head.out_features))
+
+    @property
+    def loss_in_forward(self) -> bool:
+        """The loss from the final hidden states, chunk by chunk (models.model_loss): for
+        the architectures whose logits are the LM head's output and nothing more."""
+        config = self.base().config
+        return (config.model_type in PLAIN_HEAD_TYPES
+                and not getattr(config, "final_logit_softcapping", None)
+                and getattr(config, "logit_scale", None) in (None, 1.0)
+                and isinstance(self.base().get_output_embeddings(), nn.Linear))
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -116,6 +145,32 @@ class CausalLM(nn.Module):
     @property
     def has_lora(self) -> bool:
         return hasattr(self.lm, "peft_config")
+
+
+def loss_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk of the loss, so that a chunk's logits are LOSS_CHUNK_LOGITS (pure)."""
+    return max(64, LOSS_CHUNK_LOGITS // max(vocab, 1))
+
+
+def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def chunked_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
+                 chunk: int) -> torch.Tensor:
+    """CausalLM.loss(head(hidden), labels) with at most `chunk` tokens' logits alive at a
+    time: each chunk is checkpointed, so its logits are made again in the backward pass
+    (one more head matmul per token, ~2 % of a Llama-3-8B step) instead of kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    shifted = labels[:, 1:].long().reshape(-1)
+    sums = [checkpoint(_chunk_loss_sum, head, flat[start:start + chunk],
+                       shifted[start:start + chunk], use_reentrant=False)
+            for start in range(0, shifted.numel(), chunk)]
+    total = sum(sums[1:], sums[0]) if sums else (flat.sum() * 0).float()  # a graph, always
+    return total / (shifted != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -274,8 +329,10 @@ class CausalLMKind(ModelKind):
         with torch.device("meta"):
             model = bare_lm(cfg.model.name)
         config = model.config.get_text_config()
-        return measure(model, decoder_layers(model), int(config.hidden_size),
-                       0, int(config.vocab_size))
+        vocab = int(config.vocab_size)
+        chunk = loss_chunk_tokens(vocab) if CausalLM(model).loss_in_forward else 0
+        return measure(model, decoder_layers(model), int(config.hidden_size), 0, vocab,
+                       loss_chunk_tokens=chunk)
 
     def uses_data_shape(self) -> bool:
         return False

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from enn_cluster.models import compute_loss, input_dtype
+from enn_cluster.models import input_dtype, model_loss
 from enn_cluster.storage.staging import open_array
 from enn_cluster.worker.loader import gather_rows
 from enn_cluster.worker.model_setup import autocast
@@ -51,7 +51,7 @@ def mean_eval_loss(sm, task: str, micro: int, eval_x, eval_y, eval_rows, scaler,
         xb, yb = device_batch(eval_x, eval_y, rows, scaler, lanes.device,
                               input_dtype(sm.model))
         with autocast(sm, lanes.device):
-            loss = compute_loss(sm.model, task, sm.model(xb), yb)
+            loss = model_loss(sm.model, task, xb, yb)
         totals += torch.tensor([float(loss) * count, count], dtype=torch.float64,
                                device=lanes.device)
     sm.model.train()

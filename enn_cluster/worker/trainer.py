@@ -21,7 +21,7 @@ import torch
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, total_steps
 from enn_cluster.errors import UserError
-from enn_cluster.models import compute_loss, input_dtype
+from enn_cluster.models import input_dtype, model_loss
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import node_loss
 from enn_cluster.storage import oom_record
@@ -193,7 +193,7 @@ class Trainer:
             maybe_inject_oom(self.faults, self.run.path, self.lanes.rank, step)
             for k, (xb, yb) in enumerate(self.loader.batches(rows)):
                 with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
-                    loss = compute_loss(sm.model, self.cfg.model.task, sm.model(xb), yb)
+                    loss = model_loss(sm.model, self.cfg.model.task, xb, yb)
                     (loss / accum).backward()
                 loss_sum += loss.detach().double()
         except torch.OutOfMemoryError as exc:
