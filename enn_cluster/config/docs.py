@@ -200,7 +200,9 @@ DESCRIPTIONS = {
     "parallel.watchdog_s": "A rank that starts no step, collective or evaluation batch "
                            "for this long logs where each lane was, dumps every thread's "
                            "stack and exits 70 (retried like a failure); 0: "
-                           "`timeout_s` + 60. Checkpoint saves and loads are not timed.",
+                           "`timeout_s` + 60. Checkpoint saves and loads are not timed; the "
+                           "first step of each process with `training.compile` gets 1800 s "
+                           "more (a cold compile is not a hang).",
     "parallel.max_restarts": "Retries after a worker failure (default of `--max-restarts`); "
                              "each restart resumes from the newest complete checkpoint.",
     "parallel.stop_grace_s": "After SIGTERM: exit hard if the agreed checkpoint is not "

@@ -64,7 +64,7 @@ from enn_cluster.worker.step_math import (
 )
 from enn_cluster.worker.stop_request import StopPoller
 from enn_cluster.worker.stop_signals import arm_hard_exit, install_stop_handlers
-from enn_cluster.worker.watchdog import Progress, Watchdog, rank_log_stream
+from enn_cluster.worker.watchdog import COMPILE_GRACE_S, Progress, Watchdog, rank_log_stream
 
 log = logging.getLogger("enn_cluster.worker.trainer")
 
@@ -337,7 +337,9 @@ class Trainer:
             log_step = self.cadence.log_step(self.step + 1, self.total_steps)
             self.profiler.before_step(self.step + 1)
             votes = (self.stop_requested, pending_open, self.cadence.time_due())
-            stats = self.train_step(perm, votes, log_step)
+            compiling = cfg.training.compile and self.step == first_step  # each process
+            with self.progress.longer(COMPILE_GRACE_S if compiling else 0.0):
+                stats = self.train_step(perm, votes, log_step)
             stop, still_open, time_due = stats.pop("agreed")
             epoch_before = self.pos.epoch
             self.step += 1

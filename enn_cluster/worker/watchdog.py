@@ -22,6 +22,10 @@ from typing import IO, Optional
 log = logging.getLogger("enn_cluster.worker.watchdog")
 
 EXIT_HANG = 70  # EX_SOFTWARE: no progress; retried like any failure
+# More time for the first step of each process with training.compile: inductor compiles
+# every block then (seconds on a tiny model, 5-15 minutes on a 70B one), and its all-gathers
+# wait for the slowest rank's compile within the collectives' own timeout.
+COMPILE_GRACE_S = 1800.0
 
 
 class Progress:
@@ -31,6 +35,7 @@ class Progress:
         self.lanes: dict[str, tuple[str, float]] = {}
         self.beat = time.monotonic()
         self.paused = False
+        self.extra_s = 0.0  # more time granted for a phase known to be slow once
 
     def at(self, lane: str, what: str) -> None:
         self.lanes[lane] = (what, time.time())
@@ -46,6 +51,18 @@ class Progress:
             yield
         finally:
             self.paused = False
+            self.beat = time.monotonic()
+
+    @contextmanager
+    def longer(self, extra_s: float):
+        """A phase slow once and without a collective's timeout of its own, such as the
+        first step of a compiled model (inductor compiling every block, minutes on a big
+        model): the watchdog waits `extra_s` more during it, and the normal limit after."""
+        self.extra_s = extra_s
+        try:
+            yield
+        finally:
+            self.extra_s = 0.0
             self.beat = time.monotonic()
 
     def describe(self) -> str:
@@ -91,9 +108,12 @@ class Watchdog:
         poll = min(max(self.limit_s / 4, 0.2), 5.0)
         while not self._stop.wait(poll):
             idle = time.monotonic() - self.progress.beat
-            if idle > self.limit_s and not self.progress.paused:
+            limit = self.limit_s + self.progress.extra_s
+            if idle > limit and not self.progress.paused:
                 dump(self.progress, self.stream,
                      f"watchdog: no progress for {idle:.0f} s (parallel.watchdog_s "
-                     f"{self.limit_s:g}); ending this rank (exit {EXIT_HANG})")
+                     f"{self.limit_s:g}" + (f" + {self.progress.extra_s:g} for a first "
+                                            "compiled step" if self.progress.extra_s else "")
+                     + f"); ending this rank (exit {EXIT_HANG})")
                 logging.shutdown()
                 os._exit(EXIT_HANG)
