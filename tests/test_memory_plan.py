@@ -198,6 +198,30 @@ def test_a_plan_that_fits_is_not_refused_and_one_that_does_not_names_fixes_that_
         .count("or more nodes") == 1
 
 
+def test_when_no_fix_fits_alone_the_cheapest_pair_that_fits_is_offered():
+    """A model whose state needs FSDP over 8 and whose activations need full checkpointing:
+    neither fits alone; the pair does, and comes first (issue 36: the 70B on 4 x 8 was
+    offered fsdp and checkpointing apart, never both)."""
+    base = config_from_dict({"model": {"name": "hf:/x"}, "data": {"max_length": 4096},
+                             "training": {"per_device_train_batch_size": 1}})
+    big = _shape(params=20 * 10**9, layers=40, hidden=8192, largest_unit=10**8,
+                 largest_layer=10**8)
+    line = refusal(base, big, 2, 4)
+    assert line and "\n" not in line
+    fixes = line.split("fix: ", 1)[1]
+    first = fixes.split(", --set ")[0]
+    assert first.startswith("--set parallel.strategy=fsdp --set "
+                            "parallel.activation_checkpointing=full (") and "fits" in first, line
+    pair = memory_plan(replace(base, parallel=replace(base.parallel, strategy="fsdp",
+                                                      activation_checkpointing="full")),
+                       big, 2, 4)
+    assert pair.fits and f"({pair.total / GB:.1f} GB, fits)" in first
+    rest = fixes[len(first):]  # each alone too, with its total, not fitting
+    for alone in ("--set parallel.strategy=fsdp (", "--set parallel.activation_checkpointing"
+                                                    "=full ("):
+        assert alone in rest and rest.split(alone)[1].split(")")[0].endswith("GB"), line
+
+
 def test_train_on_slurm_refuses_a_plan_that_cannot_fit_before_writing(tmp_path):
     """The plan is refused before the job is built or submitted (the sbatch here would
     refuse anything)."""

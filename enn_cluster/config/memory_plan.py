@@ -35,6 +35,8 @@ fragmentation, temporary buffers) and 1 GB (CUDA context, NCCL buffers). GB are 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import combinations
+from typing import Optional
 
 from enn_cluster.config.lm_config import takes_lora
 from enn_cluster.config.run_config import RunConfig, plan_mesh
@@ -161,24 +163,49 @@ def memory_plan(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: in
 
 def fix_candidates(cfg: RunConfig, world: int) -> list[tuple[str, RunConfig]]:
     """Each fix a plan that does not fit can take alone, as the `--set`s that make it: more
-    shards, activation checkpointing, LoRA, a smaller micro-batch (the global batch kept)."""
+    shards, activation checkpointing, a smaller micro-batch (the global batch kept), LoRA;
+    in that order of cost (LoRA last: it changes what is trained)."""
+    return [(key, fix(cfg)) for key, fix in _fixes(cfg, world)]
+
+
+def _fixes(cfg: RunConfig, world: int) -> list:
+    """(key, cfg -> cfg) for each fix that applies to `cfg`, cheapest first (pure)."""
     out = []
     par, train = cfg.parallel, cfg.training
     if par.strategy != "fsdp":
-        out.append(("parallel.strategy=fsdp", replace(cfg, parallel=replace(par, strategy="fsdp"))))
+        out.append(("parallel.strategy=fsdp", lambda c: replace(
+            c, parallel=replace(c.parallel, strategy="fsdp"))))
     if par.activation_checkpointing != "full":
-        out.append(("parallel.activation_checkpointing=full",
-                    replace(cfg, parallel=replace(par, activation_checkpointing="full"))))
-    if not cfg.lora.enabled and takes_lora(cfg.model):
-        out.append((f"lora.r={SUGGESTED_LORA_RANK}",
-                    replace(cfg, lora=replace(cfg.lora, r=SUGGESTED_LORA_RANK))))
+        out.append(("parallel.activation_checkpointing=full", lambda c: replace(
+            c, parallel=replace(c.parallel, activation_checkpointing="full"))))
     if train.per_device_train_batch_size > 1:
         rows = requested_global_batch(train, world)
         out.append((f"training.per_device_train_batch_size=1 --set "
-                    f"training.global_batch_size={rows}",
-                    replace(cfg, training=replace(train, per_device_train_batch_size=1,
-                                                  global_batch_size=rows))))
+                    f"training.global_batch_size={rows}", lambda c: replace(
+                        c, training=replace(c.training, per_device_train_batch_size=1,
+                                            global_batch_size=rows))))
+    if not cfg.lora.enabled and takes_lora(cfg.model):
+        out.append((f"lora.r={SUGGESTED_LORA_RANK}",
+                    lambda c: replace(c, lora=replace(c.lora, r=SUGGESTED_LORA_RANK))))
     return out
+
+
+def combined_fix(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: int,
+                 gpu_mem_gb: float) -> Optional[tuple[str, MemoryPlan]]:
+    """When no fix that keeps the run's training fits alone: the fewest such fixes that fit
+    together, the cheapest set (in fix_candidates' order); None when none does. LoRA is not
+    among them: it fits alone often, but trains something else."""
+    fixes = [(key, fix) for key, fix in _fixes(cfg, nodes * gpus_per_node)
+             if not key.startswith("lora.")]
+    for size in range(2, len(fixes) + 1):
+        for chosen in combinations(fixes, size):  # cheapest first: itertools keeps order
+            fixed = cfg
+            for _, fix in chosen:
+                fixed = fix(fixed)
+            plan = memory_plan(fixed, model, nodes, gpus_per_node, gpu_mem_gb)
+            if plan.fits:
+                return " --set ".join(key for key, _ in chosen), plan
+    return None
 
 
 def refusal(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: int,
@@ -189,8 +216,12 @@ def refusal(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: int,
         return ""
     tried = [(key, memory_plan(fixed, model, nodes, gpus_per_node, gpu_mem_gb))
              for key, fixed in fix_candidates(cfg, nodes * gpus_per_node)]
+    tried = sorted(tried, key=lambda kp: kp[1].total)
+    if not any(p.fits for key, p in tried if not key.startswith("lora.")):
+        both = combined_fix(cfg, model, nodes, gpus_per_node, gpu_mem_gb)
+        tried = ([both] if both else []) + tried
     fixes = ", ".join(f"--set {key} ({p.total / GB:.1f} GB{', fits' if p.fits else ''})"
-                      for key, p in sorted(tried, key=lambda kp: kp[1].total))
+                      for key, p in tried)
     return (f"plan: {nodes} x {gpus_per_node} GPUs need {plan.total / GB:.1f} GB per GPU "
             f"(parameters {plan.params / GB:.1f}, gradients {plan.grads / GB:.1f}, optimizer "
             f"{plan.optimizer / GB:.1f}, activations {plan.activations / GB:.1f}; shards of "
