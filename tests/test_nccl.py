@@ -265,3 +265,45 @@ def test_a_locked_memory_limit_too_small_for_rdma_is_refused_with_the_fix(tmp_pa
     done = subprocess.run(["prlimit", "--memlock=65536:65536", sys.executable, "-c", code],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "65536", done.stderr
+
+
+def _pci(root, parts, vendor, cls):
+    """A PCI function at devices/pci0000:00/PARTS..., listed in bus/pci/devices."""
+    dev = root / "devices" / "pci0000:00"
+    for part in parts:
+        dev = dev / part
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text(vendor + "\n")
+    (dev / "class").write_text(cls + "\n")
+    (root / "bus" / "pci" / "devices").mkdir(parents=True, exist_ok=True)
+    os.symlink(dev, root / "bus" / "pci" / "devices" / parts[-1])
+    return dev
+
+
+def _hca(root, name, pci_dev):
+    base = root / "class" / "infiniband" / name
+    (base / "ports" / "1").mkdir(parents=True)
+    (base / "ports" / "1" / "link_layer").write_text("InfiniBand\n")
+    (base / "ports" / "1" / "state").write_text("4: ACTIVE\n")
+    os.symlink(pci_dev, base / "device")
+
+
+def test_nccl_ib_hca_names_the_ports_that_share_a_root_port_with_a_gpu(tmp_path, no_libfabric):
+    """A DGX-style node: each GPU and its rail's HCA behind one PCIe switch on a root port,
+    a storage HCA on a root port of its own (ACTIVE InfiniBand too): NCCL_IB_HCA names the
+    rails only. With no GPU in sysfs, or none near an HCA, every ACTIVE port stays."""
+    nvidia, gpu, mellanox, nic = "0x10de", "0x030200", "0x15b3", "0x020700"
+    for i, port in enumerate(("0000:00:01.0", "0000:00:02.0")):
+        _pci(tmp_path, (port, f"0000:0{i}:00.0", f"0000:1{i}:00.0"), nvidia, gpu)
+        _hca(tmp_path, f"mlx5_{i}", _pci(tmp_path, (port, f"0000:0{i}:00.0", f"0000:2{i}:00.0"),
+                                        mellanox, nic))
+    _hca(tmp_path, "mlx5_2", _pci(tmp_path, ("0000:00:03.0", "0000:30:00.0"), mellanox, nic))
+    found = nccl.scan_interfaces(str(tmp_path), no_libfabric)
+    assert found.ib_devices == ("mlx5_0", "mlx5_1", "mlx5_2")
+    assert found.ib_hca == ("mlx5_0:1", "mlx5_1:1")  # not the storage HCA
+    assert nccl.nccl_env("auto", {}, found)["NCCL_IB_HCA"] == "=mlx5_0:1,mlx5_1:1"
+    assert nccl.near_gpu_ports(tmp_path, ["mlx5_2:1"]) == ("mlx5_2:1",)  # none near: all
+    bare = tmp_path / "no-gpus"
+    _hca(bare, "mlx5_0", _pci(bare, ("0000:00:01.0", "0000:01:00.0"), mellanox, nic))
+    assert nccl.scan_interfaces(str(bare), no_libfabric).ib_hca == ("mlx5_0:1",)
+

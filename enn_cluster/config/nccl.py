@@ -98,7 +98,7 @@ class Interfaces:
 
     efa_devices: tuple[str, ...] = ()
     ib_devices: tuple[str, ...] = ()  # verbs devices that are not EFA (mlx5_*, ...)
-    ib_hca: tuple[str, ...] = ()  # DEV:PORT of their ACTIVE InfiniBand ports (NCCL_IB_HCA)
+    ib_hca: tuple[str, ...] = ()  # DEV:PORT of ACTIVE InfiniBand ports near a GPU (NCCL_IB_HCA)
     net: tuple[str, ...] = ()
     libfabric: bool = False
 
@@ -148,6 +148,43 @@ def active_ib_ports(dev: Path) -> list[str]:
     return ports
 
 
+PCI_FUNCTION = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+NVIDIA_VENDOR = "0x10de"
+
+
+def pci_path(device: Path) -> tuple[str, ...]:
+    """The PCI functions from the root port down to a sysfs device (the resolved path's
+    `DDDD:BB:DD.F` parts): two devices with the same first one sit under one root port."""
+    return tuple(p for p in Path(os.path.realpath(device)).parts if PCI_FUNCTION.fullmatch(p))
+
+
+def gpu_pci_paths(root: Path) -> list[tuple[str, ...]]:
+    """The PCI paths of the node's NVIDIA GPUs (vendor 0x10de, a display class 0x03...),
+    from sysfs alone: the NCCL environment is set before CUDA starts."""
+    out = []
+    for name in _listdir(root / "bus" / "pci" / "devices"):
+        dev = root / "bus" / "pci" / "devices" / name
+        try:
+            vendor, cls = ((dev / f).read_text().strip() for f in ("vendor", "class"))
+        except OSError:
+            continue
+        if vendor == NVIDIA_VENDOR and cls.startswith("0x03") and pci_path(dev):
+            out.append(pci_path(dev))
+    return out
+
+
+def near_gpu_ports(root: Path, ports: Sequence[str]) -> tuple[str, ...]:
+    """The InfiniBand ports whose device shares a PCIe root port with a GPU: the GPUs'
+    rails, without the storage HCAs that DGX-style nodes hang off switches of their own.
+    All of `ports` when sysfs shows no GPU or no port near one (nothing is dropped that
+    NCCL could need)."""
+    gpus = {path[0] for path in gpu_pci_paths(root)}
+    near = [port for port in ports
+            if (pci_path(root / "class" / "infiniband" / port.split(":")[0] / "device")
+                or ("",))[0] in gpus]
+    return tuple(near) or tuple(ports)
+
+
 def scan_interfaces(sysfs_root: str = "/sys",
                     libfabric_paths: Sequence[str] = DEFAULT_LIBFABRIC_PATHS,
                     dev_root: str = "/dev") -> Interfaces:
@@ -163,7 +200,7 @@ def scan_interfaces(sysfs_root: str = "/sys",
         efa = [n for n in _listdir(Path(dev_root) / "infiniband") if n.startswith("uverbs")]
     net = tuple(_listdir(root / "class" / "net"))
     hca = [p for name in ib for p in active_ib_ports(root / "class" / "infiniband" / name)]
-    return Interfaces(tuple(efa), tuple(ib), tuple(hca), net, libfabric)
+    return Interfaces(tuple(efa), tuple(ib), near_gpu_ports(root, hca), net, libfabric)
 
 
 def _efa_driver(root: Path) -> bool:
