@@ -11,7 +11,16 @@ import json
 import pytest
 
 from enn_cluster.storage.dcp_metadata import load_metadata
-from helpers import assert_same_run, cli, faults, metrics, small_config, write_config
+from helpers import (
+    assert_same_run,
+    assert_same_steps,
+    cli,
+    faults,
+    full_params,
+    metrics,
+    small_config,
+    write_config,
+)
 
 
 @pytest.fixture
@@ -166,3 +175,26 @@ def _doctor_logs(run) -> tuple[int, str]:
     done = cli("doctor", run)
     return done.returncode, next(line for line in done.stdout.splitlines()
                                  if line.startswith("logs "))
+
+
+def test_a_run_paused_at_a_step_goes_on_with_its_schedule(uninterrupted, tmp_path):
+    """training.pause_at_step: the first launch (2x2) ends at step 20, mid-epoch, with a
+    checkpoint and exit 0, its learning rates those of the whole 42-step schedule; a plain
+    `resume` on 1x2 goes on to step 42 and matches the uninterrupted run (resuming with a
+    larger max_steps instead would re-plan the schedule: the LR would jump)."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "paused", training={"pause_at_step": 20}))
+    res = cli("train", "--config", cfg, timeout=240)
+    assert res.returncode == 0, res.stderr
+    run = tmp_path / "runs" / "paused"
+    assert max(r["step"] for r in metrics(run, "train")) == 20
+    assert max(int(p.name[5:]) for p in (run / "checkpoints").glob("step-*")) == 20
+    logs = "".join(p.read_text() for p in (run / "logs").glob("*/rank-0.log"))
+    assert "paused at step 20 of 42 (training.pause_at_step)" in logs
+    res = cli("resume", run, "--nodes", "1", "--procs-per-node", "2", timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert_same_steps(run, uninterrupted, 42)
+    mine, base = full_params(run / "checkpoints" / "step-42"), \
+        full_params(uninterrupted / "checkpoints" / "step-42")
+    for key in base:
+        assert (mine[key] - base[key]).norm() <= 1e-2 * base[key].norm(), key

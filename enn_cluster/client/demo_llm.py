@@ -3,7 +3,8 @@
 1. a tiny random Qwen2-shaped model and a tokenizer trained on a small corpus, written by
    `save_pretrained` in bf16 into a local directory (what a user brings from Lustre);
 2. a parquet file of text (and one for evaluation);
-3. LoRA trained on 2 ranks, stopped, and resumed on 1 (the run keeps its global batch);
+3. LoRA trained on 2 ranks, paused at step 12 of 24, and resumed on 1 (the run keeps its
+   global batch and its learning-rate schedule);
 4. rows scored and continued (greedy) by the fine-tuned model;
 5. `--format hf` exported and loaded back with transformers.
 
@@ -53,9 +54,9 @@ def main() -> None:
     sets = ("--set", f"model.name=hf:{model}", "--set", f"data.train_path={train}",
             "--set", f"data.eval_path={evals}")
     _cli("train", "--config", str(CONFIG), "--run-name", run.name, "--runs-root", str(runs_root),
-         *sets, "--set", "training.max_steps=12", "--set", "training.lr=0.01", *LOCAL,
-         "--procs-per-node", "2")
-    _cli("resume", str(run), *LOCAL, "--procs-per-node", "1", "--set", "training.max_steps=24")
+         *sets, "--set", "training.max_steps=24", "--set", "training.pause_at_step=12",
+         "--set", "training.lr=0.01", *LOCAL, "--procs-per-node", "2")
+    _cli("resume", str(run), *LOCAL, "--procs-per-node", "1")  # on to step 24, same schedule
     _cli("status", str(run))
     prompts = runs_root / f"llm-assets-{stamp}" / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in

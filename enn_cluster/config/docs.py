@@ -107,6 +107,10 @@ DESCRIPTIONS = {
     "training.epochs": "Passes over the training rows (> 0); used when "
                        "`training.max_steps` is 0.",
     "training.max_steps": "Total optimizer steps; 0 lets `training.epochs` decide.",
+    "training.pause_at_step": "End this launch at this step with a checkpoint (exit 0), the "
+                              "learning-rate schedule still that of the whole run; a "
+                              "`resume` from there goes on to the end (0: no pause). A run "
+                              "split in parts this way matches an uninterrupted one.",
     "training.per_device_train_batch_size": "Largest micro-batch per process (> 0). At the "
                                             "first launch the global batch is this x "
                                             "accumulation x data-parallel size.",

@@ -148,6 +148,7 @@ class DataConfig:
 class TrainingConfig:
     epochs: int = 1
     max_steps: int = 0  # 0: the epochs decide
+    pause_at_step: int = 0  # end this launch here, checkpointed; the schedule stays max_steps
     per_device_train_batch_size: int = 32
     gradient_accumulation_steps: int = 1
     global_batch_size: int = 0  # rows per optimizer step; 0: frozen at the first launch
@@ -176,6 +177,8 @@ class TrainingConfig:
         _bounded("training.gradient_accumulation_steps", self.gradient_accumulation_steps,
                  MAX_BATCH_ROWS)
         _non_negative("training.global_batch_size", self.global_batch_size)
+        _non_negative("training.pause_at_step", self.pause_at_step)
+        _bounded("training.pause_at_step", max(self.pause_at_step, 1), MAX_COUNT)
         _non_negative("training.eval_every_steps", self.eval_every_steps)
         _bounded("training.eval_every_steps", max(self.eval_every_steps, 1), MAX_COUNT)
         _bounded("training.global_batch_size", max(self.global_batch_size, 1), MAX_GLOBAL_BATCH)

@@ -274,6 +274,11 @@ def _train(run: RunDir, cfg, env, lanes) -> int:
                     "Slurm requeues the job to continue" if env.launcher == "slurm" else
                     f"continue with: enn-submit resume {shlex.quote(str(run.path))}")
         return EXIT_REQUEUE
+    if outcome == "paused":
+        log.info("paused at step %d of %d (training.pause_at_step), checkpointed: continue "
+                 "with: enn-submit resume %s", trainer.step, trainer.total_steps,
+                 shlex.quote(str(run.path)))
+        return EXIT_OK
     log.info("training done at step %d", trainer.step)
     return EXIT_OK
 

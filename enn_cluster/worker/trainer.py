@@ -69,6 +69,12 @@ from enn_cluster.worker.watchdog import COMPILE_GRACE_S, Progress, Watchdog, ran
 log = logging.getLogger("enn_cluster.worker.trainer")
 
 
+def pause_step(pause_at: int, first_step: int, total_steps: int) -> int:
+    """Where this launch ends (pure): training.pause_at_step when the launch starts before
+    it, else the schedule's end; a resume from the pause goes on to the end."""
+    return pause_at if first_step < pause_at < total_steps else total_steps
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, run: RunDir, env: WorkerEnv, lanes: Lanes):
         self.cfg, self.run, self.env, self.lanes = cfg, run, env, lanes
@@ -327,7 +333,8 @@ class Trainer:
         first_step, self.last_eval, every_eval = self.step, -1, cfg.training.eval_every_steps
         stop_file = StopPoller(self.run.path, self.env.job_id, self.env.rank)  # batch shell's USR2
         log_step = True
-        while self.step < self.total_steps and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
+        until = pause_step(cfg.training.pause_at_step, first_step, self.total_steps)
+        while self.step < until and (cfg.training.max_steps or self.pos.epoch < cfg.training.epochs):
             maybe_inject_fault(self.faults, self.run.path, self.lanes.rank, self.step)
             if perm_epoch != self.pos.epoch:
                 perm_epoch = self.pos.epoch
@@ -349,7 +356,7 @@ class Trainer:
             self.pos = advance(self.pos, self.n_rows, self.batch.global_batch)
             if self.pos.epoch == perm_epoch:  # the next step's rows gather while this ends
                 self.loader.prefetch(self._step_rows(perm, self.pos))
-            periodic = self.step < self.total_steps and (time_due or
+            periodic = self.step < until and (time_due or
                                                          self.cadence.step_due(self.step))
             if (stop or periodic) and not log_step:  # metrics land at every checkpoint
                 stats.update(self._read_step())
@@ -376,7 +383,7 @@ class Trainer:
             self._check_nonfinite()
         if last_saved != self.step:
             self.save(async_save=False)
-        return "done"
+        return "paused" if self.step < self.total_steps and until < self.total_steps else "done"
 
     def _profiled(self, trace) -> None:
         """Every rank wrote its trace at this step: rank 0 records it and uploads the
