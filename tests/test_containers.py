@@ -164,7 +164,7 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
         tmp_path, "adm", training={"epochs": 1}))))
     run = prepare_run(cfg, shape_from_flags(cfg, 2, 0, 2))
     # admin.md's CPU-only overrides, as documented (--exclusive=user: test nodes are shared)
-    shape = (*documented_cpu_only_flags(), "--exclusive=user", f"--output={tmp_path}/%x-%j.out")
+    shape = (*documented_cpu_only_flags(), "--exclusive=user")
     env = {"ENN_RUN_DIR": str(run.path), "ENN_IMAGE": str(test_image), "ENN_MAX_RESTARTS": "0"}
     assert run.jobs() == [] and not run.lock_path.exists()
     job = _sbatch_template(cluster, "train.sbatch", env, *shape)

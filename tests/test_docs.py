@@ -191,3 +191,118 @@ def test_local_quickstart_commands_keep_their_files_under_demo_runs():
     assert len(paths) >= 4, paths  # the predict/collect/plot block is still there
     outside = [p for p in paths if not p.startswith(("demo-runs/", "/", "$"))]
     assert not outside, f"docs/quickstart.md writes into the checkout: {outside}"
+
+
+# -- run-directory paths and ENN_* variables in the admin's docs (issue 40) -----------------
+OPS_DOCS = ("admin.md", "troubleshooting.md")
+_RUN_PATH = re.compile(r"RUN_DIR/[^\s`'\"|),;]+")
+_SCRIPT_PATH = re.compile(r"(?:\$ENN_RUN_DIR|\$\{ENN_RUN_DIR\}|/shared/runs/[a-z0-9]+)/[^\s'\")]+")
+_ENN_NAME = re.compile(r"\bENN_[A-Z0-9_]+\b")
+_PLACEHOLDER = re.compile(r"<[^>]*>|\$\{[^}]*\}|\$[A-Za-z_]+|%[a-z]|\.\.\.|\b[A-Z][A-Z0-9_]*\b")
+
+
+def canonical(path: str) -> str:
+    """A run-directory path with every stand-in (`<job id>`, JOB, N, `%j`, `$SLURM_JOB_ID`,
+    ...) as `*`: a doc's spelling and the code's compare equal when they name the same file."""
+    path = re.sub(r"[.:]+$", "", path.split("RUN_DIR/", 1)[-1]).rstrip("/")
+    return re.sub(r"\*+", "*", _PLACEHOLDER.sub("*", path))
+
+
+def rendered_scripts() -> list[str]:
+    """What reaches sbatch: the admin templates, every golden spec rendered by `render
+    --admin` and by the submitit path (`render`)."""
+    from enn_cluster.cluster import job_spec
+    from render_support import TEMPLATES, golden_specs, make_submitit_script
+
+    specs = golden_specs().values()
+    return [*(p.read_text(encoding="utf-8") for p in sorted(TEMPLATES.glob("*.sbatch"))),
+            *(job_spec.render_batch_script(s) for s in specs),
+            *(make_submitit_script(s, f"{s.run_dir}/slurm/%j") for s in specs)]
+
+
+def produced_paths() -> set[str]:
+    """Every run-directory path storage/layout.py declares or a batch script writes."""
+    from enn_cluster.storage import layout
+
+    declared = {canonical(e.name) for e in layout.LAYOUT}
+    written = {canonical(re.sub(r"^[^/]*/?(?:shared/runs/[a-z0-9]+/)?", "", m))
+               for text in rendered_scripts() for m in _SCRIPT_PATH.findall(text)}
+    return declared | written
+
+
+def doc_paths(name: str) -> list[str]:
+    spans = _INLINE_CODE.findall((DOCS / name).read_text(encoding="utf-8"))
+    return [m for span in spans for m in _RUN_PATH.findall(re.sub(r"<[^>]*>", "<x>", span))]
+
+
+def unproduced_paths(paths: list[str], produced: set[str]) -> list[str]:
+    """Doc paths the code does not produce. A path right under the run directory, or right
+    under a folder the batch shell writes in (logs/, requeue/, slurm/), must be one that
+    layout.py declares or a script writes; any other must lie in a declared folder and
+    name a file the package writes (its name's fixed part is in the package's source)."""
+    from enn_cluster.storage import layout
+
+    strict = {layout.LOGS, layout.REQUEUE, layout.SUBMITIT}
+    source = "\n".join(p.read_text(encoding="utf-8")
+                       for p in (ROOT / "enn_cluster").rglob("*") if p.suffix in (".py", ".sh"))
+    tops = {p.split("/")[0] for p in produced}  # predictions/<name>/ declares predictions
+    bad = []
+    for path in paths:
+        parts = canonical(path).split("/")
+        stem = parts[-1].split("*")[0]
+        ok = ("/".join(parts) in produced
+              or len(parts) == 2 and parts[0] in tops and parts[-1] == "*"
+              or (len(parts) > 2 or parts[0] not in strict) and parts[0] in tops
+              and len(parts) > 1 and bool(stem) and stem in source)
+        if not ok:
+            bad.append(path)
+    return bad
+
+
+def test_paths_in_the_admin_docs_are_what_the_code_writes():
+    produced = produced_paths()
+    assert "logs/slurm-*.out" in produced  # the batch log: layout.py and every script
+    for name in OPS_DOCS:
+        paths = doc_paths(name)
+        assert len(paths) >= 5, (name, paths)
+        bad = unproduced_paths(paths, produced)
+        assert not bad, f"docs/{name} names run-directory paths the code does not write: {bad}"
+
+
+def test_a_path_the_code_never_writes_is_caught():
+    """The old spellings of the batch log, and files nobody writes, fail the check above."""
+    produced = produced_paths()
+    old = ["RUN_DIR/logs/%x-%j.out", "RUN_DIR/logs/<job name>-<job id>.out",
+           "RUN_DIR/slurm/<job id>/<job id>_0_log.out", "RUN_DIR/requeue/halt-JOB",
+           "RUN_DIR/logs/ATTEMPT/no-such-rank-R.json", "RUN_DIR/nowhere.json"]
+    assert unproduced_paths(old, produced) == old
+
+
+def enn_names_the_code_reads() -> set[str]:
+    """ENN_* names in the package's source and the templates (read or set there), plus the
+    ones the test suite and Makefile read (ENN_UPDATE_GOLDEN)."""
+    files = [*(ROOT / "enn_cluster").rglob("*.py"), *(ROOT / "enn_cluster").rglob("*.sh"),
+             *(ROOT / "enn_cluster").rglob("*.sbatch"), ROOT / "Makefile",
+             *(ROOT / "tests").glob("test_*.py")]
+    docs = {DOCS / n for n in OPS_DOCS}
+    return {n for f in files if f not in docs for n in _ENN_NAME.findall(f.read_text("utf-8"))}
+
+
+def test_enn_variables_in_the_admin_docs_exist_and_the_template_table_is_complete():
+    """Every ENN_* name admin.md and troubleshooting.md use is one the code reads or sets,
+    and admin.md's table of the templates' variables lists exactly the ENN_* names the
+    templates take from the environment."""
+    known = enn_names_the_code_reads()
+    for name in OPS_DOCS:
+        unknown = sorted(set(_ENN_NAME.findall((DOCS / name).read_text("utf-8"))) - known)
+        assert not unknown, f"docs/{name} names variables no code reads: {unknown}"
+    from render_support import TEMPLATES
+
+    read = {n for p in TEMPLATES.glob("*.sbatch")
+            for n in re.findall(r"\$\{(ENN_[A-Z0-9_]+)[:+}-]", p.read_text("utf-8"))}
+    text = (DOCS / "admin.md").read_text("utf-8")
+    table = set(re.findall(r"^\| `(ENN_[A-Z0-9_]+)` \|", text, re.M))
+    assert read - table == set(), f"admin.md's variable table lacks {sorted(read - table)}"
+    assert table - read == set(), f"admin.md's variable table lists {sorted(table - read)}, " \
+        "which the templates do not read"
+    assert "ENN_MIN_NODES" in table

@@ -274,3 +274,39 @@ def test_a_save_longer_than_the_signal_grace_is_a_warning_and_raises_the_next_gr
     assert measured_grace(rd, 90, "4:00:00") == 330
     assert measured_grace(rd, 90, "5") == 180  # 5 minutes: the time limit less 2 minutes
     assert measured_grace(rd, 400, "4:00:00") == 400  # a site grace that already fits
+
+
+@pytest.mark.parametrize("moment", ["verify_checkpoint", "verify_files"])
+def test_a_step_pruned_while_doctor_reads_it_is_no_problem(tmp_path, monkeypatch, capsys,
+                                                           moment):
+    """issue 40: doctor on a live run. It lists the committed steps; then rank 0's real
+    keep-k prune, in its own thread, removes all but the newest, before doctor reads a
+    step's commit record (verify_checkpoint) or after it read it, before the files
+    (verify_files). The pruned steps are skipped: no problem, exit 0."""
+    import argparse
+    import threading
+
+    from enn_cluster.client import doctor
+    from enn_cluster.storage import commits as store
+
+    run = _train(tmp_path, "k", training={"max_steps": 4},
+                 checkpoint={"every_steps": 1, "keep_last": 10})
+    root = run / "checkpoints"
+    steps = store.committed_steps(root)
+    assert len(steps) >= 3, steps
+    real, pruned = getattr(store, moment), []
+
+    def prune_first(*args, **kwargs):  # the moment doctor reads its first step
+        if not pruned:
+            worker = threading.Thread(target=lambda: pruned.extend(store.prune(root, 1)))
+            worker.start()
+            worker.join()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, moment, prune_first)
+    code = doctor.cmd_doctor(argparse.Namespace(run_dir=str(run)))
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("checkpoints "))
+    assert pruned == steps[:-1] and store.list_steps(root) == steps[-1:]
+    assert code == 0 and "problem" not in out, out
+    assert line.split()[1] == "ok" and f"1 complete, all verify (newest step-{steps[-1]})" in line, line

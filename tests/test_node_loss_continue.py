@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import layout
 from enn_cluster.storage import node_loss
 from enn_cluster.storage.rundir import RunDir
 from helpers import (assert_same_steps, cli, metrics, outside_layout, small_config,
@@ -50,7 +51,7 @@ def _node_down(cluster, node: str) -> float:
 
 
 def _batch_log(run, job: str) -> str:
-    path = run / "slurm" / job / f"{job}_0_log.err"
+    path = layout.batch_log(run, job)
     return path.read_text(errors="replace") if path.exists() else ""
 
 

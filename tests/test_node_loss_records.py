@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -152,3 +153,38 @@ def test_status_names_the_slurm_job_that_holds_the_run_not_a_pid_0():
     st["starting"] = True
     assert format_status(st).splitlines()[-1] == \
         "in use by:       pid 4321 on login1 (starting: no step of this launch yet)"
+
+
+def test_doctor_says_a_relaunch_is_under_way_not_that_the_ranks_failed(tmp_path):
+    """issue 40: while the batch shell probes after a lost node, and until the relaunched
+    workers start, the newest attempt's ranks have exited 1 but the job goes on: doctor's
+    logs line says so (warning), and says `problem` again once the job is not live."""
+    from enn_cluster.client.doctor import check_logs
+
+    run = RunDir(tmp_path / "run")
+    (run.path / "logs").mkdir(parents=True)
+    run.record_job(kind="slurm", job_id="7")
+    first = run.path / "logs" / "slurm-7-r0"
+    first.mkdir()
+    for rank in (0, 1):
+        (first / f"rank-{rank}.log").write_text("training\n")
+        (first / f"exit-rank-{rank}.json").write_text('{"code": 1}')
+    failed = check_logs(run, live=True, q="RUN")
+    assert (failed.level, failed.detail) == ("problem", "slurm-7-r0: rank 0 exited 1, rank 1 exited 1")
+    _write(run.path, "probing-7", "%d\n" % time.time())  # as host_setup.sh writes it
+    probing = check_logs(run, live=True, q="RUN")
+    assert probing.level == "warning", probing
+    assert probing.detail.startswith("job 7: a step ended on its first node; its batch shell "
+                                     "is asking which nodes still answer (for "), probing
+    assert " s), to relaunch on those left; slurm-7-r0: rank 0 exited 1" in probing.detail
+    assert check_logs(run, live=False, q="RUN").level == "problem"  # the job is over
+    (run.path / "requeue" / "probing-7").unlink()
+    _write(run.path, "relaunch-7", GOOD)
+    starting = check_logs(run, live=True, q="RUN")
+    assert starting.level == "warning" and starting.detail.startswith(
+        "job 7: node n3 lost; relaunch 1 on n1,n2 is starting; slurm-7-r0: rank 0 exited 1"), starting
+    relaunched = run.path / "logs" / "slurm-7-r0-k1"  # the relaunched workers have started
+    relaunched.mkdir()
+    (relaunched / "rank-0.log").write_text("resumed\n")
+    after = check_logs(run, live=True, q="RUN")
+    assert after.level == "warning" and not after.detail.startswith("job 7"), after

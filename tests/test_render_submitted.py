@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from enn_cluster.storage import layout
+
 from helpers import cli, small_config, write_config
 
 FLAGS = ("--container", "none", "--time", "10", "--nodes", "1-2", "--gpus-per-node", "2",
@@ -43,7 +45,7 @@ def test_render_is_the_submitit_script_and_writes_nothing(tmp_path):
     text = _render(cfg, "--container", "/shared/images/enn.sqsh")
     assert text.startswith("#!/bin/bash\n\n# Parameters\n")
     assert "# >>> usage" not in text and "ENN_IMAGE" not in text
-    assert f"--output={tmp_path}/runs/dry/slurm/%j/%j_0_log.out" in text
+    assert f"--output={layout.batch_log_pattern(str(tmp_path / 'runs' / 'dry'))}" in text
     assert " --container-image=/shared/images/enn.sqsh " in text
     assert list(tmp_path.iterdir()) == [tmp_path / "run.yaml"]
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import layout
 from helpers import (
     ROOT,
     cli,
@@ -176,7 +177,7 @@ def test_a_rank_refusing_its_input_alone_is_never_requeued(slurm_cluster, tmp_pa
     run = tmp_path / "runs" / "refused"
     (event,) = json.loads((run / "oom.json").read_text())["events"]
     assert (event["rank"], event["micro_batch"]) == (1, 1)
-    batch_log = (run / "slurm" / job / f"{job}_0_log.err").read_text()
+    batch_log = layout.batch_log(run, job).read_text()
     refusal = (f"enn: job {job} refused its input (exit 2), not requeueing: out of memory at "
                "step 2 on rank 1 with micro-batch 1")
     assert refusal in batch_log, batch_log[-3000:]

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from enn_cluster.storage import layout
+
 from helpers import ROOT, metrics, small_config
 
 pytestmark = pytest.mark.slurm
@@ -123,7 +125,7 @@ def test_rendered_script_with_hostile_values_runs_on_slurm(slurm_cluster, tmp_pa
         assert task_env["ENN_NOTE"] == hostile.multiline
         assert task_env["HF_TOKEN"] == token  # passed through the environment...
     assert metrics(run.path, "train")[-1]["step"] == 2
-    batch_log = (run.path / "logs" / f"{name}-{job}.out").read_text()
+    batch_log = layout.batch_log(run.path, job).read_text()
     assert "enn-setup-ran" in batch_log
     assert token not in script.read_text() and leaks(run.path, [token]) == []  # ...only
 

@@ -186,12 +186,16 @@ def _attempt_findings(log_dir: Path, newest: bool, live: bool) -> tuple[str, lis
     return level, notes
 
 
-def _newest_refusal(run: RunDir) -> Optional[str]:
-    """The refusal note of the run's newest Slurm job, as one line, or None."""
+def _newest_job(run: RunDir) -> Optional[str]:
     try:
-        job = newest_slurm_job(run.jobs())
+        return newest_slurm_job(run.jobs())
     except UserError:  # damaged jobs.jsonl: the files check names it
         return None
+
+
+def _newest_refusal(run: RunDir) -> Optional[str]:
+    """The refusal note of the run's newest Slurm job, as one line, or None."""
+    job = _newest_job(run)
     note = node_loss.read_refusal(run.path, job) if job is not None else None
     return f"job {job} refused its input (not requeued): {note}" if note else None
 
@@ -199,6 +203,8 @@ def _newest_refusal(run: RunDir) -> Optional[str]:
 def check_logs(run: RunDir, live: bool, q: str) -> Finding:
     dirs = attempt_dirs(run)
     refusal = _newest_refusal(run) if not live else None
+    job = _newest_job(run) if live else None  # a lost node's relaunch: ranks exited, job lives
+    relaunch = job and node_loss.relaunch_under_way(run.path, job, dirs[-1].name if dirs else None)
     if refusal and not dirs:  # refused before any rank wrote a log (version skew)
         return Finding("logs", "problem", refusal, f"enn-submit status {q}")
     if not dirs:
@@ -206,7 +212,7 @@ def check_logs(run: RunDir, live: bool, q: str) -> Finding:
                        f"enn-submit status {q}")
     worst, lines, rank = "ok", [], 0
     for i, d in enumerate(dirs):
-        level, notes = _attempt_findings(d, i == len(dirs) - 1, live)
+        level, notes = _attempt_findings(d, i == len(dirs) - 1 and not relaunch, live)
         if notes:
             lines.append(f"{d.name}: {', '.join(notes)}")
             rank = int(notes[0].split()[1])
@@ -223,6 +229,9 @@ def check_logs(run: RunDir, live: bool, q: str) -> Finding:
               for r in read_metrics(run.metrics, "node_lost")]  # why an attempt's ranks died
     if losses:
         lines += losses
+        worst = max(worst, "warning", key=LEVELS.index)
+    if relaunch:  # the ranks' exits above are what the relaunch answers
+        lines.insert(0, relaunch)
         worst = max(worst, "warning", key=LEVELS.index)
     if refusal:  # why the job stopped comes first, whatever its ranks' logs say after it
         lines.insert(0, refusal)
@@ -244,21 +253,30 @@ def check_distributed(reports: list[dict], attempt: Optional[str], q: str) -> Fi
     return Finding("distributed", "ok", detail, more)
 
 
+def _step_damage(path: Path) -> Optional[str]:
+    """The first problem of a step that has a commit record, or None. A live run's keep-k
+    prune removes a step's commit.json first (commits.prune): a step whose record is gone
+    by the time its problem is found was pruned while doctor read it, which is no damage."""
+    problems = store.verify_checkpoint(path) or store.loadable_problems(path)
+    if problems and not os.path.lexists(path / store.COMMIT):
+        return None
+    return problems[0] if problems else None
+
+
 def check_checkpoints(run: RunDir, q: str) -> Finding:
     more = f"enn-submit verify {q}"
-    committed = store.committed_steps(run.checkpoints)
     recorded = [s for s in store.list_steps(run.checkpoints)
                 if os.path.lexists(store.step_dir(run.checkpoints, s) / store.COMMIT)]
     if not recorded:
         return Finding("checkpoints", "warning", "no complete checkpoint", more)
     bad = []
     for step in recorded:  # a commit record whose files no longer match it is damage
-        path = store.step_dir(run.checkpoints, step)
-        problems = store.verify_checkpoint(path) or store.loadable_problems(path)
-        if problems:
-            bad.append(f"step-{step}: {problems[0]}")
+        problem = _step_damage(store.step_dir(run.checkpoints, step))
+        if problem:
+            bad.append(f"step-{step}: {problem}")
     if bad:
         return Finding("checkpoints", "problem", "; ".join(bad), more)
+    committed = store.committed_steps(run.checkpoints)  # after the reads: pruned ones gone
     if not committed:
         return Finding("checkpoints", "warning", "no complete checkpoint", more)
     try:

@@ -291,9 +291,26 @@ def srun_shell_lines() -> list[str]:
     return lines + ["fi", 'enn_srun_args+=(${enn_srun_extra[@]+"${enn_srun_extra[@]}"})']
 
 
+def batch_log_lines() -> list[str]:
+    """The admin templates' `log` block: #SBATCH cannot name ENN_RUN_DIR, so the batch shell
+    moves its own output to layout.batch_log once the run directory is known (`render`
+    writes that path in #SBATCH --output instead and leaves the block empty)."""
+    log = f'"$ENN_RUN_DIR/{layout.LOGS}/{layout.BATCH_LOG.format(job="$SLURM_JOB_ID")}"'
+    name = layout.BATCH_LOG.format(job="JOB_ID")
+    return [f"# The batch log is RUN_DIR/{layout.LOGS}/{name} (storage/layout.py), as for every "
+            "job of enn-submit;",
+            "# only a refusal above lands in sbatch's default slurm-JOB_ID.out.",
+            'case "$SLURM_JOB_ID" in',
+            "  ''|*[!0-9]*) ;;",
+            f'  *) mkdir -p -- "$ENN_RUN_DIR/{layout.LOGS}" && touch -- {log} 2>/dev/null \\',
+            f"       && exec >>{log} 2>&1 ;;",
+            "esac"]
+
+
 def admin_template(text: str) -> str:
-    """A checked-in admin template with its `srun` and `host` blocks generated (tests hold
-    enn_cluster/cluster/templates/ and slurm/ to this; ENN_UPDATE_GOLDEN=1 rewrites them)."""
+    """A checked-in admin template with its `log`, `srun` and `host` blocks generated (tests
+    hold enn_cluster/cluster/templates/ and slurm/ to this; ENN_UPDATE_GOLDEN=1 rewrites them)."""
+    text = replace_block(text, "log", batch_log_lines())
     text = replace_block(text, "srun", srun_shell_lines())
     return replace_block(text, "host", host_setup_lines()[1:-1])  # the snippet's own markers
 
@@ -349,6 +366,8 @@ def submitit_parameters(spec: JobSpec) -> dict:
     if spec.mem_gb == 0:
         extra["mem"] = "0"  # submitit would write 0GB
     extra["comment"] = submission_comment(spec.run_dir)  # cancel's proof that a job is ours
+    # the batch log where every job of ours keeps it, not in submitit's folder
+    extra["output"] = extra["error"] = layout.batch_log_pattern(spec.run_dir)
     extra.update(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)
     shape = allocation(spec)
     params = {
@@ -396,7 +415,7 @@ def sbatch_lines(spec: JobSpec) -> list[str]:
             ("exclusive", True if spec.exclusive else None), ("requeue", True),
             ("no-kill", True if lo != hi else None),
             ("open-mode", "append"), ("signal", f"B:USR2@{spec.signal_grace_s}"),
-            ("output", f"{spec.run_dir}/logs/%x-%j.out"),
+            ("output", layout.batch_log_pattern(spec.run_dir)),
             *(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)]
     return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}"
             for k, v in opts if v is not None]
@@ -441,6 +460,7 @@ def render_batch_script(spec: JobSpec, template: Optional[str] = None) -> str:
              "# On USR2 the worker checkpoints; the EXIT trap below requeues from the host."]
     for name, lines in (("usage", usage), ("sbatch", sbatch_lines(spec)),
                         ("parameters", parameter_lines(spec)),
-                        ("setup", list(spec.setup_lines)), ("nccl", env_lines(spec))):
+                        ("log", []), ("setup", list(spec.setup_lines)),
+                        ("nccl", env_lines(spec))):
         text = replace_block(text, name, lines)
     return text

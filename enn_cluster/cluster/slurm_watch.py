@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from enn_cluster.errors import UserError
-from enn_cluster.storage import slurm_jobs
+from enn_cluster.storage import layout, slurm_jobs
 
 MAX_DELAY_S = 60.0  # submitit's InfoWatcher default
 
@@ -136,9 +136,7 @@ def wait_for_job(job_id: str, run=None, *, ask: Optional[Callable[[str], dict]] 
 
 def failed_job_lines(run_dir: Path, job_id: str, tail_lines: int = 20) -> list[str]:
     """The end of a finished job's batch log (its last 8 KiB at most) and where to look next."""
-    from enn_cluster.cluster.submit_slurm import submitit_folder
-
-    log = Path(str(submitit_folder(run_dir)).replace("%j", job_id)) / f"{job_id}_0_log.err"
+    log = layout.batch_log(run_dir, job_id)
     lines = [f"Slurm job {job_id}: batch log {log}:"]
     try:
         with open(log, "rb") as fh:

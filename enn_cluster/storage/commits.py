@@ -7,6 +7,7 @@ and `status` use it from the login node.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -328,6 +329,12 @@ def prune(root: Path, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
     committed = committed_steps(root)
     doomed = prune_plan(list_steps(root), committed, keep_last, protect)
     for s in doomed:
+        # the commit record first: a reader (doctor, status on a live run) then finds the
+        # step uncommitted, being removed, never committed with its files half gone (a
+        # committed step is never a symlink: is_committed)
+        if s in committed:
+            with contextlib.suppress(OSError):
+                (step_dir(root, s) / COMMIT).unlink()
         shutil.rmtree(step_dir(root, s), ignore_errors=True)
     for name in torn_aside((p.name for p in Path(root).iterdir()), committed):
         shutil.rmtree(Path(root) / name, ignore_errors=True)

@@ -25,11 +25,15 @@ DATA = "data"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"  # logging.metrics_path's default
 LOGS = "logs"
+BATCH_LOG = "slurm-{job}.out"  # under LOGS: a Slurm job's batch shell (stdout and stderr)
 JOBS = "jobs.jsonl"
 PREDICTIONS = "predictions"
 LOCK = "run.lock"
 SUBMITIT = "slurm"  # submitit's folder: slurm/<job>/
 REQUEUE = "requeue"
+OOM = "oom.json"
+NONFINITE = "nonfinite"
+PROFILES = "profiles"
 
 # requeue/ markers of a Slurm job: the file is PREFIX + the job id
 MARKERS = {
@@ -58,6 +62,15 @@ LAYOUT = (
           "prune (deleted once a newer step commits)", "a torn attempt, set aside"),
     Entry(METRICS, "rank 0", "status, plot, doctor, mlflow", "one JSON record per event"),
     Entry(f"{LOGS}/", "launchers (per attempt, per rank)", "logs, doctor", "rank logs"),
+    Entry(f"{LOGS}/{BATCH_LOG.format(job='<job>')}",
+          "Slurm: the batch shell of every job (--cluster slurm, render, the admin templates)",
+          "--wait (its last lines), an operator", "the batch log: requeues, node loss, srun's errors"),
+    Entry(OOM, "the rank that ran out of memory (storage/oom_record.py)",
+          "the next attempt's OOM governor, status, doctor", "every out-of-memory event"),
+    Entry(f"{NONFINITE}/step-N.json", "rank 0, when a log step finds new non-finite skips",
+          "status, doctor", "the rows and parameters of the newest skipped step"),
+    Entry(f"{PROFILES}/steps-<first>-<last>/", "every rank (profiling.steps)",
+          "chrome://tracing, Perfetto", "one Chrome trace per rank"),
     Entry(JOBS, "every launch (local pid or Slurm job id)", "status, cancel, attempts",
           "one record per launch"),
     Entry(f"{PREDICTIONS}/<name>/", "predict (client stages, workers write chunks)",
@@ -90,6 +103,16 @@ LAYOUT = (
 def marker(run_path: Union[str, Path], kind: str, job_id) -> Path:
     """RUN/requeue/<prefix><job id> for one of MARKERS."""
     return Path(run_path) / REQUEUE / f"{MARKERS[kind]}{job_id}"
+
+
+def batch_log(run_path: Union[str, Path], job_id) -> Path:
+    """RUN/logs/slurm-<job id>.out: the one place every Slurm job's batch shell writes."""
+    return Path(run_path) / LOGS / BATCH_LOG.format(job=job_id)
+
+
+def batch_log_pattern(run_dir: str) -> str:
+    """`batch_log` as sbatch's --output/--error pattern (%j: the job id)."""
+    return f"{run_dir}/{LOGS}/{BATCH_LOG.format(job='%j')}"
 
 
 def shell_names() -> dict:

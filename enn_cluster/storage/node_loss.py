@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -80,6 +81,24 @@ def probing_since(run_path: Path, job_id: str) -> Optional[float]:
     text = _read_small(layout.marker(run_path, "probing", job_id))
     text = (text or "").strip()
     return float(text) if _NUMBER.match(text) else None
+
+
+def relaunch_under_way(run_path: Path, job_id: str, newest_attempt: Optional[str]) -> Optional[str]:
+    """Why a live job's newest ranks may have exited while the job goes on, as one line:
+    its batch shell is probing the nodes after a step ended, or it relaunched the step and
+    the new workers have made no log folder yet (`slurm-JOB-rN-kK`, K the relaunch). None
+    otherwise. Both last seconds to a minute; `doctor` must not call them a failure."""
+    since = probing_since(run_path, job_id)
+    if since is not None:
+        return (f"job {job_id}: a step ended on its first node; its batch shell is asking "
+                f"which nodes still answer (for {max(0, time.time() - since):.0f} s), to "
+                "relaunch on those left")
+    rec = read_relaunch(run_path, job_id)
+    if rec is None or re.fullmatch(rf"slurm-{re.escape(str(job_id))}-r\d+-k{rec['relaunch']}",
+                                   newest_attempt or ""):
+        return None  # no relaunch, or its workers have started (worker/entry.py names the folder)
+    return (f"job {job_id}: node {','.join(rec['lost'])} lost; relaunch {rec['relaunch']} "
+            f"on {','.join(rec['nodes'])} is starting")
 
 
 def record_relaunch(run, metrics, job_id: str, relaunch: int, world_size: int,

@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.storage import layout
 from enn_cluster.storage.rundir import atomic_write_text
 
-NAME = "oom.json"
+NAME = layout.OOM
 
 
 def read_record(run_path: Path) -> Optional[dict]:

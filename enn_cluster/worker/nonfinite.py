@@ -20,9 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from enn_cluster.storage import layout
 from enn_cluster.storage.rundir import run_umask
 
-DUMP_DIR = "nonfinite"
+DUMP_DIR = layout.NONFINITE
 
 
 class NonFiniteWatch:

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from enn_cluster.storage import layout
+
 log = logging.getLogger("enn_cluster.worker.profiling")
 
 
@@ -21,7 +23,7 @@ class StepProfiler:
     def __init__(self, window: Optional[tuple[int, int]], run_path: Path, rank: int,
                  device: torch.device):
         self.window, self.rank, self.device = window, rank, device
-        self.folder = (run_path / "profiles" / f"steps-{window[0]}-{window[1]}"
+        self.folder = (run_path / layout.PROFILES / f"steps-{window[0]}-{window[1]}"
                        if window else None)
         self.prof = None
 
