@@ -87,7 +87,8 @@ def lm_config(tmp: Path, model_dir: Path, name: str, rows: int = 64, length: int
 
 def reference_losses(model_dir: Path, ids: np.ndarray, steps: int, batch: int, lr: float,
                      warmup_ratio: float, seed: int, lora: dict | None = None,
-                     precision: str = "fp32", grad_clip: float = 1.0) -> list[float]:
+                     precision: str = "fp32", grad_clip: float = 1.0,
+                     labels: np.ndarray | None = None) -> list[float]:
     """A plain transformers (+ peft) loop, the oracle our trainer's losses are held to: fp32
     master weights and AdamW states (a bf16 checkpoint upcast), bf16 autocast for "bf16";
     the rows, LR schedule, clip and LoRA initialisation our trainer uses (`batch` rows a
@@ -122,8 +123,9 @@ def reference_losses(model_dir: Path, ids: np.ndarray, steps: int, batch: int, l
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup_ratio)
         xb = torch.from_numpy(ids[rows]).long()
+        yb = xb if labels is None else torch.from_numpy(labels[rows]).long()
         with cast:
-            loss = model(input_ids=xb, labels=xb).loss
+            loss = model(input_ids=xb, labels=yb).loss  # the mean over the step's tokens
         loss.backward()
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)

@@ -77,6 +77,40 @@ def test_losses_follow_a_plain_transformers_loop(model_dir, tmp_path, lora):
         assert all(".lora_" in n for n in weights), weights
 
 
+def test_masked_tokens_weigh_alike_however_the_step_is_split(model_dir, tmp_path):
+    """Rows that learn from different numbers of tokens (a prompt masked at the front of
+    each, 0 to 28 of 32 tokens): the step's loss and update are the mean over every learned
+    token of the global batch, as transformers' loss over the same 8 rows is, whether the
+    rows are split over 2 ranks x 2 micro-batches or 1 rank x 4 (a mean of micro-batch
+    means weighs a token of a short row more, and changes with the split)."""
+    precision = precision_of(model_dir)
+    runs = {}
+    for procs in (2, 1):
+        cfg = lm_config(tmp_path, model_dir, f"w{procs}", rows=16, length=32,
+                        training={"max_steps": 4, "per_device_train_batch_size": 2,
+                                  "global_batch_size": 8, **bf16_training(precision)},
+                        checkpoint={"every_steps": 0}, parallel={"procs_per_node": procs})
+        ids = np.load(tmp_path / "ids.npy")
+        labels = ids.copy()
+        masked = np.random.default_rng(11).integers(0, 29, len(ids))
+        for row, n in enumerate(masked):
+            labels[row, :n] = -100
+        np.save(tmp_path / "labels.npy", labels)
+        res = cli("train", "--config", write_config(tmp_path / f"w{procs}.yaml", **cfg),
+                  "--procs-per-node", str(procs))
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[procs] = [r["loss"] for r in metrics(tmp_path / "runs" / f"w{procs}", "train")]
+    t = cfg["training"]
+    spec = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": LORA_TARGETS}
+    theirs = reference_losses(model_dir, ids, 4, 8, t["lr"], t["warmup_ratio"], t["seed"],
+                              lora=spec, precision=precision, labels=labels)
+    assert len(runs[1]) == len(runs[2]) == 4
+    for step in range(4):
+        for ours in (runs[2][step], runs[1][step]):
+            assert math.isclose(ours, theirs[step], rel_tol=LOSS_TOLERANCE[precision]), \
+                (step, runs, theirs)
+
+
 def _per_step(run):
     return {r["step"]: r for r in metrics(run, "train")}
 

@@ -16,6 +16,7 @@ from helpers import ROOT
 
 WORLD, MAX_NORM = 4, 0.5
 PLANS = {"hsdp": (2, 2), "fsdp": (1, 4), "ddp": (4, 1)}  # (replicate, shard)
+UNEVEN = [2, 4, 6, 8]  # rows each rank holds in the weighted step
 
 
 def _model():
@@ -64,6 +65,18 @@ def _one_plan(strategy: str, rank: int) -> dict:
                                      MAX_NORM)
     out.update(bad_norm=float(bad_norm), bad_loss=float(bad_loss),
                bad_flags=watch.flags(shard_norms).tolist())
+    # uneven ranks: rank r holds 2 + 2r rows (of 8); gradients and loss as sums over its
+    # rows, made into the mean over every rank's rows by the count in the same all-reduce
+    model.zero_grad(set_to_none=True)
+    rows = UNEVEN[rank]
+    total_loss = torch.nn.functional.mse_loss(model(x[rank, :rows]), y[rank, :rows],
+                                              reduction="sum") / 2  # 2 outputs a row
+    total_loss.backward()
+    shard_norms = norm.shard_norms()
+    w_norm, w_loss = norm.reduce(shard_norms, total_loss.detach().double(), MAX_NORM,
+                                 torch.tensor(float(rows)))
+    out.update(w_norm=float(w_norm), w_loss=float(w_loss),
+               w_grads=[_full(p.grad).clone() for p in watch.params])
     return out
 
 
@@ -118,3 +131,24 @@ def test_a_nan_in_one_shard_is_seen_by_every_rank_and_flagged_where_it_is(ranks,
         assert r["bad_norm"] != r["bad_norm"] and r["bad_loss"] == WORLD, r
         expected = [1, 0, 0, 0, 0, 0] if rank == WORLD - 1 else [0] * 6
         assert r["bad_flags"] == expected, (rank, r["bad_flags"])
+
+
+@pytest.mark.parametrize("strategy", list(PLANS))
+def test_uneven_ranks_give_the_mean_over_every_row_of_the_step(ranks, strategy):
+    """A step whose ranks hold 2, 4, 6 and 8 rows (a language model's learned tokens differ
+    from rank to rank): torch's norm and clip on one model whose loss is the mean over all
+    20 rows, not the mean of the ranks' means."""
+    ref = copy.deepcopy(_model())
+    x, y = _data()
+    inputs = torch.cat([x[r, :n] for r, n in enumerate(UNEVEN)])
+    targets = torch.cat([y[r, :n] for r, n in enumerate(UNEVEN)])
+    loss = torch.nn.functional.mse_loss(ref(inputs), targets)
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
+    assert norm > MAX_NORM * 2
+    for got in ranks:
+        r = got[strategy]
+        assert r["w_norm"] == pytest.approx(norm, rel=1e-5)
+        assert r["w_loss"] == pytest.approx(float(loss), rel=1e-6)
+        for a, p in zip(r["w_grads"], ref.parameters()):
+            assert torch.allclose(a, p.grad, rtol=1e-5, atol=1e-7)

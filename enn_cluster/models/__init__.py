@@ -24,7 +24,7 @@ from enn_cluster.models.kinds import (  # noqa: F401  (re-exported: every side a
 
 BUILTIN_MODELS = ("mlp", "transformer")  # model.name values that are not `module:factory`
 _BUILTIN = ("MLP", "FeatureTransformer", "build_model", "input_dtype", "compute_loss",
-            "model_loss")
+            "model_loss", "loss_weight")
 
 
 def __getattr__(name: str):

@@ -101,6 +101,16 @@ def model_loss(model: nn.Module, task: str, inputs: torch.Tensor, targets: torch
     return compute_loss(model, task, model(inputs), targets)
 
 
+def loss_weight(model: nn.Module, targets: torch.Tensor):
+    """What a batch's mean loss is a mean over, so that a step weighs each alike across
+    micro-batches and ranks: a causal LM's learned tokens (rows differ in them: prompts,
+    padding), else the rows."""
+    inner = getattr(model, "module", model)  # DDP wraps the user's module
+    if hasattr(inner, "learned_tokens"):
+        return inner.learned_tokens(targets)
+    return float(targets.shape[0])
+
+
 def compute_loss(model: nn.Module, task: str, outputs: torch.Tensor, targets: torch.Tensor):
     inner = getattr(model, "module", model)  # DDP wraps the user's module
     if hasattr(inner, "loss"):

@@ -116,6 +116,11 @@ class CausalLM(nn.Module):
         head = base.get_output_embeddings()
         return chunked_loss(hidden, head, labels, loss_chunk_tokens(head.out_features))
 
+    @staticmethod
+    def learned_tokens(labels: torch.Tensor) -> torch.Tensor:
+        """The tokens `loss` averages over: every label after the first not IGNORE_INDEX."""
+        return (labels[:, 1:] != IGNORE_INDEX).sum()
+
     @property
     def loss_in_forward(self) -> bool:
         """The loss from the final hidden states, chunk by chunk (models.model_loss): for

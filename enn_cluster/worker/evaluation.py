@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from enn_cluster.models import input_dtype, model_loss
+from enn_cluster.models import input_dtype, loss_weight, model_loss
 from enn_cluster.storage.staging import open_array
 from enn_cluster.worker.loader import gather_rows
 from enn_cluster.worker.model_setup import autocast
@@ -33,7 +33,8 @@ def device_batch(x, y, rows: np.ndarray, scaler, device, dtype=torch.float32):
 @torch.no_grad()
 def mean_eval_loss(sm, task: str, micro: int, eval_x, eval_y, eval_rows, scaler, lanes,
                    progress, step: int) -> float:
-    """Mean eval loss; every rank runs the same number of forwards (FSDP collectives)."""
+    """Mean eval loss over every learned token (a language model) or row, as training
+    weighs them; every rank runs the same number of forwards (FSDP collectives)."""
     if eval_x is None:
         return float("nan")
     n = eval_rows[1] - eval_rows[0]
@@ -52,7 +53,8 @@ def mean_eval_loss(sm, task: str, micro: int, eval_x, eval_y, eval_rows, scaler,
                               input_dtype(sm.model))
         with autocast(sm, lanes.device):
             loss = model_loss(sm.model, task, xb, yb)
-        totals += torch.tensor([float(loss) * count, count], dtype=torch.float64,
+        weight = float(loss_weight(sm.model, yb)) if count else 0.0  # learned tokens, or rows
+        totals += torch.tensor([float(loss) * weight, weight], dtype=torch.float64,
                                device=lanes.device)
     sm.model.train()
     dist.all_reduce(totals)

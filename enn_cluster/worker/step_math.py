@@ -8,6 +8,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ class StepNorm:
 
     def __init__(self, params: list, device: torch.device, world_size: int):
         self.params = params
+        self.world_size = world_size
         self.weights = torch.tensor([1.0 / replicas(p, world_size) for p in params],
                                     dtype=torch.float64, device=device)
         self._no_grad = torch.zeros(0, device=device)  # a parameter no loss reached
@@ -69,20 +71,35 @@ class StepNorm:
         return torch.stack(torch._foreach_norm(
             [_local(p.grad) if p.grad is not None else self._no_grad for p in self.params]))
 
-    def reduce(self, shard_norms: torch.Tensor, loss_sum: torch.Tensor,
-               max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce(self, shard_norms: torch.Tensor, loss_sum: torch.Tensor, max_norm: float,
+               counted: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(global gradient norm, loss summed over the ranks), device tensors nothing waits
         for; the gradients clipped to `max_norm` in place (clip_grads_with_norm_'s rule).
-        A NaN/Inf in any rank's gradients makes the norm non-finite on every rank."""
+        A NaN/Inf in any rank's gradients makes the norm non-finite on every rank.
+
+        With `counted` (this rank's learned tokens, or rows, in the step) the gradients and
+        `loss_sum` are sums over them, not means: the sums of every rank divided by the
+        step's count over all ranks (carried in the same all-reduce) make the mean over the
+        global batch, each token weighted alike however the ranks' micro-batches split
+        them; the loss returned is then that mean."""
         squares = (shard_norms.double().square() * self.weights).sum()
-        both = torch.stack([squares, loss_sum.double().reshape(())])
+        parts = [squares, loss_sum.double().reshape(())]
+        if counted is not None:
+            parts.append(counted.double().reshape(()))
+        both = torch.stack(parts)
         dist.all_reduce(both)  # the accelerator lane, where the gradients live
-        norm = both[0].sqrt()
+        # the data-parallel reduction averaged the ranks' sums: x world / count is the mean
+        mean = self.world_size / both[2].clamp(min=1) if counted is not None else None
+        norm = both[0].sqrt() if mean is None else both[0].sqrt() * mean
+        scale = mean
         if math.isfinite(max_norm) and self.params:
-            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(torch.float32)
+            clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            scale = clip if scale is None else scale * clip
+        if scale is not None and self.params:
             torch._foreach_mul_([_local(p.grad) for p in self.params if p.grad is not None],
-                                scale)
-        return norm, both[1]
+                                scale.to(torch.float32))
+        loss = both[1] if counted is None else both[1] / both[2].clamp(min=1)
+        return norm, loss
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

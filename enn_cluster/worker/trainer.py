@@ -21,7 +21,7 @@ import torch
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, total_steps
 from enn_cluster.errors import UserError
-from enn_cluster.models import input_dtype, model_loss
+from enn_cluster.models import input_dtype, loss_weight, model_loss
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import node_loss
 from enn_cluster.storage import oom_record
@@ -190,6 +190,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
+        counted = torch.zeros((), device=dev, dtype=torch.float64)  # learned tokens (rows)
         accum = self.batch.accumulation
         rows = self._step_rows(perm, self.pos)
         step = self.step + 1
@@ -200,8 +201,10 @@ class Trainer:
             for k, (xb, yb) in enumerate(self.loader.batches(rows)):
                 with gradient_sync(sm, k == accum - 1), autocast(sm, dev):
                     loss = model_loss(sm.model, self.cfg.model.task, xb, yb)
-                    (loss / accum).backward()
-                loss_sum += loss.detach().double()
+                    weight = loss_weight(sm.model, yb)
+                    (loss * weight).backward()  # a sum: StepNorm.reduce makes the mean
+                loss_sum += loss.detach().double() * weight
+                counted += weight
         except torch.OutOfMemoryError as exc:
             oom_governor.record(self.run.path, step, self.lanes.rank, self.batch, dev, exc)
         self.progress.at("control", f"step {step}: stop/save decision all-reduce")
@@ -209,10 +212,10 @@ class Trainer:
         self.progress.at("accelerator", f"step {step}: loss and gradient-norm all-reduce")
         shard_norms = self.norm.shard_norms()  # before the clip (see NonFiniteWatch.flags)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm, loss_sum = self.norm.reduce(shard_norms, loss_sum, max_norm)
-        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
+        grad_norm, mean_loss = self.norm.reduce(shard_norms, loss_sum, max_norm, counted)
+        finite = torch.isfinite(grad_norm) & torch.isfinite(mean_loss)
         self.nonfinite.observe(self.step, rows, self.nonfinite.flags(shard_norms), finite, lr,
-                               grad_norm, loss_sum / (accum * self.sm.dp_size))
+                               grad_norm, mean_loss)
         agreed = decided()
         waited = self.saver.wait_staged()
         self.optimizer.found_inf = (~finite).to(torch.float32)  # fused AdamW skips on device
@@ -222,7 +225,7 @@ class Trainer:
         self.skipped += (~finite).to(torch.int64)
         stats = {"lr": lr, "agreed": [v > 0 for v in agreed],
                  **({"checkpoint_wait_s": round(waited, 4)} if waited > 1e-3 else {})}
-        self.unread = (loss_sum, grad_norm, accum)
+        self.unread = (mean_loss, grad_norm)
         if log_step:
             stats.update(self._read_step())
         elapsed = time.perf_counter() - started
@@ -231,9 +234,9 @@ class Trainer:
 
     def _read_step(self) -> dict:
         """The log step's device-to-host read: loss, norm and the non-finite counters."""
-        (loss_sum, grad_norm, accum), self.unread = self.unread, None
+        (mean_loss, grad_norm), self.unread = self.unread, None
         skipped = self._check_nonfinite()
-        return {"loss": float(loss_sum) / (accum * self.sm.dp_size),
+        return {"loss": float(mean_loss),
                 "grad_norm": float(grad_norm), "skipped": skipped}
 
     def _check_nonfinite(self) -> int:
