@@ -166,6 +166,13 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     if existing is not None and step is None:
         step = existing["step"]
     step = _choose_step(run, step)
+    if cfg.lora.enabled:  # the small files here, before anything is staged; the workers
+        # read the safetensors (a login node need not read a base model's every byte)
+        from enn_cluster.config.hf_name import weights_dir
+        from enn_cluster.storage.base_weights import check_step_base
+
+        check_step_base(store.step_dir(run.checkpoints, step), weights_dir(cfg.model.name),
+                        read_weights=False)
     if text:  # tokenized here, staged as the array of token ids it makes
         name = name or default_name(source, step, "")
         check_same_tokenizer(read_manifest(run.data_dir).get("text"), cfg.data, cfg.model)
