@@ -158,6 +158,53 @@ def test_a_lora_checkpoint_refuses_other_base_weights(model_dir, tmp_path):
     assert res.returncode == 2, res.stderr[-3000:]
     line = [ln for ln in res.stderr.splitlines() if "holds LoRA adapters" in ln]
     assert line and "step-2" in line[0] and "start a new run" in line[0], res.stderr[-2000:]
+    assert "model.safetensors changed" in line[0], line[0]
+
+
+def _one_line_refusal(res, *words) -> str:
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert all(w in last for w in words), res.stderr[-3000:]
+    return last
+
+
+def test_a_lora_run_refuses_a_changed_config_or_generation_config(model_dir, tmp_path):
+    """The base identity covers every file that changes outputs, not only the safetensors:
+    rope_theta changed in config.json stops predict, a changed generation_config.json
+    stops export, each naming the file; a commit record from before the identity named its
+    files (only the safetensors checksum) is still honoured."""
+    own = copy_model(model_dir, tmp_path / "base")
+    cfg = lm_config(tmp_path, own, "lora",
+                    training={"max_steps": 2, **bf16_training(precision_of(model_dir))},
+                    checkpoint={"every_steps": 2},
+                    parallel={"nodes": 1, "procs_per_node": 1})
+    res = cli("train", "--config", write_config(tmp_path / "run.yaml", **cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "lora"
+    commit = run / "checkpoints" / "step-2" / "commit.json"
+    assert set(json.loads(commit.read_text())["base_weights"]["files"]) >= {
+        "model.safetensors", "config.json", "generation_config.json", "tokenizer.json"}
+    config = json.loads((own / "config.json").read_text())
+    kept = (own / "config.json").read_text()
+    (own / "config.json").write_text(json.dumps({**config, "rope_theta": 1234.0}))
+    res = cli("predict", run, "--input", tmp_path / "ids.npy", "--name", "p",
+              "--nodes", 1, "--procs-per-node", 1, timeout=200)
+    _one_line_refusal(res, "step-2", f"config.json changed in {own}")
+    assert not (run / "predictions" / "p").exists()
+    (own / "config.json").write_text(kept)
+
+    gen = json.loads((own / "generation_config.json").read_text())
+    (own / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.1}))
+    res = cli("export", run, "--out", tmp_path / "hf", "--format", "hf", timeout=200)
+    _one_line_refusal(res, "step-2", "generation_config.json changed")
+    assert not (tmp_path / "hf").exists()
+
+    record = json.loads(commit.read_text())  # as a run recorded before this change has it
+    del record["base_weights"]["files"]
+    commit.write_text(json.dumps(record))
+    res = cli("export", run, "--out", tmp_path / "peft", "--format", "peft", timeout=200)
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 def test_activation_checkpointing_leaves_losses_bit_identical(model_dir, tmp_path):

@@ -212,3 +212,26 @@ def test_a_tokenizer_changed_after_training_is_refused_by_predict_and_export(lm_
     res = cli("export", run, "--out", tmp_path / "hf", "--format", "hf")
     assert "changed since this run tokenized its data" in _refused(res, "model.name")
     assert not (tmp_path / "hf").exists() and list((run / "predictions").iterdir()) == []
+
+
+def test_export_and_resume_refuse_a_transposed_tensor_by_name(lm_run, tmp_path):
+    """The header check prepare makes (test_lm_weight_headers) is made again where a later
+    command reads the weights: the weights folder is planted in place and restored after."""
+    from safetensors.torch import load_file, save_file
+
+    file = lm_run["model"] / "model.safetensors"
+    kept = tmp_path / "kept.safetensors"
+    shutil.copy2(file, kept)
+    try:
+        tensors = load_file(str(file))
+        tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].t().contiguous()
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        res = cli("export", lm_run["run"], "--out", tmp_path / "out", "--format", "hf",
+                  timeout=120)
+        line = _refused(res, "model.embed_tokens.weight")
+        assert str(file) in line and "needs" in line
+        assert not (tmp_path / "out").exists()
+        res = cli("resume", lm_run["run"], "--set", "training.max_steps=4", timeout=120)
+        _refused(res, "model.embed_tokens.weight")
+    finally:
+        shutil.move(kept, file)

@@ -257,9 +257,9 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
         _start(run, plan, True, name=request.name, step=request.step)
     target = out or str(request.path / ASSEMBLED[1 if raw else 0])
     result = collect(run, request.name, target, raw=raw, overwrite=out is None)
-    for line in result.warnings:
-        import warnings
+    import warnings
 
+    for line in result.warnings + ([request.fallback] if request.fallback else []):
         warnings.warn(f"prediction {request.name}: {line}", RuntimeWarning, stacklevel=2)
     if out is not None and "://" in out:
         return out

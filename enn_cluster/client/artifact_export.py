@@ -75,31 +75,14 @@ def export_problem(model, input_shape: tuple, model_name: str) -> Optional[str]:
     return None
 
 
-def choose_step(run: RunDir, step: Optional[int]) -> int:
-    """A committed checkpoint that verifies; UserError naming --step otherwise."""
-    committed = store.committed_steps(run.checkpoints)
-    if step is None:
-        if not committed:
-            raise UserError(store.resume_refusal(run.checkpoints) or
-                            f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
-                            "resume it first")
-        step = committed[-1]
-    elif step not in committed:
-        raise UserError(f"--step: step-{step} is not a complete checkpoint of {run.path}; "
-                        f"complete ones: {', '.join(map(str, committed)) or 'none'}")
-    problems = store.verify_checkpoint(store.step_dir(run.checkpoints, step))
-    if problems:
-        raise UserError(f"--step: step-{step} fails verification ({'; '.join(problems[:3])}); "
-                        f"see 'enn-submit verify {run.path}' and choose another --step")
-    return step
-
-
-def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") -> Path:
-    """Write the artifact directory `out`; returns its path. Nothing is left on error."""
-    import torch
-
-    from enn_cluster.client.run_handle import Run
+def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
+               said: Optional[list] = None) -> Path:
+    """Write the artifact directory `out`; returns its path. Nothing is left on error. The
+    line naming newer steps passed over (step_choice.fallback_line) goes into `said` for
+    the caller to print last, else out as a RuntimeWarning once the export is written."""
+    from enn_cluster.client.prepare import check_model
     from enn_cluster.storage.staging import read_manifest
+    from enn_cluster.storage.step_choice import choose_step
 
     run = RunDir.existing(run_dir)
     if fmt not in FORMATS:
@@ -107,8 +90,22 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch") 
     out = Path(out).resolve()
     if out.exists():
         raise UserError(f"--out: {out} exists; give a new directory")
-    step = choose_step(run, step)
+    step, fallback = choose_step(run.checkpoints, step)
     cfg, manifest = run.load_config(), read_manifest(run.data_dir)
+    check_model(cfg)  # the weights folder (an LM's) as prepare checked it
+    written = _export(run, cfg, manifest, step, out, fmt)
+    if fallback and said is not None:
+        said.append(fallback)
+    elif fallback:
+        warnings.warn(fallback, RuntimeWarning, stacklevel=2)
+    return written
+
+
+def _export(run: RunDir, cfg, manifest: dict, step: int, out: Path, fmt: str) -> Path:
+    import torch
+
+    from enn_cluster.client.run_handle import Run
+
     if fmt in LM_FORMATS:
         return _export_lm(run, cfg, step, out, fmt, manifest)
     with warnings.catch_warnings():  # DCP's note that it loads in one process

@@ -16,6 +16,7 @@ from enn_cluster.client.cli_ops import (
     cmd_logs,
     cmd_render,
     plan_from_flags,
+    say_last,
     site_config,
 )
 from enn_cluster.client.launching import (
@@ -207,20 +208,24 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from enn_cluster.client.prepare import prepare_resume, resumed_config
+    from enn_cluster.client.prepare import check_model, prepare_resume, resumed_config
     from enn_cluster.storage.rundir import RunDir
 
     run = RunDir.existing(args.run_dir)
     cfg = run.load_config()
     check_control_files(run)  # before prepare_resume re-freezes the config
-    from enn_cluster.storage.commits import resume_refusal
+    from enn_cluster.storage.step_choice import fallback_line, resume_refusal, usable_step
 
-    refusal = resume_refusal(run.checkpoints)
+    point = usable_step(run.checkpoints, read_bytes=False)
+    refusal = resume_refusal(run.checkpoints, point)
     if refusal:
         raise UserError(refusal)
     plan = plan_from_flags(args, resumed_config(cfg, args.overrides), run_dir=run.path)
+    check_model(plan.cfg)  # the weights folder may have changed since the run began
     prepare_resume(run, cfg, plan)
-    return launch(run, plan)
+    code = launch(run, plan)
+    say_last(fallback_line(*point))
+    return code
 
 
 def cmd_build(args) -> int:

@@ -20,8 +20,11 @@ def register(sub, commands) -> None:
 
 def cmd_export(args) -> int:
     from enn_cluster.client.artifact_export import export_run
+    from enn_cluster.client.cli_ops import say_last
 
-    out = export_run(args.run_dir, args.out, step=args.step, fmt=args.format)
+    said: list = []
+    out = export_run(args.run_dir, args.out, step=args.step, fmt=args.format, said=said)
     print(f"exported to {out}", file=sys.stderr)
     print(out)
+    say_last("\n".join(said))
     return 0

@@ -16,6 +16,14 @@ from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.run_lock import read_lock
 
 
+def say_last(line) -> None:
+    """A line the user must not miss (newer checkpoints passed over: step_choice), as the
+    last of the command's output, after its stdout."""
+    if line:
+        sys.stdout.flush()
+        print(line, file=sys.stderr)
+
+
 def site_config(args):
     """The site config of this command, read once: the shape defaults, the runs root and the
     job spec all ask for it."""

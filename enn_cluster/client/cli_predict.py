@@ -45,7 +45,7 @@ def register(sub, add_shape_flags, commands) -> None:
 
 
 def cmd_predict(args) -> int:
-    from enn_cluster.client.cli_ops import plan_from_flags
+    from enn_cluster.client.cli_ops import plan_from_flags, say_last
     from enn_cluster.client.launching import launch
     from enn_cluster.client.prediction_request import (
         DEFAULT_BATCH_SIZE,
@@ -79,6 +79,7 @@ def cmd_predict(args) -> int:
               f"predict {shlex.quote(str(run.path))} --name {shlex.quote(request.name)}",
               file=sys.stderr)
         print(request.name)
+        say_last(request.fallback)
         return 0
     code = launch(run, plan, name=request.name, step=request.step)
     if args.cluster == "local":  # on Slurm, stdout carries the job id
@@ -86,6 +87,7 @@ def cmd_predict(args) -> int:
             print(f"prediction {request.name} committed; assemble it with: {hint}",
                   file=sys.stderr)
         print(request.name)
+    say_last(request.fallback)
     return code
 
 

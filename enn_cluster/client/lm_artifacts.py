@@ -17,7 +17,7 @@ from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.models.causal_lm import CausalLM
-from enn_cluster.storage import commits as store
+from enn_cluster.storage.base_weights import check_step_base
 from enn_cluster.storage.dcp_io import safe_load
 from enn_cluster.storage.dcp_metadata import tensor_names
 from enn_cluster.storage.text_sources import check_same_tokenizer, tokenizer_dir
@@ -42,7 +42,7 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
         raise UserError(f"model.name: the weights in {path} do not load ({str(exc).splitlines()[0][:200]}); "
                         "point hf: at the directory save_pretrained wrote") from None
     if cfg.lora.enabled:
-        _check_base(path, step_dir)
+        check_step_base(step_dir, path)
         lm = with_lora(lm, cfg.lora)
     model = CausalLM(lm)
     held = tensor_names(step_dir, "model.")  # through the allow-list, never plain pickle
@@ -59,13 +59,6 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
     if cfg.lora.enabled and merge:
         model = CausalLM(model.lm.merge_and_unload())
     return model.eval()
-
-
-def _check_base(path: Path, step_dir: Path) -> None:
-    from enn_cluster.storage.base_weights import check_same_base, identity
-
-    record = store.read_commit(step_dir) or {}
-    check_same_base(record.get("base_weights"), identity(path), int(record.get("step", -1)))
 
 
 def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str,

@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,6 +34,7 @@ from enn_cluster.storage.rundir import (
     sigterm_unwinds,
 )
 from enn_cluster.storage.staging import read_manifest, stage_array
+from enn_cluster.storage.step_choice import choose_step
 from enn_cluster.storage.text_sources import check_same_tokenizer, check_text_file
 from enn_cluster.storage.text_staging import text_rows
 
@@ -47,6 +48,7 @@ class PredictionRequest:
     path: Path
     step: int
     complete: bool  # manifest committed: nothing left for workers to do
+    fallback: Optional[str] = None  # newer steps passed over (step_choice.fallback_line)
 
 
 def generation_request(cfg, new_tokens: Optional[int], seed: Optional[int]) -> Optional[dict]:
@@ -73,32 +75,6 @@ def default_name(source: Any, step: int, checksum: str) -> str:
                        for c in stem).lstrip("._-")
         return f"{stem[:100] or 'input'}-step-{step}"
     return f"array-{checksum.rsplit(':', 1)[-1]}-step-{step}"
-
-
-def _choose_step(run: RunDir, step: Optional[int]) -> int:
-    """The given step, or the newest committed one, that verifies by checksum and whose
-    metadata loads: workers must never be started on a checkpoint they cannot read."""
-    committed = store.committed_steps(run.checkpoints)
-    if not committed:
-        raise UserError(store.resume_refusal(run.checkpoints) or
-                        f"RUN_DIR: {run.path} has no complete checkpoint yet; train or "
-                        "resume it first")
-    if step is not None and step not in committed:
-        raise UserError(f"--step: step-{step} is not a complete checkpoint of {run.path}; "
-                        f"choose one of {', '.join(map(str, committed))}")
-    skipped = []
-    for cand in [step] if step is not None else committed[::-1]:
-        path = store.step_dir(run.checkpoints, cand)
-        problems = store.step_problems(path)
-        if not problems:
-            if skipped:
-                print(f"using step-{cand}: newer {', '.join(skipped)} failed verification "
-                      "(see enn-submit verify)", file=sys.stderr)
-            return cand
-        skipped.append(f"step-{cand}")
-        first = problems[0]
-    raise UserError(f"--step: {', '.join(skipped)} of {run.path} cannot be loaded ({first}); "
-                    f"run 'enn-submit verify {run.path}'")
 
 
 def _is_text(cfg, source: Any) -> bool:
@@ -165,14 +141,22 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
         _check_input_array(source, cfg.data.x_key)
     if existing is not None and step is None:
         step = existing["step"]
-    step = _choose_step(run, step)
+    step, fallback = choose_step(run.checkpoints, step)
+    if cfg.lora.enabled:  # the small files here, before anything is staged; the workers
+        # read the safetensors (a login node need not read a base model's every byte)
+        from enn_cluster.config.hf_name import weights_dir
+        from enn_cluster.storage.base_weights import check_step_base
+
+        check_step_base(store.step_dir(run.checkpoints, step), weights_dir(cfg.model.name),
+                        read_weights=False)
     if text:  # tokenized here, staged as the array of token ids it makes
         name = name or default_name(source, step, "")
         check_same_tokenizer(read_manifest(run.data_dir).get("text"), cfg.data, cfg.model)
         source = text_rows("--input", str(source), cfg.data, cfg.model)
     with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
-        return _stage_request(run, cfg, source, name, step, chunk_rows, batch_size, generate,
-                              sharded)
+        staged = _stage_request(run, cfg, source, name, step, chunk_rows, batch_size,
+                                generate, sharded)
+    return replace(staged, fallback=fallback)
 
 
 def _check_input_array(source: Any, x_key: str) -> None:

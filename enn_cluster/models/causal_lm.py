@@ -195,6 +195,17 @@ def is_adapter(name: str) -> bool:
     return ".lora_" in name
 
 
+def base_targets(model: nn.Module) -> dict:
+    """{name in the safetensors files: the tensor} for every base parameter and persistent
+    buffer (a tied pair once: the files hold it once)."""
+    buffers = {n for n, _ in model.named_buffers()} - set(model.state_dict())
+    out = {}
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if name not in buffers and not is_adapter(name):
+            out.setdefault(hf_name(name), tensor)
+    return out
+
+
 def score(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
     """[rows, 2]: mean log-likelihood of each row's tokens after the first, and their count
     (NaN and 0 for a row of one token: nothing was predicted, so no score, not a perfect
@@ -257,7 +268,8 @@ class CausalLMKind(ModelKind):
     compares_fp32 = False  # a second whole LM beside the replica, for the check: not kept
 
     def check(self, cfg: RunConfig) -> None:
-        """The llm extra installed, and a weights directory with safetensors."""
+        """The llm extra installed, and a weights directory whose safetensors headers give
+        every tensor the model built from its config.json needs, in that shape."""
         import importlib.util
 
         name = cfg.model.name
@@ -270,6 +282,11 @@ class CausalLMKind(ModelKind):
         if not any(path.glob("*.safetensors")):
             raise UserError(f"model.name: {path} has no *.safetensors weights; save the model "
                             "with save_pretrained(..., safe_serialization=True) there")
+        from enn_cluster.storage.safetensors_header import check_shapes
+
+        with torch.device("meta"):  # no storage: only the shapes are wanted
+            model = bare_lm(name)
+        check_shapes(path, {n: tuple(t.shape) for n, t in base_targets(model).items()})
 
     def load_code(self, cfg: RunConfig) -> None:
         import transformers  # noqa: F401  (its kernel choices, as the model will see them)

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 from typing import Iterable, Optional
 
-from enn_cluster.storage.checksum import algorithm_of, file_checksum
+from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import atomic_write_text, fsync_dir
 from enn_cluster.storage.run_files import inside_run, read_run_text
@@ -185,50 +185,6 @@ def newest_verified(root: Path, seen: Optional[dict] = None) -> tuple[Optional[i
 def _identity(path: Path) -> tuple[int, int, int]:
     st = path.stat()
     return st.st_size, st.st_ino, st.st_ctime_ns
-
-
-def shape_problems(path: Path) -> list[str]:
-    """What can be told about a committed step without reading its data: a readable commit
-    record, checksum algorithms this version knows, every file at its recorded size, and
-    metadata that loads. The workers then verify every byte while choosing the step."""
-    record = read_commit(path)
-    if record is None:
-        return [f"{COMMIT}: missing or unreadable (incomplete checkpoint)"]
-    problems = []
-    for name, info in sorted(record["files"].items()):
-        try:
-            algorithm_of(info.get("checksum"))
-            size = (Path(path) / name).stat().st_size
-        except ValueError as exc:
-            problems.append(f"{name}: {exc}")
-            continue
-        except FileNotFoundError:
-            problems.append(f"{name}: missing")
-            continue
-        if size != info.get("size"):
-            problems.append(f"{name}: size {size}, recorded {info.get('size')}")
-    return problems or loadable_problems(path)
-
-
-def resume_refusal(root: Path) -> Optional[str]:
-    """Resume continues from a checkpoint, never silently from scratch: where checkpoint steps
-    were committed (a commit.json exists, readable or not) but none can be resumed from, the
-    newest one's problem, else None. Steps torn before their commit never counted: a run
-    stopped during its first save starts again from scratch, as it should. Only what needs
-    no data read is checked here (`shape_problems`): the workers verify every byte when they
-    choose the step, and reading a large checkpoint twice, once on the login node, would
-    double the start-up I/O."""
-    steps = [s for s in list_steps(root) if os.path.lexists(step_dir(root, s) / COMMIT)]
-    for step in reversed(steps):
-        if not shape_problems(step_dir(root, step)):
-            return None
-    if not steps:
-        return None
-    newest = steps[-1]
-    why = "; ".join(shape_problems(step_dir(root, newest))[:2])
-    return (f"checkpoint step-{newest}: {why}; no checkpoint of this run verifies (resume "
-            "would start from scratch, predict has no weights): restore the checkpoint "
-            "directory, or start a new run")
 
 
 _OWNED_RE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng/rank-(\d+)\.pt)$")

@@ -17,7 +17,7 @@ from torch import nn
 
 from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.errors import UserError
-from enn_cluster.models.causal_lm import CausalLM, hf_name, is_adapter
+from enn_cluster.models.causal_lm import CausalLM, base_targets, is_adapter
 from enn_cluster.storage.base_weights import identity
 from enn_cluster.storage.dcp_io import SafeLoadPlanner
 from enn_cluster.worker.meta_init import copy_local, name_generator
@@ -53,17 +53,6 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         else:
             full = torch.zeros(param.shape)
         copy_local(param, full)
-
-
-def base_targets(model: nn.Module) -> dict:
-    """{name in the safetensors files: this rank's tensor} for every base parameter and
-    persistent buffer (a tied pair once: the files hold it once)."""
-    buffers = {n for n, _ in model.named_buffers()} - set(model.state_dict())
-    out = {}
-    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
-        if name not in buffers and not is_adapter(name):
-            out.setdefault(hf_name(name), tensor)
-    return out
 
 
 def load_base(model: nn.Module, weights: Path, group) -> None:

@@ -1,0 +1,72 @@
+"""A weights folder's safetensors files judged by their headers alone (8 bytes of header
+length, little-endian, then that much JSON naming each tensor's dtype, shape and offsets).
+
+The folder is user input: a header length past the file or past safetensors' own limit, a
+header that is not JSON, or an entry that is not a tensor is one line naming the file; no
+tensor data is read. `shapes` is what `model.name`'s check compares with the model its
+config.json describes, so a tensor of the wrong shape is refused at `prepare`, by name,
+instead of as a multi-line size mismatch on every rank.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from enn_cluster.errors import UserError
+
+HEADER_LIMIT = 100_000_000  # safetensors' own bound on a header (its MAX_HEADER_SIZE)
+
+
+def read_header(path: Path, field: str = "model.name") -> dict:
+    """{tensor name: its header entry} of one safetensors file (`__metadata__` left out)."""
+    fix = "restore the file save_pretrained wrote"
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            fh.seek(0)
+            head = fh.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if length is None or length > min(HEADER_LIMIT, size - 8):
+                raise UserError(f"{field}: {path} is not a safetensors file (its header length "
+                                f"{length} does not fit a file of {size} bytes); {fix}")
+            header = json.loads(fh.read(length))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
+        raise UserError(f"{field}: {path} has a safetensors header that is not JSON; "
+                        f"{fix}") from None
+    except OSError as exc:
+        raise UserError(f"{field}: {path} cannot be read ({exc.strerror or exc}); {fix}") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{field}: {path} has a safetensors header that is not a mapping; {fix}")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, entry in tensors.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise UserError(f"{field}: {path}: tensor {name[:200]!r} has no valid shape in its "
+                            f"header; {fix}")
+    return tensors
+
+
+def shapes(folder: Path, field: str = "model.name") -> dict[str, tuple[tuple, Path]]:
+    """{tensor name: (shape, file)} over every *.safetensors file in `folder`."""
+    out = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        for name, entry in read_header(file, field).items():
+            out[name] = (tuple(entry["shape"]), file)
+    return out
+
+
+def check_shapes(folder: Path, expected: dict[str, tuple], field: str = "model.name") -> None:
+    """Every tensor the model needs (`expected`: name -> shape) is in a file of `folder`,
+    with that shape; tensors the model does not use are left alone."""
+    found = shapes(folder, field)
+    for name, want in expected.items():
+        if name not in found:
+            raise UserError(f"{field}: no safetensors file in {folder} holds tensor {name}, "
+                            "which the model its config.json describes needs; restore the "
+                            "files save_pretrained wrote")
+        shape, file = found[name]
+        if shape != tuple(want):
+            raise UserError(f"{field}: {file}: tensor {name} has shape {list(shape)}, but the "
+                            f"model its config.json describes needs {list(want)}; restore "
+                            "the weights save_pretrained wrote for this config.json")
