@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from enn_cluster.storage import commits as store
+from enn_cluster.storage import layout
 from helpers import ROOT, cli, faults, metrics, small_config, wait_for_file, write_config
 from pyxis_fixture import IMAGE_CACHE, build_test_image
 from render_support import documented_cpu_only_flags
@@ -133,8 +134,10 @@ def test_killed_rank_in_the_container_fails_fast_and_retry_resumes(pyxis_cluster
 
 
 def _sbatch_template(cluster, template: str, env: dict, *flags: str) -> str:
+    """sbatch from the run's parent directory, as an admin from their own: Slurm's default
+    slurm-JOB.out (empty: the template sends the batch log into the run) lands there."""
     proc = cluster.run(["sbatch", "--parsable", *flags, str(ROOT / "slurm" / template)],
-                       env={**cluster.env, **env})
+                       env={**cluster.env, **env}, cwd=Path(env["ENN_RUN_DIR"]).parent)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
@@ -171,6 +174,7 @@ def test_admin_templates_submitted_by_hand_run_in_the_container(pyxis_cluster, t
     cluster.wait_job(job, ("COMPLETED",), timeout=240)
     assert _started_in_container(cluster, job)
     assert metrics(run.path, "train")[-1]["step"] == 14
+    assert layout.batch_log(run.path, job).is_file()  # the batch log, in the run
     _assert_worker_recorded(run, job, "train")
     status = cli("status", run.path)  # issue 15 item 8: the job came from a template
     assert f"slurm job:       {job} COMPLETED" in status.stdout, status.stdout
