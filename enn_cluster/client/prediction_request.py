@@ -142,6 +142,8 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     if existing is not None and step is None:
         step = existing["step"]
     step, fallback = choose_step(run.checkpoints, step)
+    if text:  # the tokenizer first: its own refusal says what a changed one does to text
+        check_same_tokenizer(read_manifest(run.data_dir).get("text"), cfg.data, cfg.model)
     if cfg.lora.enabled:  # the small files here, before anything is staged; the workers
         # read the safetensors (a login node need not read a base model's every byte)
         from enn_cluster.config.hf_name import weights_dir
@@ -151,7 +153,6 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
                         read_weights=False)
     if text:  # tokenized here, staged as the array of token ids it makes
         name = name or default_name(source, step, "")
-        check_same_tokenizer(read_manifest(run.data_dir).get("text"), cfg.data, cfg.model)
         source = text_rows("--input", str(source), cfg.data, cfg.model)
     with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
         staged = _stage_request(run, cfg, source, name, step, chunk_rows, batch_size,

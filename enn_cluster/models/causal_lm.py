@@ -282,7 +282,7 @@ class CausalLMKind(ModelKind):
         if not any(path.glob("*.safetensors")):
             raise UserError(f"model.name: {path} has no *.safetensors weights; save the model "
                             "with save_pretrained(..., safe_serialization=True) there")
-        from enn_cluster.storage.safetensors_header import check_shapes
+        from enn_cluster.models.safetensors_header import check_shapes
 
         with torch.device("meta"):  # no storage: only the shapes are wanted
             model = bare_lm(name)
