@@ -119,3 +119,9 @@ def replanned_total(t: TrainingConfig, n_rows: int, global_batch: int, step: int
         total_steps(t, n_rows, global_batch)  # raises the message
     this_epoch = max((n_rows - consumed) // global_batch, 0)
     return step + this_epoch + max(t.epochs - epoch - 1, 0) * per_epoch
+
+
+def pause_step(pause_at: int, first_step: int, total_steps: int) -> int:
+    """Where this launch ends (pure): training.pause_at_step when the launch starts before
+    it, else the schedule's end; a resume from the pause goes on to the end."""
+    return pause_at if first_step < pause_at < total_steps else total_steps

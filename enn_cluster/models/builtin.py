@@ -83,11 +83,16 @@ def build_model(cfg: ModelConfig, input_shape: tuple, n_outputs: int) -> nn.Modu
     return model
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The user's module: DDP wraps it (FSDP2 shards it in place)."""
+    return getattr(model, "module", model)
+
+
 def input_dtype(model: nn.Module) -> torch.dtype:
     """What the model takes: token ids (a model whose `input_dtype` says an integer type,
     as CausalLM does) travel as integers from the memmap to its embedding; everything else
     gets float32 values. Pure."""
-    inner = getattr(model, "module", model)  # DDP wraps the user's module
+    inner = unwrapped(model)
     return getattr(inner, "input_dtype", torch.float32)
 
 
@@ -95,7 +100,7 @@ def model_loss(model: nn.Module, task: str, inputs: torch.Tensor, targets: torch
     """The loss of a batch: a model that computes it in its forward pass (a causal LM's
     chunked cross-entropy, which never holds the whole logits) is called with the labels;
     any other gives its outputs to compute_loss."""
-    inner = getattr(model, "module", model)  # DDP wraps the user's module
+    inner = unwrapped(model)
     if getattr(inner, "loss_in_forward", False):
         return model(inputs, labels=targets)
     return compute_loss(model, task, model(inputs), targets)
@@ -105,14 +110,14 @@ def loss_weight(model: nn.Module, targets: torch.Tensor):
     """What a batch's mean loss is a mean over, so that a step weighs each alike across
     micro-batches and ranks: a causal LM's learned tokens (rows differ in them: prompts,
     padding), else the rows."""
-    inner = getattr(model, "module", model)  # DDP wraps the user's module
+    inner = unwrapped(model)
     if hasattr(inner, "learned_tokens"):
         return inner.learned_tokens(targets)
     return float(targets.shape[0])
 
 
 def compute_loss(model: nn.Module, task: str, outputs: torch.Tensor, targets: torch.Tensor):
-    inner = getattr(model, "module", model)  # DDP wraps the user's module
+    inner = unwrapped(model)
     if hasattr(inner, "loss"):
         return inner.loss(outputs, targets)
     if task == "classification":

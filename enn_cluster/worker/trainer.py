@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.config.schedule import BatchPlan, lr_at, plan_batch, total_steps
+from enn_cluster.config.schedule import BatchPlan, lr_at, pause_step, plan_batch, total_steps
 from enn_cluster.errors import UserError
 from enn_cluster.models import input_dtype, loss_weight, model_loss
 from enn_cluster.storage import commits as store
@@ -67,12 +67,6 @@ from enn_cluster.worker.stop_signals import arm_hard_exit, install_stop_handlers
 from enn_cluster.worker.watchdog import COMPILE_GRACE_S, Progress, Watchdog, rank_log_stream
 
 log = logging.getLogger("enn_cluster.worker.trainer")
-
-
-def pause_step(pause_at: int, first_step: int, total_steps: int) -> int:
-    """Where this launch ends (pure): training.pause_at_step when the launch starts before
-    it, else the schedule's end; a resume from the pause goes on to the end."""
-    return pause_at if first_step < pause_at < total_steps else total_steps
 
 
 class Trainer:
