@@ -17,7 +17,8 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem, own_identity
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, read_lock
-from enn_cluster.storage.slurm_jobs import job_belongs_to_run, submission_comment
+from enn_cluster.cluster.slurm import job_belongs_to_run
+from enn_cluster.storage.run_lock import run_identity as submission_comment
 from helpers import ROOT
 
 ME = own_identity()
@@ -50,13 +51,13 @@ def test_own_identity_is_what_proc_says():
     assert identity(2 ** 22 + 7) is None
 
 
-def _stub_slurm(bin_dir, scontrol_line: str):
-    """scontrol answering one job line, scancel recording what it was asked to cancel: the
+def _stub_slurm(bin_dir, squeue_line: str):
+    """squeue answering one job line, scancel recording what it was asked to cancel: the
     Slurm side of `cancel`, whose own check (not Slurm) is what these tests are about."""
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho {shlex.quote(scontrol_line)}\n")
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho {shlex.quote(squeue_line)}\n")
     (bin_dir / "scancel").write_text('#!/bin/sh\necho "$@" >> "$0.called"\n')
-    for tool in ("scontrol", "scancel"):
+    for tool in ("squeue", "scancel"):
         (bin_dir / tool).chmod(0o755)
     return bin_dir / "scancel.called"
 
@@ -75,8 +76,7 @@ def test_cancel_scancels_only_a_job_our_submission_marked(tmp_path, record, comm
     run.config_path.write_text("run_name: r\n")
     (tmp_path / "other").mkdir()
     comment = submission_comment(tmp_path / comment_of) if comment_of else "(null)"
-    called = _stub_slurm(tmp_path / "bin", f"JobId=77 JobName=enn-r JobState=PENDING "
-                         f"WorkDir={run.path} StdOut={run.path}/o Comment={comment}")
+    called = _stub_slurm(tmp_path / "bin", f"77|PENDING|Priority|0||1|N/A|{comment}|")
     run.record_job(kind="slurm", **record)
     run.lock_path.write_text(json.dumps({"slurm_job_id": "77", "host": "slurm", "pid": 0}))
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
@@ -101,9 +101,9 @@ def test_submission_comment_binds_the_runs_real_path(tmp_path):
     c = submission_comment(tmp_path / "a")
     assert c == submission_comment(tmp_path / "l")  # the real path counts
     assert c != submission_comment(tmp_path / "b")
-    assert " " not in c and len(c) < 80  # one token in `scontrol -o` output
-    assert job_belongs_to_run({"Comment": c}, tmp_path / "a")
-    assert not job_belongs_to_run({"Comment": c}, tmp_path / "b")
+    assert " " not in c and "|" not in c and len(c) < 80  # one field of squeue's line
+    assert job_belongs_to_run({"comment": c}, tmp_path / "a")
+    assert not job_belongs_to_run({"comment": c}, tmp_path / "b")
     assert not job_belongs_to_run({}, tmp_path / "a")
     params = submitit_parameters(JobSpec(job_name="j", run_dir=str(tmp_path / "a")))
     assert params["slurm_additional_parameters"]["comment"] == c  # what sbatch gets

@@ -21,7 +21,9 @@ ALLOWED = {
     "client": {"cluster", "storage", "config", "models", "errors"},
     "__init__": {"client"},
 }
-NAMED_EDGES = {("enn_cluster.cluster.submit_slurm", "enn_cluster.worker.slurm_entry")}
+NAMED_EDGES = {("enn_cluster.cluster.submit_slurm", "enn_cluster.worker.slurm_entry"),
+               # the run lock's owner may be a Slurm job; on bare metal the worker asks Slurm
+               ("enn_cluster.worker.worker_lock", "enn_cluster.cluster.slurm")}
 
 
 def module_name(path: Path) -> str:
@@ -118,3 +120,16 @@ def test_only_a_few_modules_at_the_top():
     assert top == ["__init__", "errors"], top
     assert sorted(p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__") == \
         ["client", "cluster", "config", "models", "storage", "worker"]
+
+
+def test_only_the_gateway_runs_slurms_commands():
+    """cluster/slurm.py is the one module that asks Slurm: no other module starts one of
+    Slurm's query or control commands, or looks for one on PATH."""
+    import re
+
+    command = re.compile(r"""(?:\[\s*|which\(\s*)["'](scontrol|squeue|sacct|sinfo|scancel)["']""")
+    found = sorted(f"{p.relative_to(PKG.parent)}: {m.group(1)}" for p in PKG.rglob("*.py")
+                   if p.name != "slurm.py" or p.parent.name != "cluster"
+                   for m in command.finditer(p.read_text()))
+    assert not found, "Slurm asked outside cluster/slurm.py:\n" + "\n".join(found)
+    assert command.search('client(["squeue", "-h"])') and command.search('which("sinfo")')

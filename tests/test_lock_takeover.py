@@ -1,7 +1,7 @@
 """Taking over a stale run lock: two real processes race for it and exactly one wins. The
 old takeover judged the lock, then unlinked whatever was there by then: a racer's fresh
 claim. It is now renamed aside and only the stale file judged is removed. And the worker
-inside a container, where no scontrol answers, is told by the host side whether the job
+inside a container, where no Slurm client answers, is told by the host side whether the job
 that a lock names still lives."""
 from __future__ import annotations
 
@@ -87,27 +87,32 @@ def test_cancel_clears_only_the_lock_of_the_job_it_cancelled(tmp_path):
 
 @pytest.mark.parametrize("told, outcome", [
     ("14:gone", "taken"), ("14:alive", "in use by Slurm job 14;"),
-    ("13:gone", "taken for alive: no scontrol"), ("", "taken for alive: no scontrol"),
-    ("14:maybe", "taken for alive: no scontrol")])
-def test_worker_without_scontrol_uses_the_hosts_answer(tmp_path, monkeypatch, told, outcome):
-    """Inside an image there is no scontrol: a lock left by job 14 (cancelled while pending)
+    ("13:gone", "taken for alive: no Slurm client"), ("", "taken for alive: no Slurm client"),
+    ("14:maybe", "taken for alive: no Slurm client")])
+def test_worker_without_a_slurm_client_uses_the_hosts_answer(tmp_path, monkeypatch, told, outcome):
+    """Inside an image there is no Slurm client: a lock left by job 14 (cancelled while pending)
     is taken over when the host side said the job is gone, and a refusal for want of an
-    answer says that nobody could ask."""
+    answer says that nobody could ask. The liveness is the worker's own (worker_lock)."""
+    from enn_cluster.cluster.slurm import lock_liveness
+
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     monkeypatch.setenv("ENN_LOCK_JOB_STATE", told)
     run = RunDir(tmp_path)
     run.lock_path.write_text(json.dumps({"slurm_job_id": "14", "host": "slurm", "pid": 0}))
     if outcome == "taken":
-        assert acquire_lock(run, {"slurm_job_id": "20", "host": "n1", "pid": 7})["pid"] == 7
+        assert acquire_lock(run, {"slurm_job_id": "20", "host": "n1", "pid": 7},
+                            slurm_job_alive=lock_liveness())["pid"] == 7
         return
+    assert lock_liveness() is None  # no Slurm client on PATH
     with pytest.raises(UserError, match=outcome):
-        acquire_lock(run, {"slurm_job_id": "20", "host": "n1", "pid": 7})
+        acquire_lock(run, {"slurm_job_id": "20", "host": "n1", "pid": 7},
+                     slurm_job_alive=lock_liveness())
     assert json.loads(run.lock_path.read_text())["slurm_job_id"] == "14"
 
 
-def _host_answer(tmp_path, lock_text, scontrol: str, job_id="20"):
-    """What the batch script's host side exports for the worker, asked of `scontrol` (a
-    script standing in for the controller's answer; empty: no scontrol on this host)."""
+def _host_answer(tmp_path, lock_text, squeue: str, job_id="20"):
+    """What the batch script's host side exports for the worker, asked of `squeue` (a
+    script standing in for the controller's answer; empty: no squeue on this host)."""
     from enn_cluster.cluster import job_spec
 
     run = tmp_path / "run"
@@ -121,9 +126,9 @@ def _host_answer(tmp_path, lock_text, scontrol: str, job_id="20"):
         if not target.exists():
             target.symlink_to(subprocess.run(["bash", "-c", f"command -v {tool}"],
                                              capture_output=True, text=True).stdout.strip())
-    if scontrol:
-        (bin_dir / "scontrol").write_text("#!/bin/sh\n" + scontrol + "\n")
-        (bin_dir / "scontrol").chmod(0o755)
+    if squeue:
+        (bin_dir / "squeue").write_text("#!/bin/sh\n" + squeue + "\n")
+        (bin_dir / "squeue").chmod(0o755)
     script = "\n".join(job_spec.host_setup_lines()) + '\nprintf "<%s>" "${ENN_LOCK_JOB_STATE-}"\n'
     env = {"PATH": str(bin_dir), "SLURM_JOB_ID": job_id, "ENN_RUN_DIR": str(run),
            "MASTER_PORT": "1"}
@@ -135,17 +140,19 @@ def _host_answer(tmp_path, lock_text, scontrol: str, job_id="20"):
 LOCK_14 = json.dumps({"slurm_job_id": "14", "host": "slurm", "pid": 0, "submission": "t"})
 
 
-@pytest.mark.parametrize("lock_text, scontrol, told", [
-    (LOCK_14, "echo 'JobId=14 JobName=x JobState=CANCELLED Reason=None'", "14:gone"),
-    (LOCK_14, "echo 'JobId=14 JobName=x JobState=PENDING Reason=Priority'", "14:alive"),
+@pytest.mark.parametrize("lock_text, squeue, told", [
+    (LOCK_14, "echo CANCELLED", "14:gone"),
+    (LOCK_14, "echo PENDING", "14:alive"),
+    (LOCK_14, "echo PENDING; echo COMPLETED", "14:alive"),  # an array: the first line
     (LOCK_14, "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1", "14:gone"),
     (LOCK_14, "echo 'Unable to contact slurm controller' >&2; exit 1", ""),  # cannot say
-    (LOCK_14, "", ""),  # no scontrol on this host either
-    (LOCK_14.replace("14", "20"), "echo JobState=RUNNING", ""),  # the job itself
-    ('{"slurm_job_id": "14; touch MARKER"}', "echo JobState=CANCELLED", ""),
-    ('{"pid": 9, "host": "h"}', "echo JobState=CANCELLED", ""), (None, "echo x", ""),
+    (LOCK_14, "echo", ""),  # an answer that is no state
+    (LOCK_14, "", ""),  # no squeue on this host either
+    (LOCK_14.replace("14", "20"), "echo RUNNING", ""),  # the job itself
+    ('{"slurm_job_id": "14; touch MARKER"}', "echo CANCELLED", ""),
+    ('{"pid": 9, "host": "h"}', "echo CANCELLED", ""), (None, "echo x", ""),
 ])
-def test_host_side_asks_slurm_about_the_lock_job_before_srun(tmp_path, lock_text, scontrol,
+def test_host_side_asks_slurm_about_the_lock_job_before_srun(tmp_path, lock_text, squeue,
                                                              told):
-    assert _host_answer(tmp_path, lock_text, scontrol) == told
+    assert _host_answer(tmp_path, lock_text, squeue) == told
     assert not list(tmp_path.rglob("MARKER"))

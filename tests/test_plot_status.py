@@ -54,7 +54,7 @@ def test_plot_and_status_refuse_what_is_not_a_run(tmp_path):
 
 
 def test_wait_describes_state_and_reason_and_knows_jobs_that_never_start():
-    from enn_cluster.storage.slurm_jobs import describe, never_starts
+    from enn_cluster.cluster.slurm import describe, never_starts
 
     assert describe({"state": "PENDING", "reason": "Priority"}) == "PENDING (Reason=Priority)"
     assert describe({"state": "RUNNING", "reason": "None"}) == "RUNNING"

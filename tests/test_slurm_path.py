@@ -193,3 +193,35 @@ def test_cpus_per_task_are_the_node_cpus_over_its_tasks(slurm_cluster, tmp_path)
     for rank in (0, 1):  # what each task saw: threads = SLURM_CPUS_PER_TASK (<= its CPUs)
         log = (run / "logs" / f"slurm-{job}-r0" / f"rank-{rank}.log").read_text()
         assert f"placement: rank {rank} " in log and " threads 2 " in log, log
+
+
+def test_a_job_waiting_for_a_down_node_says_so_and_cancel_proves_it_ours(slurm_cluster,
+                                                                         tmp_path):
+    """Issues 40 and 37: a job that waits for a node Slurm has DOWN shows that reason in
+    `status`, with what to run to go on without it; `cancel` reads the job's comment from
+    the real controller to prove the job is the run's before it scancels."""
+    slurm_cluster.wait_idle()
+    down = slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=DOWN",
+                              "Reason=test: fan broke"])
+    assert down.returncode == 0, down.stderr
+    try:
+        cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "down"))
+        job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--procs-per-node", "1")
+        run = tmp_path / "runs" / "down"
+        slurm_cluster.wait_job(job, ("PENDING",), timeout=30)
+        status = cli("status", run, timeout=60)
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        assert f"slurm job:       {job} PENDING (restarts 0)" in lines, status.stdout
+        (pending,) = [x for x in lines if x.startswith("pending:")]
+        # Slurm names the node at first (ReqNodeNotAvail), later only that some are down
+        assert "waits for node n2 that" in pending or "waits for nodes that" in pending, pending
+        assert "Slurm has down, drained or reserved" in pending, pending
+        (fix,) = [x for x in lines if x.startswith("to go on:")]
+        assert f"enn-submit cancel {run}, then enn-submit resume {run} --nodes 1" in fix, fix
+        cancel = cli("cancel", run, timeout=60)
+        assert cancel.returncode == 0 and f"cancelled Slurm job {job}" in cancel.stdout, \
+            cancel.stderr
+        assert slurm_cluster.wait_job(job, ("CANCELLED",), timeout=30) == "CANCELLED"
+    finally:
+        slurm_cluster.run(["scontrol", "update", "NodeName=n2", "State=RESUME"])

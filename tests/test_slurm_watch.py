@@ -1,8 +1,9 @@
-"""Talking to Slurm: scontrol's text read with its spaces (real output, tests/data/slurm,
-captured on slurm/dev/cluster.sh with Slurm 22.05.8, which has no `scontrol --json`), a
-requeued job's hold and a node Slurm no longer hears from shown by status, the polls of
---wait and status --follow backing off (a fake clock: nothing sleeps), and a machine that
-cannot submit refused before anything else."""
+"""Talking to Slurm (cluster/slurm.py, the one gateway): squeue's and sinfo's machine-readable
+lines and scontrol's text read with their spaces (real output, tests/data/slurm, captured on
+slurm/dev/cluster.sh with Slurm 22.05.8), a requeued job's hold, a pending job's reason and a
+node Slurm no longer hears from shown by status, the polls of --wait and status --follow
+backing off (a fake clock: nothing sleeps), a machine that cannot submit refused before
+anything else, and the gateway against the real controller."""
 from __future__ import annotations
 
 import os
@@ -13,17 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from enn_cluster.client import status as status_mod
 from enn_cluster.client.status import progress_line, slurm_lines
 from enn_cluster.cluster.slurm_watch import Backoff, SlurmWatch, node_hint, wait_for_job
 from enn_cluster.cluster.submit_slurm import check_slurm_here, slurm_problem
 from enn_cluster.errors import UserError
-from enn_cluster.storage.slurm_jobs import (
-    dead_nodes,
-    describe,
-    held_until,
-    parse_scontrol,
-    state_from_fields,
-)
+from enn_cluster.cluster import slurm
+from enn_cluster.cluster.slurm import dead_nodes, describe, held_until, parse_scontrol, parse_squeue
 from helpers import ROOT, small_config, write_config
 
 DATA = Path(__file__).parent / "data" / "slurm"
@@ -33,11 +30,40 @@ def captured(name: str) -> str:
     return (DATA / name).read_text()
 
 
-def job(name: str, job_id: str = "3") -> dict:
-    return state_from_fields(job_id, parse_scontrol(captured(name)))
+def job(job_id: str) -> dict:
+    """A job of one batched squeue call (tests/data/slurm/README-squeue.txt)."""
+    return parse_squeue(captured("squeue_pending_reasons.txt"))[job_id]
 
 
-# -- scontrol's text -------------------------------------------------------------------
+# -- squeue's lines --------------------------------------------------------------------
+
+def test_one_squeue_line_per_job_keeps_free_text_whole():
+    jobs = parse_squeue(captured("squeue_pending_reasons.txt"))
+    assert sorted(jobs, key=int) == ["2", "8", "10", "11", "12", "13", "14"]
+    assert jobs["2"]["comment"] == "enn-cluster:abc def"  # a space
+    assert jobs["14"]["comment"] == "enn-cluster:x|y z"  # the separator itself, kept
+    assert jobs["8"]["comment"].endswith("|x y") and jobs["11"]["comment"] is None
+    assert jobs["2"]["state"] == "RUNNING" and jobs["2"]["nodes"] == "n1"
+    assert jobs["13"]["node_count"] == 2 and jobs["13"]["nodes"] is None
+    # squeue spells reasons with spaces; scontrol (and NEVER_STARTS, and our messages) with _
+    assert jobs["12"]["reason"] == "ReqNodeNotAvail,_UnavailableNodes:n3"
+    assert jobs["11"]["reason"].startswith("Nodes_required_for_job_are_DOWN,_DRAINED")
+
+
+def test_the_squeue_command_asks_every_job_at_once_in_the_fields_parsed():
+    cmd = slurm.squeue_command(["4", "7", "9"])
+    assert cmd[:6] == ["squeue", "-h", "-t", "all", "-j", "4,7,9"]
+    assert cmd[-1].split(",") == [f"{name}:|" for name in slurm.JOB_FIELDS]
+    assert slurm.JOB_FIELDS[-1] == "Comment"  # free text last: split with a maximum
+
+
+def test_sacct_answers_for_jobs_the_controller_forgot():
+    found = slurm.parse_sacct("41|COMPLETED|0:0\n42|CANCELLED by 0|0:15\n")
+    assert found["41"] == {"job_id": "41", "state": "COMPLETED", "exit_code": "0:0"}
+    assert found["42"]["state"] == "CANCELLED"
+
+
+# -- scontrol's text (the partition shape) ----------------------------------------------
 
 def test_values_with_spaces_stay_whole():
     f = parse_scontrol(captured("job_running_spaces.txt"))
@@ -64,11 +90,10 @@ def test_of_several_lines_the_first_one_wins():
 
 # -- a requeued job's hold --------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["job_requeued_begintime.txt",
-                                  "job_requeued_after_node_down.txt"])
-def test_a_requeued_job_says_slurm_holds_it_until_when(name):
-    state = job(name)
-    start = parse_scontrol(captured(name))["StartTime"].replace("T", " ")
+def test_a_requeued_job_says_slurm_holds_it_until_when():
+    state = job("8")
+    start = "2026-11-27 11:20:08"
+    assert state["restarts"] == 1 and state["reason"] == "BeginTime"
     assert held_until(state) == f"requeued, held by Slurm until {start} (BeginTime)"
     assert describe(state) == f"PENDING (Reason=BeginTime): {held_until(state)}"
     assert f"held:            {held_until(state)}" in slurm_lines(state)
@@ -77,7 +102,7 @@ def test_a_requeued_job_says_slurm_holds_it_until_when(name):
 
 
 def test_a_job_not_held_shows_no_hold():
-    state = job("job_running_spaces.txt")
+    state = job("2")
     assert held_until(state) is None and describe(state) == "RUNNING"
     assert held_until({**state, "state": "PENDING", "reason": "Priority"}) is None
     begin = {**state, "state": "PENDING", "reason": "BeginTime", "restarts": 0}
@@ -87,28 +112,60 @@ def test_a_job_not_held_shows_no_hold():
 # -- a node Slurm no longer hears from --------------------------------------------------
 
 def test_a_node_not_responding_under_a_running_job_is_named():
-    dead = dead_nodes(captured("nodes_one_not_responding.txt"))
-    assert dead == {"n2": "MIXED+NOT_RESPONDING"}
-    assert dead_nodes(captured("node_down.txt")) == {"n2": "DOWN+NOT_RESPONDING"}
-    state = {**job("job_running_node_not_responding.txt", "4"), "dead_nodes": dead}
-    assert state["state"] == "RUNNING" and state["nodes"] == "n[1-2]"
+    dead = dead_nodes(captured("sinfo_one_not_responding.txt"))
+    assert dead == {"n2": "COMPLETING*"}  # listed once per partition, named once
+    assert dead_nodes(captured("sinfo_one_down.txt")) == {"n2": "COMPLETING*", "n3": "DOWN"}
+    assert dead_nodes("n1|idle~\nn4|mixed+drain\nn5|fail\n") == {"n1": "IDLE~", "n5": "FAIL"}
+    (running,) = parse_squeue(captured("squeue_on_a_node_not_responding.txt")).values()
+    state = {**running, "dead_nodes": dead}
+    assert state["state"] == "RUNNING" and state["nodes"] == "n2"
     (hint,) = [line for line in slurm_lines(state) if line.startswith("node down:")]
-    assert "n2 (MIXED+NOT_RESPONDING)" in hint and "SlurmdTimeout" in hint
+    assert "n2 (COMPLETING*)" in hint and "SlurmdTimeout" in hint
     assert "node n2 not answering" in progress_line(_status(state))
     assert node_hint({**state, "dead_nodes": {}}) is None
     assert node_hint({**state, "state": "COMPLETING"}) is None
 
 
 def test_the_nodes_are_asked_once_and_only_while_it_runs():
-    running = job("job_running_node_not_responding.txt", "4")
+    running = job("2")
     asked = []
     watch = SlurmWatch(ask_job=lambda j: running,
-                       ask_nodes=lambda n: asked.append(n) or {"n2": "DOWN"})
-    assert watch.job_state("4")["dead_nodes"] == {"n2": "DOWN"}
-    assert watch.job_alive("4") and asked == ["n[1-2]"]
-    held = SlurmWatch(ask_job=lambda j: job("job_requeued_begintime.txt"),
-                      ask_nodes=lambda n: asked.append(n) or {})
-    assert "dead_nodes" not in held.job_state("3") and asked == ["n[1-2]"]
+                       ask_nodes=lambda n: asked.append(n) or {"n1": "DOWN"})
+    assert watch.job_state("2")["dead_nodes"] == {"n1": "DOWN"}
+    assert watch.job_alive("2") and asked == ["n1"]
+    held = SlurmWatch(ask_job=lambda j: job("8"), ask_nodes=lambda n: asked.append(n) or {})
+    assert "dead_nodes" not in held.job_state("8") and asked == ["n1"]
+
+
+# -- a pending job's reason --------------------------------------------------------------
+
+def test_a_job_waiting_for_a_down_node_says_which_and_what_to_run():
+    named, unnamed = job("12"), job("11")
+    assert "waits for node n3 that Slurm has down, drained or reserved" in \
+        slurm.pending_why(named)
+    assert "waits for nodes that Slurm has down" in slurm.pending_why(unnamed)
+    st = {**_status(unnamed), "run_dir": "/runs/a b"}
+    (fix,) = status_mod.pending_fix_lines(st)
+    assert "enn-submit cancel '/runs/a b', then enn-submit resume '/runs/a b' --nodes 2" in fix
+    assert "pending:         waits for nodes" in "\n".join(slurm_lines(unnamed))
+
+
+def test_waiting_its_turn_names_the_reason_and_asks_nothing_of_anyone():
+    waiting = job("13")
+    assert slurm.pending_why(waiting) == \
+        "waits behind jobs of higher priority (Reason=Priority)"
+    assert status_mod.pending_fix_lines({**_status(waiting), "run_dir": "/r"}) == []
+    limit = {**waiting, "reason": "QOSMaxNodePerUserLimit"}
+    assert "leave room under a limit (Reason=QOSMaxNodePerUserLimit)" in slurm.pending_why(limit)
+    assert slurm.pending_why(job("8")) is None  # held until a time: held_until says so
+    assert slurm.pending_why(job("2")) is None  # running
+
+
+def test_a_job_that_can_never_start_says_what_to_change():
+    never = job("14")
+    assert slurm.never_starts(never) and "never start it as asked" in slurm.pending_why(never)
+    (fix,) = status_mod.pending_fix_lines({**_status(never), "run_dir": "/r"})
+    assert fix.startswith("to run:          enn-submit cancel /r, then enn-submit resume /r")
 
 
 def _status(slurm: dict) -> dict:
@@ -230,3 +287,41 @@ def test_sbatch_that_finds_no_configuration_says_slurm_is_not_configured(tmp_pat
     assert "Slurm is not configured on this machine" in line, line
     assert "Could not establish a configuration source" in line, line
     assert not (tmp_path / "runs" / "noconf").exists()
+
+
+@pytest.mark.slurm
+def test_the_gateway_asks_every_job_in_one_squeue_call(slurm_cluster, tmp_path, monkeypatch):
+    """Against the real controller: one squeue call answers a running job (its comment with a
+    space and a '|' whole), a finished one, one that can never start, and one Slurm never
+    had; scontrol, asked apart, agrees on each state."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "asked"
+    for tool in ("squeue", "sacct"):  # count the calls; the real tool answers
+        real = shutil.which(tool, path=slurm_cluster.env.get("PATH"))
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho {tool} >> "{log}"\nexec {real} "$@"\n')
+        (bin_dir / tool).chmod(0o755)
+
+    def sbatch(*args) -> str:
+        done = slurm_cluster.run(["sbatch", "--parsable", "-o", "/dev/null", *args])
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    running = sbatch("-N1", "--comment", "enn-cluster:a b|c", "--wrap", "sleep 60")
+    ended = sbatch("-N1", "--wrap", "exit 3")
+    never = sbatch("-N9", "--wrap", "true")
+    try:
+        slurm_cluster.wait_job(running, ("RUNNING",), timeout=30)
+        slurm_cluster.wait_job(ended, ("FAILED",), timeout=30)
+        monkeypatch.setenv("PATH", f"{bin_dir}:{slurm_cluster.env['PATH']}")
+        monkeypatch.setenv("SLURM_CONF", slurm_cluster.conf)
+        states = slurm.job_states([running, ended, never, "999999"])
+        assert log.read_text().split() == ["squeue", "sacct"]  # sacct: only for 999999
+        for job in (running, ended, never):
+            assert states[job]["state"] == slurm_cluster.job_state(job)[0]
+        assert states[running]["comment"] == "enn-cluster:a b|c"
+        assert states[never]["reason"].startswith("Partition") and slurm.never_starts(states[never])
+        assert states["999999"]["state"] == "UNKNOWN"
+        assert slurm.job_alive(running) and not slurm.job_alive(ended)
+    finally:
+        slurm_cluster.run(["scancel", running, never])

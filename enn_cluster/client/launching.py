@@ -142,7 +142,7 @@ def launch_detached(run: RunDir, plan: LaunchPlan) -> subprocess.Popen:
 def cancel_run(run: RunDir) -> int:
     """Cancel the run's live Slurm job, or stop its local launcher: only a job or process
     proven to be this run's is signalled (a forged lock or jobs.jsonl names someone else's)."""
-    from enn_cluster.storage.slurm_jobs import job_alive
+    from enn_cluster.cluster.slurm import job_alive
 
     RunDir.existing(run.path)
     owner = read_lock(run)
@@ -156,10 +156,10 @@ def cancel_run(run: RunDir) -> int:
 
 
 def _cancel_slurm(run: RunDir, job_id: str) -> int:
+    from enn_cluster.cluster.slurm import cancel, job_belongs_to_run, job_state
     from enn_cluster.storage.run_lock import clear_lock_of_job
-    from enn_cluster.storage.slurm_jobs import cancel, job_belongs_to_run, job_fields
 
-    if not job_belongs_to_run(job_fields(job_id), run.path):
+    if not job_belongs_to_run(job_state(job_id), run.path):
         raise UserError(f"jobs.jsonl: Slurm job {job_id} is not proven this run's (its comment "
                         "is not the one enn-submit gave it for this run); not cancelling it: "
                         f"use scancel {job_id} yourself if you mean it")

@@ -18,6 +18,7 @@ from enn_cluster.client.launch_plan import (  # noqa: F401  (LaunchShape, shape_
     plan_shape,
     shape_from_flags,
 )
+from enn_cluster.cluster.slurm import lock_liveness
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.storage.data_sources import check_data_sources
 from enn_cluster.storage.text_sources import check_text_sources
@@ -95,7 +96,7 @@ def run_local(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
     from enn_cluster.storage.tracking import ensure_run
 
     cfg, shape, task = plan.cfg, plan.shape, plan.task
-    owner = acquire_lock(run, lock_owner())
+    owner = acquire_lock(run, lock_owner(), slurm_job_alive=lock_liveness())
     try:
         ensure_run(run, cfg)
         run.record_job(kind="local", task=task, pid=os.getpid(), nodes=shape.nodes,

@@ -134,8 +134,8 @@ def live_lock(run: RunDir, job_alive=None):
     if not owner:
         return None
     if owner.get("slurm_job_id"):
+        from enn_cluster.cluster.slurm import job_alive as ask
         from enn_cluster.storage.run_lock import for_run
-        from enn_cluster.storage.slurm_jobs import job_alive as ask
 
         alive = for_run(run.path, job_alive or ask)
         return owner if alive(str(owner["slurm_job_id"])) else None
@@ -195,6 +195,7 @@ def format_status(st: dict) -> str:
         lines.append(f"non-finite:      {nonfinite_line(st['nonfinite'])}")
     if st.get("slurm"):
         lines += slurm_lines(st["slurm"])
+        lines += pending_fix_lines(st)
     lines += node_loss_lines(st)
     if st["lock"]:
         owner = st["lock"]
@@ -211,16 +212,37 @@ def format_status(st: dict) -> str:
 
 def slurm_lines(s: dict) -> list[str]:
     """The job's state, and what Slurm is doing with it when that is not plain."""
+    from enn_cluster.cluster.slurm import held_until, pending_why
     from enn_cluster.cluster.slurm_watch import node_hint
-    from enn_cluster.storage.slurm_jobs import held_until
 
     lines = [f"slurm job:       {s.get('job_id')} {s.get('state')} "
              f"(restarts {s.get('restarts', 0)})"]
     if held_until(s):
         lines.append(f"held:            {held_until(s)}")
+    if pending_why(s):
+        lines.append(f"pending:         {pending_why(s)}")
     if node_hint(s):
         lines.append(f"node down:       {node_hint(s)}")
     return lines
+
+
+def pending_fix_lines(st: dict) -> list[str]:
+    """What to run for a pending job that waits for nodes Slurm has down, or that Slurm
+    will never start as asked; nothing for one that merely waits its turn."""
+    from enn_cluster.cluster.slurm import NODES_UNAVAILABLE, never_starts
+
+    s, run = st["slurm"], shlex.quote(st["run_dir"])
+    if s.get("state") != "PENDING":
+        return []
+    if never_starts(s):
+        return [f"to run:          enn-submit cancel {run}, then enn-submit resume {run} with "
+                "fewer --nodes or GPUs, less --time, or another --partition"]
+    if (s.get("reason") or "").startswith(NODES_UNAVAILABLE):
+        count = s.get("node_count") or 0
+        fewer = f" --nodes {count - 1}" if count > 1 else " --partition OTHER"
+        return [f"to go on:        wait for the node, or without it: enn-submit cancel {run}, "
+                f"then enn-submit resume {run}{fewer}"]
+    return []
 
 
 def node_loss_lines(st: dict) -> list[str]:
@@ -269,7 +291,7 @@ def _num(value) -> str:
 def slurm_part(s: dict) -> str:
     """'slurm RUNNING', 'slurm PENDING (held until 2026-11-25 22:44:51)', 'slurm RUNNING,
     node n2 not answering': the Slurm part of the live line."""
-    from enn_cluster.storage.slurm_jobs import held_until
+    from enn_cluster.cluster.slurm import held_until
 
     text = f"slurm {s.get('state')}"
     if held_until(s):
@@ -282,7 +304,7 @@ def live(st: dict) -> bool:
     """Is something still going to happen to this run (a live lock or a live Slurm job)?"""
     if st["lock"]:
         return True
-    from enn_cluster.storage.slurm_jobs import LIVE_STATES
+    from enn_cluster.cluster.slurm import LIVE_STATES
 
     return bool(st.get("slurm")) and st["slurm"].get("state") in LIVE_STATES
 

@@ -39,7 +39,8 @@ from enn_cluster.config import nccl
 from enn_cluster.config.checks import node_range
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
 from enn_cluster.storage import layout
-from enn_cluster.storage.slurm_jobs import LIVE_STATES, submission_comment
+from enn_cluster.cluster.slurm import LIVE_STATES
+from enn_cluster.storage.run_lock import run_identity
 
 TASKS = ("train", "predict")
 WORKER_MODULE = "enn_cluster.worker"
@@ -223,8 +224,7 @@ HOST_SETUP_VALUES = {"MASTER_PORT_BASE": MASTER_PORT_BASE,
                      "MASTER_PORT_BASE_LESS_1": MASTER_PORT_BASE - 1,
                      "MASTER_PORT_LAST": MASTER_PORT_BASE + MASTER_PORT_SPAN - 1,
                      "MASTER_PORT_SPAN": MASTER_PORT_SPAN,
-                     "LIVE_STATE_PATTERNS": "|".join(f'*" JobState={state} "*'
-                                                     for state in sorted(LIVE_STATES)),
+                     "LIVE_STATE_PATTERNS": "|".join(sorted(LIVE_STATES)),
                      **layout.shell_names()}
 
 
@@ -365,7 +365,7 @@ def submitit_parameters(spec: JobSpec) -> dict:
         extra.update({"nodes": f"{lo}-{hi}", "no-kill": True})
     if spec.mem_gb == 0:
         extra["mem"] = "0"  # submitit would write 0GB
-    extra["comment"] = submission_comment(spec.run_dir)  # cancel's proof that a job is ours
+    extra["comment"] = run_identity(spec.run_dir)  # cancel's proof that a job is ours
     # the batch log where every job of ours keeps it, not in submitit's folder
     extra["output"] = extra["error"] = layout.batch_log_pattern(spec.run_dir)
     extra.update(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)

@@ -7,8 +7,8 @@ and the loader share one core. So when neither --cpus-per-task nor site.cpus_per
 set, the job asks for its share of the smallest node that can hold it: the node's usable
 CPUs (CPUEfctv, less what the partition's MaxCPUsPerNode forbids) times the share of the
 node's GPUs it takes (all of the node for a CPU job), divided by its tasks.
-Deciding is pure (parse_*, cpus_per_task); only `cpus_from_slurm` asks scontrol (the
-partitions listed whole: no user value reaches its argv).
+Deciding is pure (parse_*, cpus_per_task); only `cpus_from_slurm` asks Slurm, through
+cluster/slurm.py (the partitions listed whole: no user value reaches its argv).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from enn_cluster.storage.slurm_jobs import parse_scontrol, slurm_client
+from enn_cluster.cluster.slurm import parse_scontrol, show
 
 
 @dataclass(frozen=True)
@@ -93,17 +93,6 @@ def cpus_per_task(nodes: Sequence[NodeShape], gpus_per_node: int, tasks_per_node
     return max(1, min(on(n) for n in fits))
 
 
-def _ask(args: list[str]) -> tuple[Optional[str], str]:
-    """scontrol's output, or None and why not."""
-    res = slurm_client(["scontrol", "-o", *args], timeout=15)
-    if res is None:
-        return None, "no scontrol here, or it did not answer"
-    if res.returncode != 0:
-        said = (res.stderr.strip().splitlines() or ["no message"])[-1]
-        return None, f"scontrol {' '.join(args)}: {said[:120]}"
-    return res.stdout, ""
-
-
 def unreadable_config(environ: Mapping[str, str], exists=os.path.exists) -> Optional[str]:
     """Why scontrol cannot be asked, where that shows without asking: a SLURM_CONF that
     names no file makes it retry for 60 s before it gives up. None: ask."""
@@ -120,7 +109,7 @@ def cpus_from_slurm(partition: Optional[str], gpus_per_node: int,
     why = unreadable_config(os.environ)
     if why:
         return None, why
-    text, why = _ask(["--all", "show", "partition"])  # hidden ones and other groups' too
+    text, why = show("--all", "show", "partition")  # hidden ones and other groups' too
     if text is None:
         return None, why
     parts = parse_partitions(text)
@@ -128,7 +117,7 @@ def cpus_from_slurm(partition: Optional[str], gpus_per_node: int,
     if chosen is None or chosen.nodes == "(null)":
         return None, (f"Slurm knows no partition {partition!r} with nodes" if partition
                       else "Slurm names no default partition")
-    text, why = _ask(["show", "node", chosen.nodes])
+    text, why = show("show", "node", chosen.nodes)
     if text is None:
         return None, why
     value = cpus_per_task(parse_nodes(text), gpus_per_node, tasks_per_node,

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from enn_cluster.errors import UserError
-from enn_cluster.storage import layout, slurm_jobs
+from enn_cluster.cluster import slurm
+from enn_cluster.storage import layout
 
 MAX_DELAY_S = 60.0  # submitit's InfoWatcher default
 
@@ -55,13 +56,13 @@ class Backoff:
 @dataclass
 class SlurmWatch:
     """Slurm's answers about a run's jobs, asked once per poll and reused between polls
-    (`status` asks for the job's state and whether it is alive: one `scontrol` call). With
+    (`status` asks for the job's state and whether it is alive: one `squeue` call). With
     `clock`, a new answer is asked for only when the backoff says so (`status --follow`);
     without, every answer is fresh once (a plain `status`)."""
 
     clock: Optional[Callable[[], float]] = None
-    ask_job: Callable[[str], dict] = slurm_jobs.job_state
-    ask_nodes: Callable[[str], dict] = slurm_jobs.nodes_not_answering
+    ask_job: Callable[[str], dict] = slurm.job_state
+    ask_nodes: Callable[[str], dict] = slurm.nodes_not_answering
     _jobs: dict = field(default_factory=dict)
     _backoff: dict = field(default_factory=dict)
 
@@ -73,7 +74,7 @@ class SlurmWatch:
             return self._jobs[job_id]
         state = self.ask_job(job_id)
         old = self._jobs.get(job_id)
-        if old is None or slurm_jobs.describe(old) != slurm_jobs.describe(state):
+        if old is None or slurm.describe(old) != slurm.describe(state):
             backoff.changed(now)
         if state.get("state") == "RUNNING" and state.get("nodes"):
             state = {**state, "dead_nodes": self.ask_nodes(state["nodes"])}
@@ -82,12 +83,8 @@ class SlurmWatch:
         return state
 
     def job_alive(self, job_id: str, ended_by_itself: bool = False) -> bool:
-        """As slurm_jobs.job_alive, from this watch's (backed-off) answers."""
-        state = self.job_state(job_id)["state"]
-        if state != "UNKNOWN":
-            return state in slurm_jobs.LIVE_STATES and \
-                not (ended_by_itself and state == "COMPLETING")
-        return slurm_jobs.job_alive(job_id)  # squeue, for a job scontrol has forgotten
+        """As slurm.job_alive, from this watch's (backed-off) answers."""
+        return slurm.alive(self.job_state(job_id), ended_by_itself)
 
 
 def node_hint(state: dict) -> Optional[str]:
@@ -109,24 +106,24 @@ def wait_for_job(job_id: str, run=None, *, ask: Optional[Callable[[str], dict]] 
     0 only when it COMPLETED. A job Slurm will never start as asked is cancelled at once.
     A job that ended otherwise shows the end of its batch log (srun's and the host-side
     trap's lines) and the command for the ranks' logs, where `run` (a RunDir) is known."""
-    ask = ask or slurm_jobs.job_state
+    ask = ask or slurm.job_state
     backoff, shown = Backoff(start=clock()), None
     while True:
         sleep(backoff.wait_s(clock()))
         state = ask(job_id)
         backoff.asked(clock())
-        if slurm_jobs.describe(state) != shown:
-            shown = slurm_jobs.describe(state)
+        if slurm.describe(state) != shown:
+            shown = slurm.describe(state)
             backoff.changed(clock())
             print(f"Slurm job {job_id}: {shown}", file=sys.stderr, flush=True)
-        if slurm_jobs.never_starts(state):
-            slurm_jobs.cancel(job_id)
+        if slurm.never_starts(state):
+            slurm.cancel(job_id)
             raise UserError(f"Slurm job {job_id} can never start: Reason={state['reason']} "
                             "(beyond the partition's, account's or QOS's limits); cancelled "
                             "it: ask for fewer nodes, GPUs, CPUs (--cpus-per-task; unset, it "
                             "is sized from the partition's nodes) or less --time, or another "
                             "--partition")
-        if state["state"] not in slurm_jobs.LIVE_STATES:
+        if state["state"] not in slurm.LIVE_STATES:
             if state["state"] == "COMPLETED":
                 return 0
             if run is not None:

@@ -283,11 +283,10 @@ def check_slurm_here() -> None:
     anything else about the job is looked for (its image, its run directory)."""
     import shutil
 
-    from enn_cluster.storage.slurm_jobs import slurm_client
+    from enn_cluster.cluster.slurm import ping
 
     has_sbatch = shutil.which("sbatch") is not None
-    problem = slurm_problem(has_sbatch, slurm_client(["scontrol", "ping"], timeout=15)
-                            if has_sbatch else None)
+    problem = slurm_problem(has_sbatch, ping() if has_sbatch else None)
     if problem:
         raise UserError(problem)
 
@@ -303,7 +302,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     import secrets
 
     from enn_cluster.storage.run_lock import for_run
-    from enn_cluster.storage.slurm_jobs import job_alive
+    from enn_cluster.cluster.slurm import job_alive
     from enn_cluster.storage.tracking import ensure_run
 
     check_slurm_here()

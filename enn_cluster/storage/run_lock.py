@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import socket
 import stat
 import time
@@ -70,28 +69,30 @@ def read_lock(run: RunDir, settle_s: float = 0.5) -> Optional[dict]:
         time.sleep(0.05)
 
 
-def _slurm_job_alive(job_id: str, ended_by_itself: bool = False) -> bool:
-    """Ask Slurm where we can. Inside a container image there is no scontrol: the host-side
-    setup asked before srun and passed the answer in (LOCK_JOB_STATE_VAR, 'ID:alive' or
-    'ID:gone'). Where nobody could ask, the job is taken for alive (and the refusal says so)."""
-    told = _told_state(job_id)
-    if told is not None:
-        return told == "alive"
-    if shutil.which("scontrol") is None:
-        return True
-    from enn_cluster.storage.slurm_jobs import job_alive
-
-    return job_alive(str(job_id), ended_by_itself)
+def _judged(ask):
+    """A lock's Slurm job judged alive or not. Inside a container image there is no Slurm
+    client: the host-side setup asked before srun and passed the answer in
+    (LOCK_JOB_STATE_VAR, 'ID:alive' or 'ID:gone'). Else `ask` (cluster/slurm.job_alive,
+    passed in by a caller that can reach Slurm; storage does not talk to Slurm). Where
+    nobody could ask, the job is taken for alive (and the refusal says so)."""
+    def alive(job_id, ended_by_itself: bool = False) -> bool:
+        told = _told_state(job_id)
+        if told is not None:
+            return told == "alive"
+        if ask is None:
+            return True
+        return ask(str(job_id), True) if ended_by_itself else ask(str(job_id))
+    return alive
 
 
 def for_run(run_path, slurm_job_alive=None):
-    """`slurm_job_alive` (Slurm's own answer by default) for the lock of the run at
-    `run_path`: a job whose batch shell recorded its end (node_loss.ended_by_itself) is
-    asked as such, so that one Slurm holds COMPLETING for a lost node's cleanup frees the
-    run at once."""
+    """`slurm_job_alive` (Slurm's answer, where the caller passes one) for the lock of the
+    run at `run_path`: a job whose batch shell recorded its end (node_loss.ended_by_itself)
+    is asked as such, so that one Slurm holds COMPLETING for a lost node's cleanup frees
+    the run at once."""
     from enn_cluster.storage.node_loss import ended_by_itself
 
-    ask = slurm_job_alive or _slurm_job_alive
+    ask = _judged(slurm_job_alive)
 
     def alive(job_id) -> bool:
         if ended_by_itself(run_path, job_id):
@@ -108,9 +109,9 @@ def _told_state(job_id) -> Optional[str]:
     return told if told_id == str(job_id) and told in ("alive", "gone") else None
 
 
-def _cannot_ask(owner: dict) -> bool:
+def _cannot_ask(owner: dict, ask) -> bool:
     job = owner.get("slurm_job_id")
-    return bool(job) and _told_state(job) is None and shutil.which("scontrol") is None
+    return bool(job) and _told_state(job) is None and ask is None
 
 
 def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
@@ -118,7 +119,7 @@ def owner_alive(owner: dict, slurm_job_alive=None) -> bool:
     ended leaves its lock behind), a local process's by its identity on this host (a pid
     reused by another process, or a lock from before a reboot, is dead)."""
     if owner.get("slurm_job_id"):
-        return (slurm_job_alive or _slurm_job_alive)(owner["slurm_job_id"])
+        return (slurm_job_alive or _judged(None))(owner["slurm_job_id"])
     if owner.get("host") != socket.gethostname():
         return True  # cannot see it from here: assume alive
     if owner.get("boot_id"):
@@ -149,9 +150,9 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
                             current.get("slurm_job_id") == owner.get("slurm_job_id")):
                 return current  # the same Slurm job, requeued or another task
             if current and owner_alive(current, for_run(run.path, slurm_job_alive)):
-                unasked = slurm_job_alive is None and _cannot_ask(current)
+                unasked = _cannot_ask(current, slurm_job_alive)
                 raise UserError(f"run directory {run.path} is in use by {_who(current)}"
-                                + (" (taken for alive: no scontrol here to ask Slurm, and no "
+                                + (" (taken for alive: no Slurm client here to ask, and no "
                                    "answer passed in)" if unasked else "")
                                 + f"; wait for it, cancel it, or remove {run.lock_path} if "
                                 "it is dead")
@@ -166,12 +167,14 @@ def acquire_lock(run: RunDir, owner: Optional[dict] = None, slurm_job_alive=None
 
 
 def run_identity(path) -> str:
-    """The run a lock belongs to, written into it: the digest of the run's real path that
-    its Slurm jobs carry as their comment. A lock file linked, copied or bind-mounted into
-    another run still names its own."""
-    from enn_cluster.storage.slurm_jobs import submission_comment
+    """The run a lock belongs to, written into it: a digest of the run's real path. It is
+    also the `--comment` enn-submit gives every job it submits for the run (rendered, so
+    `render` shows it): only a submission sets a job's comment, so it proves a job is the
+    run's (cluster/slurm.job_belongs_to_run). A lock file linked, copied or bind-mounted
+    into another run still names its own."""
+    import hashlib
 
-    return submission_comment(path)
+    return "enn-cluster:" + hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:40]
 
 
 def signal_refusal(run: RunDir, owner: dict) -> Optional[str]:

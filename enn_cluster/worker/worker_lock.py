@@ -11,6 +11,7 @@ import os
 from contextlib import contextmanager
 from typing import Mapping, Optional
 
+from enn_cluster.cluster.slurm import lock_liveness
 from enn_cluster.config.launch_env import LOCK_HELD_VAR, SUBMISSION_VAR
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir
@@ -37,7 +38,8 @@ def hold_run_lock(run: RunDir, env: WorkerEnv, lanes, task: str):
     mine, refusal = None, None
     if lanes.rank == 0 and needs_own_lock(env, os.environ, read_lock(run)):
         try:
-            mine = acquire_lock(run, {**lock_owner(), "launcher": env.launcher})
+            mine = acquire_lock(run, {**lock_owner(), "launcher": env.launcher},
+                                slurm_job_alive=lock_liveness())
             run.record_job(kind=env.launcher, task=task, job_id=env.job_id, pid=os.getpid(),
                            world_size=env.world_size, nodes=env.num_nodes)
         except UserError as exc:

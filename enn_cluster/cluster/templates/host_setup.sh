@@ -232,7 +232,7 @@ srun() {
   return "$rc"
 }
 # A lock left by another Slurm job (one cancelled while pending never clears its own) is
-# judged by the worker, inside an image that may have no scontrol: ask here, before srun,
+# judged by the worker, inside an image that may have no Slurm client: ask here, before srun,
 # and pass the answer in as ENN_LOCK_JOB_STATE=JOBID:alive|gone (no answer: nothing set).
 enn_lock="$ENN_RUN_DIR/run.lock"
 enn_lock_job=""
@@ -240,14 +240,16 @@ if [ -f "$enn_lock" ] && [ ! -L "$enn_lock" ]; then
   enn_lock_job=$(timeout 5 head -c 4096 -- "$enn_lock" 2>/dev/null \
     | sed -n 's/.*"slurm_job_id": *"\([0-9_]\{1,24\}\)".*/\1/p' | head -n 1)
 fi
-if [ -n "$enn_lock_job" ] && [ "$enn_lock_job" != "${SLURM_JOB_ID:-}" ] && command -v scontrol >/dev/null; then
-  if enn_lock_says=$(timeout 30 scontrol show job -o "$enn_lock_job" 2>&1); then
+if [ -n "$enn_lock_job" ] && [ "$enn_lock_job" != "${SLURM_JOB_ID:-}" ] && command -v squeue >/dev/null; then
+  # the job's state as cluster/slurm.py asks it (squeue, machine-readable), first line only
+  if enn_lock_says=$(timeout 30 squeue -h -t all -j "$enn_lock_job" -o %T 2>&1); then
+    enn_lock_says=${enn_lock_says%%$'\n'*}
     # a job whose own batch shell recorded its end holds nothing while Slurm cleans up
-    [[ " $enn_lock_says " != *" JobState=COMPLETING "* ]] \
-      || ! enn_regular "$ENN_RUN_DIR/@REQUEUE@/@MARK_ENDED@$enn_lock_job" || enn_lock_says="JobState=ENDED"
-    case " $enn_lock_says " in
+    [ "$enn_lock_says" != COMPLETING ] \
+      || ! enn_regular "$ENN_RUN_DIR/@REQUEUE@/@MARK_ENDED@$enn_lock_job" || enn_lock_says=ENDED
+    case "$enn_lock_says" in
       @LIVE_STATE_PATTERNS@) export ENN_LOCK_JOB_STATE="$enn_lock_job:alive" ;;
-      *" JobState="*) export ENN_LOCK_JOB_STATE="$enn_lock_job:gone" ;;
+      [A-Z]*) export ENN_LOCK_JOB_STATE="$enn_lock_job:gone" ;;
     esac
   elif case "$enn_lock_says" in *"Invalid job id"*) true ;; *) false ;; esac; then
     export ENN_LOCK_JOB_STATE="$enn_lock_job:gone"  # the controller no longer knows it
