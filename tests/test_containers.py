@@ -216,6 +216,8 @@ def test_images_from_enroot_import_and_from_our_writer_both_start(pyxis_cluster,
     if "up to date" not in log:  # built now, not by an earlier session
         assert "enn build: enroot import" in log and "no CMD" not in log, log
         assert _podman_leftovers() == before
+    last = log.splitlines()[-1]  # the image, its size and the path that made it
+    assert f"{imported} (" in last and "made by enroot import" in last, log
     assert imported != test_image
     assert _cat(imported, "etc/environment") == _cat(test_image, "etc/environment")
     probe = "import enn_cluster, torch, os; print(os.uname().nodename, torch.__version__)"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -11,7 +12,8 @@ import pytest
 
 from enn_cluster.cluster import enroot_layout
 from enn_cluster.errors import ToolMissing, UserError
-from enn_cluster.cluster.image import builder_env, build_image
+from enn_cluster.cluster.image import (ENROOT_IMPORT, OWN_WRITER, builder_env, build_image,
+                                       final_line, read_record, record_path, size_text)
 from enn_cluster.cluster.image_key import (context_entries, find_cached_image, image_for, image_key,
                                            image_path, is_ignored, parse_dockerignore)
 from pyxis_fixture import build_args
@@ -100,13 +102,36 @@ def test_build_returns_cached_image_without_tools(tmp_path, monkeypatch):
     expected.touch()
     lines = []
     assert build_image(dockerfile, ctx, cache, progress=lines.append) == expected
-    assert any("up to date" in line for line in lines)
+    assert lines[-1] == f"enn build: up to date: {expected} (0 bytes, how it was made is not recorded)"
+
+
+def test_final_line_names_image_size_and_writer():
+    image = Path("/c/enn-0123456789abcdef.sqsh")
+    assert final_line(image, 416_123_456, OWN_WRITER, 95.34) == (
+        f"enn build: wrote {image} (416 MB, made by our own writer, 95.3s in all)")
+    assert final_line(image, 2_345_000_000, ENROOT_IMPORT) == (
+        f"enn build: up to date: {image} (2.3 GB, made by enroot import)")
+    assert size_text(999_999) == "999999 bytes"
+
+
+def test_a_bad_build_record_reads_as_unrecorded(tmp_path):
+    image = tmp_path / "enn-0123456789abcdef.sqsh"
+    for text in ("", "[1]", '{"writer": "rm -rf"}', "{" * 10_000):
+        record_path(image).write_text(text)
+        assert read_record(image) is None
+    record_path(image).write_text('{"writer": "enroot import"}')
+    assert read_record(image) == ENROOT_IMPORT
 
 
 FAKE_PODMAN = """#!/bin/sh
 echo "podman $*" >> "$FAKE_LOG"
-[ "$1 $2" = "image inspect" ] && echo '[{"Config": {"Cmd": ["/bin/sh"]}}]'
+[ "$1 $2" = "image inspect" ] && echo "[{\\"Config\\": $FAKE_CONFIG}]"
+[ "$1" = export ] && tar -cf - -T /dev/null
 exit 0
+"""
+FAKE_MKSQUASHFS = """#!/bin/sh
+echo "mksquashfs $*" >> "$FAKE_LOG"
+echo squashed > "$2"
 """
 FAKE_ENROOT = """#!/bin/sh
 echo "enroot $* $ENROOT_SQUASH_OPTIONS" >> "$FAKE_LOG"
@@ -120,23 +145,25 @@ def test_build_uses_enroot_import_when_installed(tmp_path, monkeypatch, enroot_r
     """With enroot on PATH: podman build, `enroot import podman://TAG`, rmi; atomic output."""
     dockerfile, ctx = _context(tmp_path)
     bin_dir, log, cache = tmp_path / "bin", tmp_path / "log", tmp_path / "cache"
-    bin_dir.mkdir()
-    for name, text in (("podman", FAKE_PODMAN), ("enroot", FAKE_ENROOT)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-    monkeypatch.setenv("FAKE_LOG", str(log))
+    _fake_tools(bin_dir, monkeypatch, log, '{"Cmd": ["/bin/sh"]}')
     monkeypatch.setenv("FAKE_ENROOT_RC", str(enroot_rc))
     monkeypatch.delenv("ENROOT_SQUASH_OPTIONS", raising=False)
     final = image_path(cache, image_key(dockerfile, ctx, {"A": "b c"}))
+    lines = []
     if enroot_rc:
         with pytest.raises(UserError, match="enroot import"):
-            build_image(dockerfile, ctx, cache, build_args={"A": "b c"}, progress=print)
+            build_image(dockerfile, ctx, cache, build_args={"A": "b c"}, progress=lines.append)
         assert not cache.exists()  # the failed build made the cache folder: gone again
+        assert _stages(lines) == ["hash build context", "podman build", "inspect image config",
+                                  "podman rmi (the build's image)"]
     else:
         assert build_image(dockerfile, ctx, cache, build_args={"A": "b c"},
-                           progress=print) == final
-        assert final.read_text() == "image\n" and list(cache.iterdir()) == [final]
+                           progress=lines.append) == final
+        assert final.read_text() == "image\n"
+        assert sorted(cache.iterdir()) == [final, record_path(final)]
+        assert _stages(lines) == ["hash build context", "podman build", "inspect image config",
+                                  "enroot import", "podman rmi (the build's image)"]
+        assert lines[-1].startswith(f"enn build: wrote {final} (6 bytes, made by enroot import, ")
     build, inspect, enroot, rmi = log.read_text().splitlines()
     tag = build.split(" -t ")[1].split()[0]
     assert tag.startswith(f"localhost/enn-cluster:{final.stem[4:]}-")
@@ -146,6 +173,58 @@ def test_build_uses_enroot_import_when_installed(tmp_path, monkeypatch, enroot_r
     assert Path(partial).parent == cache and partial.endswith(".partial")
     assert enroot.endswith(f"podman://{tag} -comp zstd -Xcompression-level 3")
     assert rmi == f"podman rmi -f {tag}"
+
+
+def test_own_writer_build_says_each_stage_cleanup_included(tmp_path, monkeypatch):
+    """An image without CMD goes through our writer: each step, the removal of the export
+    container, of the rootfs and of the build's tag, prints a timed line; the last line
+    names the writer, and so does the line of a later build that finds the image."""
+    dockerfile, ctx = _context(tmp_path)
+    bin_dir, log, cache = tmp_path / "bin", tmp_path / "log", tmp_path / "cache"
+    _fake_tools(bin_dir, monkeypatch, log, "{}")
+    (bin_dir / "mksquashfs").write_text(FAKE_MKSQUASHFS)
+    (bin_dir / "mksquashfs").chmod(0o755)
+    lines = []
+    final = build_image(dockerfile, ctx, cache, progress=lines.append)
+    documented = _documented_build_lines()  # admin.md's sample, from a real build
+    assert _stages(lines) == _stages(documented) == [
+        "hash build context", "podman build", "inspect image config", "export rootfs",
+        "podman rm (the export container)", "write Enroot files", "mksquashfs (zstd -3)",
+        "remove rootfs", "podman rmi (the build's image)"]
+    assert lines[3] == documented[3]  # the line saying why not enroot import
+    image, mb, seconds = re.fullmatch(r"enn build: wrote (.+) \((\d+) MB, .*, ([\d.]+)s in all\)",
+                                      documented[-1]).groups()
+    assert documented[-1] == final_line(Path(image), int(mb) * 10**6, OWN_WRITER, float(seconds))
+    assert lines[-1].startswith(f"enn build: wrote {final} (9 bytes, made by our own writer, ")
+    (squash,) = [line for line in log.read_text().splitlines() if line.startswith("mksquashfs")]
+    assert "-all-root -comp zstd -Xcompression-level 3" in squash
+    again = []
+    assert build_image(dockerfile, ctx, cache, progress=again.append) == final
+    assert again[-1] == f"enn build: up to date: {final} (9 bytes, made by our own writer)"
+
+
+def _fake_tools(bin_dir: Path, monkeypatch, log: Path, config: str) -> None:
+    """podman and enroot that log their arguments; `image inspect` answers `config`."""
+    bin_dir.mkdir()
+    for name, text in (("podman", FAKE_PODMAN), ("enroot", FAKE_ENROOT)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_CONFIG", config)
+
+
+def _documented_build_lines() -> list[str]:
+    """The sample output of a build in docs/admin.md (the own writer's path)."""
+    text = (ROOT / "docs" / "admin.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"^```\n(enn build: .*?)^```", text, re.S | re.M)
+    return block.splitlines()
+
+
+def _stages(lines: list[str]) -> list[str]:
+    """The stage names of `enn build: NAME (1.2s)` lines, in order."""
+    return [m.group(1) for line in lines
+            if (m := re.fullmatch(r"enn build: (.+) \(\d+\.\ds\)", line))]
 
 
 def test_podman_gets_our_containers_conf_unless_the_user_set_one():
@@ -237,11 +316,21 @@ def _podman(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.podman
-def test_build_image_makes_an_enroot_squashfs(tmp_path, test_image, dev_base_image):
-    """The session's image (`enn-submit build` over the dev base). That base has no CMD, which
-    `enroot import` cannot take, so where enroot is installed our own writer made it."""
-    sqsh, args = test_image, build_args(dev_base_image)
+def test_build_image_makes_an_enroot_squashfs(tmp_path, test_image_build, dev_base_image):
+    """The session's image: admin.md's offline build (`enn-submit build` over the dev base,
+    with its PIP_INSTALL_FLAGS). That base has no CMD, which `enroot import` cannot take, so
+    where enroot is installed our own writer made it; each stage said so with its time."""
+    (sqsh, log), args = test_image_build, build_args(dev_base_image)
     assert sqsh == image_path(sqsh.parent, image_key(ROOT / "containers/Dockerfile", ROOT, args))
+    size = size_text(sqsh.stat().st_size)
+    if "enn build: up to date" in log:  # built by an earlier session
+        assert f"enn build: up to date: {sqsh} ({size}, made by our own writer)" in log, log
+    else:  # admin.md's sample; "inspect image config" only decides for enroot import
+        documented = _stages(_documented_build_lines())
+        if not shutil.which("enroot"):
+            documented.remove("inspect image config")
+        assert _stages(log.splitlines()) == documented, log
+        assert f"enn build: wrote {sqsh} ({size}, made by our own writer, " in log, log
     assert not list(sqsh.parent.glob(f".{sqsh.name}.*"))  # no partial files left
     lines = []
     listing = subprocess.run(["unsquashfs", "-lls", str(sqsh)], capture_output=True,
@@ -280,7 +369,7 @@ def test_build_image_makes_an_enroot_squashfs(tmp_path, test_image, dev_base_ima
     again = build_image(ROOT / "containers/Dockerfile", ROOT, sqsh.parent, build_args=args,
                         progress=lines.append)
     assert again == sqsh and time.monotonic() - start < 2
-    assert "up to date" in lines[-1]
+    assert lines[-1] == f"enn build: up to date: {sqsh} ({size}, made by our own writer)"
 
 
 def _cat(sqsh: Path, path: str) -> str:

@@ -30,6 +30,7 @@ from enn_cluster.errors import ToolMissing, UserError
 from enn_cluster.storage.output_target import missing_parents, remove_empty
 
 TAG_REPO = "localhost/enn-cluster"
+OWN_WRITER, ENROOT_IMPORT = "our own writer", "enroot import"  # the two ways to a squashfs
 SQUASH_OPTIONS = ("-comp", "zstd", "-Xcompression-level", "3")  # ~15x faster than zstd -15
 ENROOT_SQUASH_OPTIONS = "-comp zstd -Xcompression-level 3"
 _REPO_CONTAINERS_CONF = Path(__file__).resolve().parents[2] / "containers" / "containers.conf"
@@ -50,6 +51,36 @@ def builder_env(builder: str, environ: Mapping[str, str], containers_conf: Path 
         env["CONTAINERS_CONF"] = str(containers_conf)
     env.setdefault("ENROOT_SQUASH_OPTIONS", ENROOT_SQUASH_OPTIONS)
     return env
+
+
+def size_text(n: int) -> str:
+    """An image's size as people read it (decimal units, like `ls --si`): 416 MB, 1.2 GB."""
+    if n >= 10**9:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.0f} MB" if n >= 10**6 else f"{n} bytes"
+
+
+def final_line(image: Path, size: int, writer: str | None, seconds: float | None = None) -> str:
+    """The build's last line: the image, its size, which path made it (and the time, if now)."""
+    made = f"made by {writer}" if writer else "how it was made is not recorded"
+    if seconds is None:
+        return f"enn build: up to date: {image} ({size_text(size)}, {made})"
+    return f"enn build: wrote {image} ({size_text(size)}, {made}, {seconds:.1f}s in all)"
+
+
+def record_path(image: Path) -> Path:
+    """Beside the image: how it was made, for the line of a later build that finds it."""
+    return image.with_name(image.name + ".json")
+
+
+def read_record(image: Path) -> str | None:
+    """The writer recorded for `image`; None for an image without (or with a bad) record."""
+    try:
+        record = json.loads(record_path(image).read_text(encoding="utf-8")[:4096])
+    except (OSError, ValueError):
+        return None
+    writer = record.get("writer") if isinstance(record, dict) else None
+    return writer if writer in (OWN_WRITER, ENROOT_IMPORT) else None
 
 
 # ---------------------------------------------------------------------------- acting: build
@@ -141,17 +172,20 @@ def _pipe(first: list[str], second: list[str], env: Mapping[str, str]) -> None:
         raise ImageBuildError("; ".join(failures))
 
 
-def _export_rootfs(builder: str, tag: str, rootfs: Path, env: Mapping[str, str]) -> None:
+def _export_rootfs(builder: str, tag: str, rootfs: Path, env: Mapping[str, str],
+                   say: Progress) -> None:
     """Flattened rootfs of `tag` in `rootfs`, without /dev/* and /.dockerenv (as Enroot)."""
     name = f"enn-export-{secrets.token_hex(6)}"
     # A command is given because images without CMD/ENTRYPOINT cannot be created; never run.
     _run([builder, "create", "--name", name, tag, "/bin/true"], env)
     try:
-        _pipe([builder, "export", name],
-              ["tar", "-C", str(rootfs), "--warning=no-timestamp", "--numeric-owner",
-               *enroot_layout.tar_excludes(), "-px", "-f", "-"], env)
+        with _stage(say, "export rootfs"):
+            _pipe([builder, "export", name],
+                  ["tar", "-C", str(rootfs), "--warning=no-timestamp", "--numeric-owner",
+                   *enroot_layout.tar_excludes(), "-px", "-f", "-"], env)
     finally:
-        subprocess.run([builder, "rm", "-f", name], env=env, capture_output=True)
+        with _stage(say, f"{builder} rm (the export container)"):
+            subprocess.run([builder, "rm", "-f", name], env=env, capture_output=True)
 
 
 def _inspect_config(builder: str, tag: str, env: Mapping[str, str]) -> dict:
@@ -167,8 +201,7 @@ def _squash_image(tools: _Tools, tag: str, out: Path, env: Mapping[str, str],
     rootfs = workdir / "rootfs"
     rootfs.mkdir()
     try:
-        with _stage(say, "export rootfs"):
-            _export_rootfs(tools.builder, tag, rootfs, env)
+        _export_rootfs(tools.builder, tag, rootfs, env, say)
         with _stage(say, "write Enroot files"):
             config = _inspect_config(tools.builder, tag, env)
             enroot_layout.apply_layout(rootfs, config, f"{tools.builder}://{tag}")
@@ -176,23 +209,37 @@ def _squash_image(tools: _Tools, tag: str, out: Path, env: Mapping[str, str],
             _run([tools.mksquashfs, str(rootfs), str(out), "-noappend", "-all-root",
                   *SQUASH_OPTIONS, "-no-progress", "-quiet"], env)
     finally:
-        subprocess.run(["chmod", "-R", "u+rwX", str(workdir)], capture_output=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+        with _stage(say, "remove rootfs"):  # a big image's rootfs takes a minute or more
+            subprocess.run(["chmod", "-R", "u+rwX", str(workdir)], capture_output=True)
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _to_squashfs(tools: _Tools, tag: str, out: Path, env: Mapping[str, str],
-                 say: Progress) -> None:
-    """`enroot import` where it can take the image, else our own writer (same layout)."""
+                 say: Progress) -> str:
+    """`enroot import` where it can take the image, else our own writer (same layout).
+
+    Returns which of the two made `out` (ENROOT_IMPORT or OWN_WRITER)."""
     use_enroot = False
     if tools.enroot:
-        use_enroot, why = enroot_import.uses_enroot(_inspect_config(tools.builder, tag, env))
+        with _stage(say, "inspect image config"):
+            config = _inspect_config(tools.builder, tag, env)
+        use_enroot, why = enroot_import.uses_enroot(config)
         if not use_enroot:
             say(f"enn build: {why}")
     if use_enroot:
         with _stage(say, "enroot import"):
             enroot_import.import_with_enroot(tools.enroot, tools.builder, tag, out, env, _run)
-    else:
-        _squash_image(tools, tag, out, env, say)
+        return ENROOT_IMPORT
+    _squash_image(tools, tag, out, env, say)
+    return OWN_WRITER
+
+
+def _write_record(image: Path, writer: str) -> None:
+    """record_path(image), written whole (a temporary file renamed into place)."""
+    path = record_path(image)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+    tmp.write_text(json.dumps({"writer": writer}) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def build_image(dockerfile: str | os.PathLike, context: str | os.PathLike,
@@ -202,7 +249,8 @@ def build_image(dockerfile: str | os.PathLike, context: str | os.PathLike,
 
     Returns at once when that file exists. `builder` is "podman" or "docker" (default: the
     first installed). Uses `enroot import` when enroot is installed, else makes the same
-    layout itself. `progress` gets one line per stage and the builder's output (default:
+    layout itself. `progress` gets one timed line per stage (cleanup included), the builder's
+    output, and a last line with the image, its size and which path made it (default:
     stderr). The squashfs appears under its final name only when complete.
     """
     say = progress or _stderr_line
@@ -216,14 +264,21 @@ def build_image(dockerfile: str | os.PathLike, context: str | os.PathLike,
         key = image_key(dockerfile, context, build_args)
     final = image_path(cache_dir, key)
     if final.is_file():
-        say(f"enn build: up to date: {final}")
+        say(final_line(final, final.stat().st_size, read_record(final)))
         return final
-    tools = _pick_tools(builder)
+    writer = _build(_pick_tools(builder), dockerfile, context, final, build_args, say)
+    say(final_line(final, final.stat().st_size, writer, time.monotonic() - start))
+    return final
+
+
+def _build(tools: _Tools, dockerfile: Path, context: Path, final: Path,
+           build_args: Mapping[str, str] | None, say: Progress) -> str:
+    """Builder image -> squashfs `final`, then its tag removed; which path made it."""
     made = missing_parents(final)  # the cache folders this build creates
     final.parent.mkdir(parents=True, exist_ok=True)
     env = builder_env(tools.builder, os.environ, _containers_conf(context))
     token = secrets.token_hex(4)
-    tag = f"{TAG_REPO}:{key[:16]}-{token}"
+    tag = f"{TAG_REPO}:{final.stem[4:]}-{token}"
     partial = final.with_name(f".{final.name}.{token}.partial")
     built = False
     try:
@@ -231,14 +286,17 @@ def build_image(dockerfile: str | os.PathLike, context: str | os.PathLike,
             args = [f"--build-arg={k}={v}" for k, v in sorted((build_args or {}).items())]
             _run_streaming([tools.builder, "build", "--force-rm", "-f", str(dockerfile),
                             "-t", tag, *args, str(context)], env, say)
-        _to_squashfs(tools, tag, partial, env, say)
+        writer = _to_squashfs(tools, tag, partial, env, say)
+        _write_record(final, writer)
         os.replace(partial, final)
         built = True
     finally:
         partial.unlink(missing_ok=True)
         if not built:
+            if not final.exists():
+                record_path(final).unlink(missing_ok=True)
             remove_empty(made)  # a failed build leaves no empty --cache-dir behind
         # -f: also the containers made from it (an import that died half-way leaves one).
-        subprocess.run([tools.builder, "rmi", "-f", tag], env=env, capture_output=True)
-    say(f"enn build: wrote {final} ({time.monotonic() - start:.1f}s)")
-    return final
+        with _stage(say, f"{tools.builder} rmi (the build's image)"):
+            subprocess.run([tools.builder, "rmi", "-f", tag], env=env, capture_output=True)
+    return writer
