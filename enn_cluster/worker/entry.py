@@ -24,7 +24,7 @@ from typing import Optional
 from enn_cluster.config import nccl
 from enn_cluster.config.launch_env import LAUNCH_ID_VAR, LAUNCHER_PID_VAR
 from enn_cluster.errors import UserError
-from enn_cluster.storage import backend_report, layout
+from enn_cluster.storage import backend_report, layout, node_loss
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import clean_environment, detect_launcher, discover
@@ -38,12 +38,31 @@ log = logging.getLogger("enn_cluster.worker")
 _early_signals: list[int] = []  # stop signals that came before the trainer's handlers
 
 
-def install_early_stop_handlers() -> None:
+def install_early_stop_handlers(run_dir: str = "", slurm_job: Optional[str] = None) -> None:
     """First thing in a task: a stop signal that arrives while torch imports or the
     groups form is remembered, and the trainer honours it at its first step boundary
-    (Python's defaults would end the task with no checkpoint, or a traceback)."""
+    (Python's defaults would end the task with no checkpoint, or a traceback). Under Slurm,
+    a stop signal after another rank refused the job is srun tearing the step down
+    (--kill-on-bad-exit): nothing to save, so the task leaves at once in one line."""
+    def remember(signum, frame):
+        if slurm_job and leave_if_peer_refused(run_dir, slurm_job):
+            os._exit(EXIT_FAILED)
+        _early_signals.append(signum)
+
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, frame: _early_signals.append(signum))
+        signal.signal(sig, remember)
+
+
+def leave_if_peer_refused(run_dir: str, slurm_job: Optional[str]) -> bool:
+    """Did another rank of Slurm job `slurm_job` refuse its input (requeue/refused-JOB)?
+    Then say so in one line: this rank's own failure that follows (a peer gone from the
+    rendezvous, a container torn down under it) is not the reason, and a traceback of it
+    buried the refusal in the batch log."""
+    note = node_loss.read_refusal(Path(run_dir), slurm_job) if slurm_job else None
+    if note:
+        os.write(2, f"enn_cluster worker: leaving: another rank of job {slurm_job} refused "
+                    f"its input: {note}\n".encode("utf-8", "replace"))
+    return note is not None
 
 
 _process_defaults: dict = {}  # what process_defaults set in this task (logged once logging is up)
@@ -303,23 +322,38 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
               step: Optional[int] = None, submitted: Optional[str] = None) -> int:
     """Every launcher's way in (the module's main, Slurm's submitit entry): the same
     signal handling and the same exit codes, 2 for bad input (never retried)."""
-    install_early_stop_handlers()
+    slurm_job = os.environ.get("SLURM_JOB_ID") if detect_launcher(os.environ) == "slurm" else None
+    slurm_job = slurm_job if slurm_job and slurm_job.isdigit() else None
+    install_early_stop_handlers(run_dir, slurm_job)
     no_keyboard()
     die_with_launcher(os.environ)
     from enn_cluster.worker.lanes import PortTaken
 
-    slurm_job = os.environ.get("SLURM_JOB_ID") if detect_launcher(os.environ) == "slurm" else None
     try:
         return slurm_exit_code(run_task(run_dir, task, name, step, submitted),
                                slurm_job is not None)
     except UserError as exc:
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
-        if slurm_job and slurm_job.isdigit():
+        if slurm_job:
             record_refusal(run_dir, slurm_job, str(exc))
         return EXIT_USER
     except PortTaken as exc:  # retried (the host side probes again), unlike bad input
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except Exception:
+        if leave_if_peer_refused(run_dir, slurm_job):  # the refusal, not this, is why
+            _to_rank_log_only("this rank's own failure, after another rank refused:")
+            return EXIT_FAILED
+        raise
+
+
+def _to_rank_log_only(message: str) -> None:
+    """`message` and the exception being handled, in this rank's log file alone (where
+    there is one yet), not on stderr: the batch log keeps the one line that matters."""
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), sys.exc_info())
+    for handler in logging.getLogger("enn_cluster").handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def record_refusal(run_dir: str, job_id: str, message: str) -> None:
