@@ -123,9 +123,9 @@ def test_a_rank_of_the_failed_step_never_joins_the_relaunch_on_the_same_port():
 
 
 def test_a_refusal_note_is_written_by_the_worker_and_read_as_one_printable_line(tmp_path):
-    """worker/entry.record_refusal writes requeue/refused-JOB; status and doctor read its
+    """worker/refusal.record_refusal writes requeue/refused-JOB; status and doctor read its
     first line as untrusted text: no terminal escape, no FIFO opened, nothing oversized."""
-    from enn_cluster.worker.entry import record_refusal
+    from enn_cluster.worker.refusal import record_refusal
 
     (tmp_path / "requeue").mkdir()
     record_refusal(str(tmp_path), "41", "data.train_path: /d/x\u00e9.npy \x1b[2J is missing;\nfix it")

@@ -118,6 +118,11 @@ def test_a_skewed_rank_of_a_slurm_job_is_the_one_line_its_peers_and_logs_point_a
     (run / "logs" / "slurm-41-r0").rmdir()
     logs = cli("logs", run, "--rank", "0")
     assert logs.returncode == 2, logs.stderr
+    from enn_cluster.client.doctor import check_logs  # doctor's logs layer, the job over
+
+    found = check_logs(RunDir(run), live=False, q=str(run))
+    assert (found.level, found.detail) == \
+        ("problem", f"job 41 refused its input (not requeued): {note}"), found
     assert logs.stderr.strip().splitlines()[-1].endswith(
         f"{run}: no logs yet: job 41 refused its input (not requeued): {note}; its batch "
         f"log: {layout.batch_log(run, '41')}"), logs.stderr

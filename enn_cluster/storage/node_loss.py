@@ -17,7 +17,7 @@ and the workers leave it in RUN_DIR/requeue/ for the workers, `status` and `doct
   COMPLETING for minutes (it waits for the lost node's cleanup), and this record is what
   frees the run for `resume` then (`ended_by_itself`) and what `status` explains.
 
-- ``refused-JOB``: a rank refused its input (exit 2), one line saying why (worker/entry.py
+- ``refused-JOB``: a rank refused its input (exit 2), one line saying why (worker/refusal.py
   writes it); the job is not requeued, and `status` and `doctor` show the line.
 
 All are read as untrusted: regular files of bounded size, every value checked; anything

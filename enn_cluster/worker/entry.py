@@ -24,13 +24,15 @@ from typing import Optional
 from enn_cluster.config import nccl
 from enn_cluster.config.launch_env import LAUNCH_ID_VAR, LAUNCHER_PID_VAR
 from enn_cluster.errors import UserError
-from enn_cluster.storage import backend_report, layout, node_loss
+from enn_cluster.storage import backend_report, layout
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
 from enn_cluster.worker.environment import clean_environment, detect_launcher, discover
 from enn_cluster.worker.exec_env import fallback_allowed, process_defaults, reexec_if_needed
 from enn_cluster.worker.code_identity import code_identity, skew_problem
 from enn_cluster.worker.placement import place_task
+from enn_cluster.worker.refusal import (leave_if_peer_refused, record_refusal,
+                                         to_rank_log_only)
 from enn_cluster.worker.stop_signals import STOP_SIGNALS
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
@@ -51,18 +53,6 @@ def install_early_stop_handlers(run_dir: str = "", slurm_job: Optional[str] = No
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, remember)
-
-
-def leave_if_peer_refused(run_dir: str, slurm_job: Optional[str]) -> bool:
-    """Did another rank of Slurm job `slurm_job` refuse its input (requeue/refused-JOB)?
-    Then say so in one line: this rank's own failure that follows (a peer gone from the
-    rendezvous, a container torn down under it) is not the reason, and a traceback of it
-    buried the refusal in the batch log."""
-    note = node_loss.read_refusal(Path(run_dir), slurm_job) if slurm_job else None
-    if note:
-        os.write(2, f"enn_cluster worker: leaving: another rank of job {slurm_job} refused "
-                    f"its input: {note}\n".encode("utf-8", "replace"))
-    return note is not None
 
 
 _process_defaults: dict = {}  # what process_defaults set in this task (logged once logging is up)
@@ -223,6 +213,10 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
 
             run_prediction(run, cfg, env, lanes, name=name, step=step)
             return EXIT_OK
+    except UserError as exc:  # before the lanes close: a peer that fails on their closing
+        if env.launcher == "slurm" and str(env.job_id).isdigit():  # reads why (run_entry)
+            record_refusal(str(run.path), str(env.job_id), str(exc))
+        raise
     finally:
         close_lanes()
 
@@ -342,33 +336,9 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
         return EXIT_FAILED
     except Exception:
         if leave_if_peer_refused(run_dir, slurm_job):  # the refusal, not this, is why
-            _to_rank_log_only("this rank's own failure, after another rank refused:")
+            to_rank_log_only("this rank's own failure, after another rank refused:")
             return EXIT_FAILED
         raise
-
-
-def _to_rank_log_only(message: str) -> None:
-    """`message` and the exception being handled, in this rank's log file alone (where
-    there is one yet), not on stderr: the batch log keeps the one line that matters."""
-    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), sys.exc_info())
-    for handler in logging.getLogger("enn_cluster").handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
-def record_refusal(run_dir: str, job_id: str, message: str) -> None:
-    """RUN/requeue/refused-JOBID: the host-side trap never requeues a job whose input a
-    rank refused. srun's own exit code cannot say so: when one rank exits 2 first,
-    --kill-on-bad-exit terminates its peers and srun returns 143, which reads as a failure
-    to retry. A run directory that cannot hold the file leaves srun's code to decide."""
-    from enn_cluster.storage.rundir import atomic_write_text
-
-    try:
-        path = layout.marker(run_dir, "refused", job_id)
-        if path.parent.is_dir():
-            atomic_write_text(path, " ".join(message.split())[:400] + "\n")
-    except OSError as exc:
-        print(f"enn_cluster worker: could not record the refusal: {exc}", file=sys.stderr)
 
 
 def slurm_exit_code(code: int, under_slurm: bool) -> int:
