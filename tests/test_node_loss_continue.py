@@ -121,7 +121,12 @@ def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_p
     assert (relaunch["job_id"], relaunch["lost"], relaunch["step"]) == (job, ["n3"], lost["step"])
     status = cli("status", run, timeout=60)
     assert status.returncode == 0, status.stderr
-    assert "node lost:       n3 at " in status.stdout, status.stdout
+    # when n3 was lost, as the records bound it: after the last step logged with it
+    records = metrics(run)
+    before = [r["step"] for r in records[:records.index(lost)] if r["kind"] == "train"][-1]
+    assert before >= 25 and lost["step"] <= before, (before, lost)
+    assert "node lost:       n3 between " in status.stdout, status.stdout
+    assert f"(after step {before}, its last logged) and " in status.stdout, status.stdout
     assert f"(job {job}): went on with 2 node(s), world 4, from step {lost['step']}" in status.stdout
     doctor = cli("doctor", run, timeout=120)
     assert f"node n3 lost (job {job}): went on with 2 node(s) from step {lost['step']}" \

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import time
 from dataclasses import replace
 from datetime import timedelta
 
-from enn_cluster.client.status import node_loss_lines
+from enn_cluster.client.status import node_loss_lines, progress_line, with_last_step
+from enn_cluster.cluster.job_spec import JobSpec, render_batch_script
 from enn_cluster.storage import node_loss
 from enn_cluster.storage.attempts import attempt_order
 from enn_cluster.storage.metrics import MetricsLog
@@ -31,7 +33,9 @@ def _write(run, name: str, text: str) -> None:
 def test_a_relaunch_record_is_read_with_every_field_checked(tmp_path):
     assert node_loss.parse_relaunch(GOOD) == {
         "lost": ["n3"], "nodes": ["n1", "n2"], "ended": 1795634000.5,
-        "detected": 1795634012.25, "launched": 1795634012.3, "relaunch": 1}
+        "detected": 1795634012.25, "launched": 1795634012.3, "relaunch": 1, "world": None}
+    assert node_loss.parse_relaunch(GOOD + "world=4\n")["world"] == 4
+    assert node_loss.parse_relaunch(GOOD + "world=four\n")["world"] is None  # older shells: none
     for bad in (GOOD.replace("n3", "$(reboot)"), GOOD.replace("nodes=n1,n2\n", ""),
                 GOOD.replace("1795634012.25", "soon"), GOOD.replace("relaunch=1", "relaunch=-1"),
                 GOOD.replace("nodes=n1,n2", "nodes=n1,,n2"), ""):
@@ -73,7 +77,7 @@ def test_status_names_the_lost_node_and_a_probe_under_way():
                            "job_id": "7", "world_size": 4, "step": 20}],
           "probing_since": 5.0, "lock": {"pid": 1}, "slurm": None}
     lines = node_loss_lines(st)
-    assert lines[0].startswith("node lost:       n3 at ")
+    assert lines[0].startswith("node lost:       n3 by ")  # no step logged before it ended
     assert lines[0].endswith("(job 7): went on with 2 node(s), world 4, from step 20")
     assert lines[1].startswith("probing:         since ") and "still answer" in lines[1]
     assert node_loss_lines({**st, "lock": None}) == lines[:1]  # over: no probe to report
@@ -119,9 +123,9 @@ def test_a_rank_of_the_failed_step_never_joins_the_relaunch_on_the_same_port():
 
 
 def test_a_refusal_note_is_written_by_the_worker_and_read_as_one_printable_line(tmp_path):
-    """worker/entry.record_refusal writes requeue/refused-JOB; status and doctor read its
+    """worker/refusal.record_refusal writes requeue/refused-JOB; status and doctor read its
     first line as untrusted text: no terminal escape, no FIFO opened, nothing oversized."""
-    from enn_cluster.worker.entry import record_refusal
+    from enn_cluster.worker.refusal import record_refusal
 
     (tmp_path / "requeue").mkdir()
     record_refusal(str(tmp_path), "41", "data.train_path: /d/x\u00e9.npy \x1b[2J is missing;\nfix it")
@@ -188,3 +192,93 @@ def test_doctor_says_a_relaunch_is_under_way_not_that_the_ranks_failed(tmp_path)
     (relaunched / "rank-0.log").write_text("resumed\n")
     after = check_logs(run, live=True, q="RUN")
     assert after.level == "warning" and not after.detail.startswith("job 7"), after
+
+
+SCONTROL = """#!/bin/bash
+case "$1" in
+  show) printf 'n1\nn2\nn3\n' ;;  # show hostnames n[1-3]
+  listpids) echo 'PID JOBID STEPID LOCALID GLOBALID'  # the step's tasks on this node
+    if [ -e "$STUB/tasks" ]; then echo '4242 7 0 0 0'; fi ;;
+esac
+"""
+SRUN = """#!/bin/bash
+case " $* " in
+  *" true "*)  # the batch shell's probe of one node: n3 lost power, never answers
+    cp -- "$RUN/requeue/probing-7" "$STUB/seen-probing" 2>/dev/null
+    case " $* " in *" --nodelist=n3 "*) exec sleep 30 ;; esac
+    exit 0 ;;
+esac
+printf '%s\n' "$*" >> "$STUB/steps"
+if [ ! -e "$STUB/tasks-ended" ]; then  # the first step: its task here fails, srun waits on n3
+  : > "$STUB/tasks"; sleep 2.5; rm -f -- "$STUB/tasks"; : > "$STUB/tasks-ended"
+  exec sleep 60 </dev/null >/dev/null 2>&1
+fi
+mkdir -p "$STUB/seen" && cp -r -- "$RUN/requeue" "$STUB/seen/"  # what status reads now
+"""
+
+
+def test_the_batch_shell_records_a_relaunch_that_status_reports_until_rank_0_resumes(tmp_path):
+    """Issue 37 section 4, on the records the real batch shell writes (host_setup.sh in a
+    rendered --nodes 2-3 script, srun and scontrol as stubs): n3 stops answering, the shell
+    probes, writes relaunch-JOB (with the new world size) and starts the step on n1,n2.
+    While the new ranks start, `status` says "relaunching on n1,n2 (world 2, from step 20)"
+    with when the node was lost; once rank 0 records the loss, the relaunch line goes and
+    the node-lost line keeps both times."""
+    run, stub = tmp_path / "run", tmp_path / "stub"
+    (run / "requeue").mkdir(parents=True)
+    (stub / "bin").mkdir(parents=True)
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (stub / "bin" / name).write_text(text)
+        (stub / "bin" / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_batch_script(JobSpec(job_name="enn-range", run_dir=str(run),
+                                                  nodes="2-3", gpus_per_node=1)))
+    env = {"PATH": f"{stub / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "STUB": str(stub),
+           "RUN": str(run), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]",
+           "SLURM_JOB_NUM_NODES": "3", "SLURMD_NODENAME": "n1", "ENN_PROBE_S": "1"}
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    log = done.stderr  # sbatch's --output would take it to the batch log
+    assert done.returncode == 0, log[-3000:]
+    assert "enn: lost node(s) n3: relaunching on 2 nodes (n1,n2), relaunch 1" in log, log
+    first, again = (stub / "steps").read_text().splitlines()
+    assert "--nodes=3 --ntasks-per-node=1 --ntasks=3" in first, first
+    assert "--nodes=2 --ntasks-per-node=1 --ntasks=2 --nodelist=n1,n2" in again, again
+    assert float((stub / "seen-probing").read_text()) > 0  # status's "probing:" line meanwhile
+    seen = stub / "seen"
+    assert node_loss.probing_since(seen, "7") is None  # the probe had answered
+    rec = node_loss.read_relaunch(seen, "7")
+    assert (rec["lost"], rec["nodes"], rec["world"], rec["relaunch"]) == \
+        (["n3"], ["n1", "n2"], 2, 1)
+    assert rec["ended"] <= rec["detected"] <= rec["launched"]
+
+    # status while the new ranks start: rank 0 has recorded nothing yet
+    last_train = {"kind": "train", "step": 27, "time": rec["ended"] - 3.0}
+    pending = with_last_step(node_loss.relaunch_pending(rec, [], "7"), last_train)
+    st = {"node_losses": [], "relaunch": pending, "last_checkpoint": 20, "probing_since": None,
+          "lock": {"slurm_job_id": "7"}, "slurm": {"job_id": "7", "state": "RUNNING"},
+          "last_step": 27, "last_loss": 0.5, "last_eval_loss": None, "starting": False}
+    (line,) = node_loss_lines(st)
+    clock = lambda t, fmt="%H:%M:%S": time.strftime(fmt, time.localtime(t))  # noqa: E731
+    assert line == (
+        f"relaunching:     on n1,n2 (world 2, from step 20): job 7 lost n3 between "
+        f"{clock(rec['ended'] - 3.0, '%Y-%m-%d %H:%M:%S')} (after step 27, its last logged) "
+        f"and {clock(rec['ended'])} (the ranks on the first node had ended), detected "
+        f"{clock(rec['detected'])}; relaunch 1 launched at {clock(rec['launched'])}, its "
+        "ranks are starting"), line
+    assert "relaunching on n1,n2" in progress_line({**st, "total_steps": 60, "last_checkpoint": 20})
+    assert node_loss_lines({**st, "lock": None, "slurm": {"state": "FAILED"}}) == []  # over
+
+    # rank 0 of the relaunch records the loss (trainer.py): the relaunch is no longer pending
+    runner = RunDir(seen)
+    log_file = MetricsLog(seen / "metrics.jsonl", enabled=True)
+    node_loss.record_relaunch(runner, log_file, "7", relaunch=1, world_size=2, step=20)
+    log_file.close()
+    recorded = [with_last_step(json.loads(x), last_train)
+                for x in (seen / "metrics.jsonl").read_text().splitlines()]
+    assert node_loss.relaunch_pending(rec, recorded, "7") is None
+    assert node_loss.relaunch_pending(rec, recorded, "8") is not None  # another job's record
+    (line,) = node_loss_lines({**st, "node_losses": recorded, "relaunch": None})
+    assert line.startswith("node lost:       n3 between ") and "(after step 27, its last " \
+        f"logged) and {clock(rec['ended'])}" in line, line
+    assert line.endswith("(job 7): went on with 2 node(s), world 2, from step 20"), line

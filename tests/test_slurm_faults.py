@@ -182,6 +182,10 @@ def test_a_rank_refusing_its_input_alone_is_never_requeued(slurm_cluster, tmp_pa
                "step 2 on rank 1 with micro-batch 1")
     assert refusal in batch_log, batch_log[-3000:]
     assert "srun: error" in batch_log and "requeueing job" not in batch_log, batch_log[-3000:]
+    # issue 40: its peer, failing in the collective rank 1 left, says why in one line
+    peer = (run / "slurm" / job / f"{job}_0_log.err").read_text(errors="replace")
+    assert f"enn_cluster worker: leaving: another rank of job {job} refused its input: out " \
+        "of memory at step 2 on rank 1" in peer and "Traceback" not in peer, peer[-3000:]
     # --wait ends with the batch log's last lines and where the ranks' logs are
     lines = res.stderr.splitlines()
     assert f"Slurm job {job}: FAILED" in res.stderr and any(refusal in line for line in lines), res.stderr

@@ -48,6 +48,86 @@ def test_a_worker_running_other_code_than_was_submitted_refuses_in_one_line(tmp_
     assert not (run / "metrics.jsonl").exists()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_skewed_rank_of_a_slurm_job_is_the_one_line_its_peers_and_logs_point_at(tmp_path):
+    """Issue 40 section 1: two tasks of Slurm job 41 (its environment, no srun). Rank 0
+    refuses the skewed code and records requeue/refused-41; rank 1 then waits at the
+    rendezvous for rank 0 in vain. It leaves in one line naming the refusal, exit 1, with
+    no traceback in the batch log (its own failure goes to its rank log), and `logs
+    --rank 0`, with no log of rank 0 to show, names the refusal and the batch log."""
+    from enn_cluster.storage import layout, node_loss
+    from enn_cluster.storage.rundir import RunDir
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "skew", parallel={"nodes": 1, "procs_per_node": 2, "rendezvous_timeout_s": 3}))
+    assert cli("prepare", "--config", cfg).returncode == 0
+    run = tmp_path / "runs" / "skew"
+    RunDir(run).record_job(kind="slurm", job_id="41")  # as the submitter records the job
+    layout.batch_log(run, "41").parent.mkdir(exist_ok=True)
+    layout.batch_log(run, "41").write_text("enn: job 41 restart 0 on n1\n")
+    (run / "requeue").mkdir(exist_ok=True)  # the batch shell makes it
+    slurm = {"SLURM_JOB_ID": "41", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_ID": "0", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(ROOT)}
+
+    def task(rank: int, submitted: str) -> subprocess.CompletedProcess:
+        code = ("import sys; from enn_cluster.worker.slurm_entry import worker_entry; "
+                "worker_entry(sys.argv[1], 'train', None, None, sys.argv[2])")
+        return subprocess.run([sys.executable, "-c", code, str(run), submitted],
+                              capture_output=True, text=True, timeout=180,
+                              env=dict(os.environ, **slurm, SLURM_PROCID=str(rank),
+                                       SLURM_LOCALID=str(rank)))
+
+    refused = task(0, "0.0.1+deadbeefdead")
+    assert refused.returncode == 2, refused.stderr
+    skew = f"submitted with 0.0.1+deadbeefdead, the job runs {code_identity()}"
+    assert skew in (run / "requeue" / "refused-41").read_text()
+    peer = task(1, code_identity())
+    assert peer.returncode == 1, peer.stderr
+    assert "Traceback" not in peer.stderr, peer.stderr
+    note = node_loss.read_refusal(run, "41")
+    assert note.startswith(f"enn_cluster version skew: {skew}; rebuild the image"), note
+    assert f"enn_cluster worker: leaving: another rank of job 41 refused its input: {note}" \
+        in peer.stderr.splitlines(), peer.stderr
+    rank_log = (run / "logs" / "slurm-41-r0" / "rank-1.log").read_text()
+    assert "this rank's own failure, after another rank refused:" in rank_log
+    assert "Traceback" in rank_log, rank_log[-2000:]  # kept where the rank's detail lives
+    # srun's --kill-on-bad-exit stops a peer that is still starting: it leaves at once, in
+    # the same one line, where another job's (or no) refusal leaves the signal remembered
+    stopped = ("import os, signal, sys, time; from enn_cluster.worker.entry import "
+               "install_early_stop_handlers, _early_signals; install_early_stop_handlers("
+               "sys.argv[1], sys.argv[2]); os.kill(os.getpid(), signal.SIGTERM); "
+               "time.sleep(0.2); print('remembered', _early_signals)")
+    for job, code, said in (("41", 1, f"another rank of job 41 refused its input: {note}"),
+                            ("42", 0, "remembered [15]")):
+        res = subprocess.run([sys.executable, "-c", stopped, str(run), job], timeout=120,
+                             capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert res.returncode == code and said in res.stdout + res.stderr, res
+    logs = cli("logs", run, "--rank", "0")  # rank 1 made the attempt's folder, rank 0 none
+    assert logs.returncode == 2 and "--rank 0: no log at" in logs.stderr, logs.stderr
+    (run / "logs" / "slurm-41-r0" / "rank-1.log").unlink()
+    (run / "logs" / "slurm-41-r0" / "exit-rank-1.json").unlink(missing_ok=True)
+    (run / "logs" / "slurm-41-r0").rmdir()
+    logs = cli("logs", run, "--rank", "0")
+    assert logs.returncode == 2, logs.stderr
+    from enn_cluster.client.doctor import check_logs  # doctor's logs layer, the job over
+
+    found = check_logs(RunDir(run), live=False, q=str(run))
+    assert (found.level, found.detail) == \
+        ("problem", f"job 41 refused its input (not requeued): {note}"), found
+    assert logs.stderr.strip().splitlines()[-1].endswith(
+        f"{run}: no logs yet: job 41 refused its input (not requeued): {note}; its batch "
+        f"log: {layout.batch_log(run, '41')}"), logs.stderr
+
+
 def test_submit_hands_the_job_this_code_identity(tmp_path):
     """Through the real submit path, sbatch a stub: the pickled call submitit hands the
     job ends with this enn_cluster's identity."""

@@ -108,8 +108,23 @@ def _latest_log_dir(run: RunDir) -> Path:
     """The newest attempt (storage.attempts: by launch, then restart count)."""
     dirs = attempt_dirs(run)
     if not dirs:
-        raise UserError(f"{run.path}: no logs yet")
+        raise UserError(f"{run.path}: no logs yet{_why_no_logs(run)}")
     return dirs[-1]
+
+
+def _why_no_logs(run: RunDir) -> str:
+    """Where to look instead when no rank wrote a log: the newest Slurm job's refusal (a
+    rank refused before its log began: version skew) and that job's batch log."""
+    from enn_cluster.client.status import newest_slurm_job
+    from enn_cluster.storage import layout, node_loss
+
+    job = newest_slurm_job(run.jobs())
+    if job is None:
+        return ""
+    note = node_loss.read_refusal(run.path, job)
+    batch = layout.batch_log(run.path, job)
+    return ((f": job {job} refused its input (not requeued): {note}" if note else "")
+            + (f"; its batch log: {batch}" if batch.is_file() else ""))
 
 
 def cmd_logs(args) -> int:

@@ -38,8 +38,8 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
             resumes += 1
         elif kind == "start":
             start = rec
-        elif kind == "node_lost":
-            lost.append(rec)
+        elif kind == "node_lost":  # rank 0 of the relaunch: after the old step's last record
+            lost.append(with_last_step(rec, last_train))
     if not found and unreadable:
         raise UserError(f"{run.metrics}: no readable record in it (a run writes JSON lines "
                         "there); it is damaged: move it aside to see the rest of the status")
@@ -77,7 +77,21 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
         status["probing_since"] = node_loss.probing_since(run.path, job)
         status["ended"] = node_loss.read_ended(run.path, job)
         status["refused"] = node_loss.read_refusal(run.path, job)
+        status["relaunch"] = with_last_step(node_loss.relaunch_pending(
+            node_loss.read_relaunch(run.path, job), lost, job), last_train)
     return status
+
+
+def with_last_step(rec: Optional[dict], train: Optional[dict]) -> Optional[dict]:
+    """A lost node's record with the newest training step logged before its ranks ended
+    (`last_step`, `last_step_time`): every rank took part in that step's collectives, so
+    the node was lost after it. `train`: the newest "train" record before `rec` in
+    metrics.jsonl. Unchanged where the times do not say so."""
+    when, ended = (train or {}).get("time"), (rec or {}).get("ended")
+    if rec is None or not all(isinstance(v, (int, float)) for v in (when, ended)) \
+            or when > ended:
+        return rec
+    return {**rec, "last_step": train.get("step"), "last_step_time": when}
 
 
 def newest_slurm_job(jobs: list[dict]) -> Optional[str]:
@@ -246,11 +260,14 @@ def pending_fix_lines(st: dict) -> list[str]:
 
 
 def node_loss_lines(st: dict) -> list[str]:
-    """Nodes lost inside the allocation and where the run went on; a probe under way."""
-    lines = [f"{'node lost:' if i == 0 else '':<17}{','.join(r.get('lost') or ['?'])} at "
-             f"{_clock(r.get('detected'))} (job {r.get('job_id')}): went on with "
+    """Nodes lost inside the allocation and where the run went on; a probe or a relaunch
+    under way."""
+    lines = [f"{'node lost:' if i == 0 else '':<17}{','.join(r.get('lost') or ['?'])} "
+             f"{loss_time(r)} (job {r.get('job_id')}): went on with "
              f"{len(r.get('nodes') or [])} node(s), world {r.get('world_size')}, "
              f"from step {r.get('step')}" for i, r in enumerate(st.get("node_losses") or [])]
+    if st.get("relaunch") and live(st):
+        lines.append(relaunch_line(st["relaunch"], st.get("last_checkpoint")))
     if st.get("probing_since") and live(st):
         lines.append(f"probing:         since {_clock(st['probing_since'])} the job's ranks "
                      "on its first node have ended: asking which nodes still answer")
@@ -272,8 +289,31 @@ def node_loss_lines(st: dict) -> list[str]:
     return lines
 
 
-def _clock(epoch) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)) \
+def loss_time(r: dict) -> str:
+    """When a node was lost, as the records bound it: after the last step logged with it,
+    before the ranks on the job's first node ended; and when the probe confirmed it."""
+    ended, hms = "the ranks on the first node had ended", "%H:%M:%S"
+    if r.get("last_step") is None:
+        lost = f"by {_clock(r.get('ended'))} ({ended})"
+    else:
+        lost = (f"between {_clock(r.get('last_step_time'))} (after step {r['last_step']}, its "
+                f"last logged) and {_clock(r.get('ended'), hms)} ({ended})")
+    return f"{lost}, detected {_clock(r.get('detected'), hms)}"
+
+
+def relaunch_line(rec: dict, checkpoint: Optional[int]) -> str:
+    """A relaunch whose new ranks have not resumed yet (node_loss.relaunch_pending): where,
+    at what world size, from which step (the newest complete checkpoint, which they load)."""
+    world = f"world {rec['world']}, " if rec.get("world") else ""
+    start = f"from step {checkpoint}" if checkpoint is not None else "from the first step"
+    return (f"relaunching:     on {','.join(rec['nodes'])} ({world}{start}): job "
+            f"{rec['job_id']} lost {','.join(rec['lost'])} {loss_time(rec)}; relaunch "
+            f"{rec['relaunch']} launched "
+            f"at {_clock(rec['launched'], '%H:%M:%S')}, its ranks are starting")
+
+
+def _clock(epoch, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    return time.strftime(fmt, time.localtime(epoch)) \
         if isinstance(epoch, (int, float)) else "?"
 
 
@@ -328,6 +368,8 @@ def progress_line(st: dict) -> str:
     parts.append(f"ckpt {'step-%d' % last if last is not None else 'none'}")
     if st.get("slurm"):
         parts.append(slurm_part(st["slurm"]))
+    if st.get("relaunch") and live(st):
+        parts.append(f"relaunching on {','.join(st['relaunch']['nodes'])}")
     if st.get("starting"):
         parts.append(f"starting (launcher pid {st['lock'].get('pid')}, no step of this launch yet)")
     else:

@@ -6,8 +6,10 @@ and the workers leave it in RUN_DIR/requeue/ for the workers, `status` and `doct
 - ``relaunch-JOB``: ``key=value`` lines from the probe that found nodes missing: ``lost``
   and ``nodes`` (comma-separated host names); epoch seconds: ``ended`` (the step's tasks on
   the shell's node were first seen gone), ``detected`` (the probe answered), ``launched``;
-  ``relaunch`` (its count in this attempt). Rank 0 of the relaunched step records it once
-  in metrics.jsonl and jobs.jsonl, with the step it resumed from and the new world size.
+  ``relaunch`` (its count in this attempt), ``world`` (the new step's task count; absent in
+  records of before it). Rank 0 of the relaunched step records it once in metrics.jsonl and
+  jobs.jsonl, with the step it resumed from and the new world size; until then `status`
+  says a relaunch is under way (`relaunch_pending`).
 
 - ``ended-JOB``: the batch shell left for good (not requeued): ``rc`` and ``time``, and
   where a lost node left fewer than the job's minimum: ``lost``, ``nodes`` (those that
@@ -15,7 +17,7 @@ and the workers leave it in RUN_DIR/requeue/ for the workers, `status` and `doct
   COMPLETING for minutes (it waits for the lost node's cleanup), and this record is what
   frees the run for `resume` then (`ended_by_itself`) and what `status` explains.
 
-- ``refused-JOB``: a rank refused its input (exit 2), one line saying why (worker/entry.py
+- ``refused-JOB``: a rank refused its input (exit 2), one line saying why (worker/refusal.py
   writes it); the job is not requeued, and `status` and `doctor` show the line.
 
 All are read as untrusted: regular files of bounded size, every value checked; anything
@@ -67,8 +69,10 @@ def parse_relaunch(text: str) -> Optional[dict]:
     if lost is None or nodes is None or not all(_NUMBER.match(t) for t in times) \
             or not count.isdigit() or len(count) > 6:
         return None
+    world = fields.get("world", "")
     return {"lost": lost, "nodes": nodes, "ended": float(times[0]), "detected": float(times[1]),
-            "launched": float(times[2]), "relaunch": int(count)}
+            "launched": float(times[2]), "relaunch": int(count),
+            "world": int(world) if world.isdigit() and len(world) <= 9 else None}
 
 
 def read_relaunch(run_path: Path, job_id: str) -> Optional[dict]:
@@ -99,6 +103,16 @@ def relaunch_under_way(run_path: Path, job_id: str, newest_attempt: Optional[str
         return None  # no relaunch, or its workers have started (worker/entry.py names the folder)
     return (f"job {job_id}: node {','.join(rec['lost'])} lost; relaunch {rec['relaunch']} "
             f"on {','.join(rec['nodes'])} is starting")
+
+
+def relaunch_pending(rec: Optional[dict], recorded: list[dict], job_id: str) -> Optional[dict]:
+    """The shell's relaunch record `rec` of job `job_id` while its new ranks have not yet
+    resumed: no "node_lost" record among `recorded` (metrics.jsonl's) names this job and
+    relaunch. None once one does, or where there is no record."""
+    if rec is None or any(str(r.get("job_id")) == str(job_id) and r.get("relaunch") ==
+                          rec["relaunch"] for r in recorded):
+        return None
+    return {**rec, "job_id": str(job_id)}
 
 
 def record_relaunch(run, metrics, job_id: str, relaunch: int, world_size: int,

@@ -31,6 +31,8 @@ from enn_cluster.worker.environment import clean_environment, detect_launcher, d
 from enn_cluster.worker.exec_env import fallback_allowed, process_defaults, reexec_if_needed
 from enn_cluster.worker.code_identity import code_identity, skew_problem
 from enn_cluster.worker.placement import place_task
+from enn_cluster.worker.refusal import (leave_if_peer_refused, record_refusal,
+                                         to_rank_log_only)
 from enn_cluster.worker.stop_signals import STOP_SIGNALS
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
@@ -38,12 +40,19 @@ log = logging.getLogger("enn_cluster.worker")
 _early_signals: list[int] = []  # stop signals that came before the trainer's handlers
 
 
-def install_early_stop_handlers() -> None:
+def install_early_stop_handlers(run_dir: str = "", slurm_job: Optional[str] = None) -> None:
     """First thing in a task: a stop signal that arrives while torch imports or the
     groups form is remembered, and the trainer honours it at its first step boundary
-    (Python's defaults would end the task with no checkpoint, or a traceback)."""
+    (Python's defaults would end the task with no checkpoint, or a traceback). Under Slurm,
+    a stop signal after another rank refused the job is srun tearing the step down
+    (--kill-on-bad-exit): nothing to save, so the task leaves at once in one line."""
+    def remember(signum, frame):
+        if slurm_job and leave_if_peer_refused(run_dir, slurm_job):
+            os._exit(EXIT_FAILED)
+        _early_signals.append(signum)
+
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, frame: _early_signals.append(signum))
+        signal.signal(sig, remember)
 
 
 _process_defaults: dict = {}  # what process_defaults set in this task (logged once logging is up)
@@ -204,6 +213,10 @@ def _run(run: RunDir, cfg, env, task: str, name: Optional[str], step: Optional[i
 
             run_prediction(run, cfg, env, lanes, name=name, step=step)
             return EXIT_OK
+    except UserError as exc:  # before the lanes close: a peer that fails on their closing
+        if env.launcher == "slurm" and str(env.job_id).isdigit():  # reads why (run_entry)
+            record_refusal(str(run.path), str(env.job_id), str(exc))
+        raise
     finally:
         close_lanes()
 
@@ -303,38 +316,29 @@ def run_entry(run_dir: str, task: str = "train", name: Optional[str] = None,
               step: Optional[int] = None, submitted: Optional[str] = None) -> int:
     """Every launcher's way in (the module's main, Slurm's submitit entry): the same
     signal handling and the same exit codes, 2 for bad input (never retried)."""
-    install_early_stop_handlers()
+    slurm_job = os.environ.get("SLURM_JOB_ID") if detect_launcher(os.environ) == "slurm" else None
+    slurm_job = slurm_job if slurm_job and slurm_job.isdigit() else None
+    install_early_stop_handlers(run_dir, slurm_job)
     no_keyboard()
     die_with_launcher(os.environ)
     from enn_cluster.worker.lanes import PortTaken
 
-    slurm_job = os.environ.get("SLURM_JOB_ID") if detect_launcher(os.environ) == "slurm" else None
     try:
         return slurm_exit_code(run_task(run_dir, task, name, step, submitted),
                                slurm_job is not None)
     except UserError as exc:
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
-        if slurm_job and slurm_job.isdigit():
+        if slurm_job:
             record_refusal(run_dir, slurm_job, str(exc))
         return EXIT_USER
     except PortTaken as exc:  # retried (the host side probes again), unlike bad input
         print(f"enn_cluster worker: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
-
-
-def record_refusal(run_dir: str, job_id: str, message: str) -> None:
-    """RUN/requeue/refused-JOBID: the host-side trap never requeues a job whose input a
-    rank refused. srun's own exit code cannot say so: when one rank exits 2 first,
-    --kill-on-bad-exit terminates its peers and srun returns 143, which reads as a failure
-    to retry. A run directory that cannot hold the file leaves srun's code to decide."""
-    from enn_cluster.storage.rundir import atomic_write_text
-
-    try:
-        path = layout.marker(run_dir, "refused", job_id)
-        if path.parent.is_dir():
-            atomic_write_text(path, " ".join(message.split())[:400] + "\n")
-    except OSError as exc:
-        print(f"enn_cluster worker: could not record the refusal: {exc}", file=sys.stderr)
+    except Exception:
+        if leave_if_peer_refused(run_dir, slurm_job):  # the refusal, not this, is why
+            to_rank_log_only("this rank's own failure, after another rank refused:")
+            return EXIT_FAILED
+        raise
 
 
 def slurm_exit_code(code: int, under_slurm: bool) -> int:

@@ -208,7 +208,9 @@ srun() {
       wait "$pid" && rc=0 || rc=$?
       kill -0 "$pid" 2>/dev/null || break
     done
-    [ -z "$watcher" ] || { kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null || true; }
+    # the watcher may be gone already (it returns once it killed srun): under `set -e` a
+    # failed kill here would end the batch shell instead of relaunching
+    [ -z "$watcher" ] || { kill "$watcher" 2>/dev/null || true; wait "$watcher" 2>/dev/null || true; }
     rm -f -- "$ENN_RUN_DIR/@REQUEUE@/@MARK_PROBING@$SLURM_JOB_ID"
     [ -s "$decision" ] || break
     lost=$(sed -n 's/^lost=//p' "$decision") alive=$(sed -n 's/^nodes=//p' "$decision")
@@ -222,8 +224,8 @@ srun() {
     fi
     relaunch=$((relaunch + 1))
     export ENN_RELAUNCH="$relaunch"
-    { cat -- "$decision"; echo "relaunch=$relaunch"; echo "launched=$(date +%s.%N)"; } \
-      > "$ENN_RUN_DIR/@REQUEUE@/@MARK_RELAUNCH@$SLURM_JOB_ID"
+    { cat -- "$decision"; echo "relaunch=$relaunch"; echo "world=$((${#enn_nodes[@]} * 10#$tpn))"
+      echo "launched=$(date +%s.%N)"; } > "$ENN_RUN_DIR/@REQUEUE@/@MARK_RELAUNCH@$SLURM_JOB_ID"
     echo "enn: lost node(s) $lost: relaunching on ${#enn_nodes[@]} nodes ($alive), relaunch $relaunch" >&2
     step_args=(--overlap --mem=0 "--nodes=${#enn_nodes[@]}" "--ntasks-per-node=$((10#$tpn))"
       "--ntasks=$((${#enn_nodes[@]} * 10#$tpn))" "--nodelist=$alive")
