@@ -266,6 +266,17 @@ def test_an_image_holding_other_code_is_refused_through_pyxis(pyxis_cluster, tes
     assert line in logs, logs[-3000:]
     assert "requeueing" not in logs.replace("not requeueing", ""), logs[-3000:]
     assert not (run / "metrics.jsonl").exists(), state
+    # issue 40: no rank's traceback buries the line, and where an operator looks next names it
+    assert "Traceback" not in logs, logs[-3000:]
+    status = cli("status", run, timeout=60)
+    assert f"refused:         job {job} refused its input and was not requeued: {line}" \
+        in status.stdout, status.stdout
+    doctor = cli("doctor", run, timeout=120)
+    assert doctor.returncode == 1 and f"job {job} refused its input (not requeued): {line}" \
+        in doctor.stdout, doctor.stdout
+    shown = cli("logs", run, "--rank", "0", timeout=60)
+    assert shown.returncode == 2 and f"no logs yet: job {job} refused its input (not " \
+        f"requeued): {line}" in shown.stderr, shown.stderr
 
 
 def test_workers_start_where_the_site_s_tmpdir_and_home_do_not_exist(tmp_path):
