@@ -140,9 +140,7 @@ def _slurm_request(cluster: Optional[dict], read_site=None) -> Optional[SlurmReq
         return None
     keys = ("partition", "account", "qos", "time", "container", "python", "site",
             "job_name", "signal_grace", "cpus_per_task", "mem_gb")
-    nodes = cluster.get("nodes")
     return SlurmRequest(**{k: cluster.get(k) for k in keys},
-                        nodes=None if nodes is None else str(nodes),
                         mounts=tuple(cluster.get("mounts", ())),
                         exclusive=bool(cluster.get("exclusive", False)),
                         site_config=(read_site or _site_reader(cluster))())

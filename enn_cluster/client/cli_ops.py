@@ -50,7 +50,6 @@ def slurm_request(args) -> SlurmRequest:
         signal_grace=args.signal_grace, cpus_per_task=getattr(args, "cpus_per_task", None),
         mem_gb=getattr(args, "mem_gb", None),
         mounts=tuple(args.mounts or ()), exclusive=bool(args.exclusive),
-        nodes=None if args.nodes is None else str(args.nodes),
         wait=bool(getattr(args, "wait", False)))
 
 

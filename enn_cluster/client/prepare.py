@@ -11,11 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.client.launch_plan import (  # noqa: F401  (LaunchShape, shape_from_flags: API)
-    LaunchPlan,
+from enn_cluster.client.launch_plan import LaunchPlan, batch_plans, plan_shape
+from enn_cluster.config.launch_shape import (  # noqa: F401  (shape_from_flags: API)
     LaunchShape,
-    batch_plans,
-    plan_shape,
     shape_from_flags,
 )
 from enn_cluster.config.run_config import RunConfig
