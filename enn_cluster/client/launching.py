@@ -146,9 +146,9 @@ def cancel_run(run: RunDir) -> int:
 
     RunDir.existing(run.path)
     owner = read_lock(run)
-    jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
-    if jobs and job_alive(str(jobs[-1]["job_id"])):
-        return _cancel_slurm(run, str(jobs[-1]["job_id"]))
+    jobs = [j for j in run.jobs() if j.is_slurm]
+    if jobs and job_alive(jobs[-1].job_id):
+        return _cancel_slurm(run, jobs[-1].job_id)
     if owner and not owner.get("slurm_job_id"):
         return _stop_launcher(run, owner)
     print(f"{run.path}: nothing is running")

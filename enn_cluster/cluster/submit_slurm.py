@@ -25,6 +25,7 @@ from enn_cluster.config.launch_shape import LaunchShape
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store, layout
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.rundir import RunDir, run_umask
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock, replace_lock
 from enn_cluster.worker.slurm_entry import code_identity, worker_entry
@@ -337,9 +338,10 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         print(warning, file=sys.stderr)
     replace_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
                        "submitted_by": "enn-submit", "submission": token})
-    run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,
-                   nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
-                   image=spec.container_image, signal_grace_s=spec.signal_grace_s)
+    run.record_job(JobRecord(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task,
+                             name=spec.predict_name, nodes=spec.nodes,
+                             tasks_per_node=spec.tasks_per_node, image=spec.container_image,
+                             signal_grace_s=spec.signal_grace_s))
     return job_id
 
 
