@@ -17,11 +17,12 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from enn_cluster.client.launch_plan import LaunchPlan, Machine, ShapeRequest, plan_launch
+from enn_cluster.client.launch_plan import LaunchPlan, Machine, plan_launch
 from enn_cluster.client.launching import create_train_run, resolved_config, start
 from enn_cluster.client.api_words import EXPORT_WORDS, PREDICT_WORDS, TRAIN_WORDS, speaks_api
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
+from enn_cluster.config.launch_shape import ShapeRequest
 from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml

@@ -19,11 +19,7 @@ from typing import Mapping, Optional
 from enn_cluster.cluster.job_spec import JobSpec
 from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec
 from enn_cluster.config.checks import node_range
-from enn_cluster.config.launch_shape import (  # noqa: F401 (the names callers import here)
-    LaunchShape,
-    ShapeRequest,
-    shape_from_flags,
-)
+from enn_cluster.config.launch_shape import LaunchShape, ShapeRequest, shape_from_flags
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
 from enn_cluster.config.schedule import (
     BatchPlan,
