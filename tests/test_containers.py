@@ -149,7 +149,7 @@ def _assert_worker_recorded(run, job: str, task: str) -> None:
     assert (record.kind, record.task, record.world_size, record.nodes) == \
         ("slurm", task, 4, 2), record
     rank0 = (run.logs / f"slurm-{job}-r0" / "rank-0.log").read_text()
-    assert "worker rank 0/4 " in rank0 and f" pid {record['pid']} " in rank0, rank0[:500]
+    assert "worker rank 0/4 " in rank0 and f" pid {record.pid} " in rank0, rank0[:500]
     assert not run.lock_path.exists()
 
 
