@@ -241,3 +241,27 @@ def test_the_api_refuses_as_the_cli_does_and_leaves_no_run(tmp_path, monkeypatch
     after = sorted(p.name for p in (run.path / "predictions").glob("*")) \
         if (run.path / "predictions").exists() else []
     assert after == before
+
+
+def test_the_detached_launcher_is_handed_the_plan_itself(tmp_path):
+    """Issue 41 section 2: `wait=False`'s child gets the caller's LaunchPlan (pickled on its
+    stdin), not a description it rebuilds: here a plan for a directory with no config.yaml,
+    which the child could not have read back, reaches the local launcher and is refused by
+    the run lock a live process (this test) holds: one line in its log, exit 2."""
+    import socket
+
+    from enn_cluster.client.launch_plan import plan_shape
+    from enn_cluster.client.launching import launch_detached
+    from enn_cluster.config.launch_shape import LaunchShape
+    from enn_cluster.storage.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": 0})
+    run.lock_path.write_text(lock)
+    plan = plan_shape(config_from_dict(small_config(tmp_path, "run")), LaunchShape(1, 1))
+    child = launch_detached(run, plan)
+    assert child.wait(timeout=120) == 2
+    said = (run.logs / "api-launcher.log").read_text()
+    assert f"enn-submit: error: run directory {run.path} is in use by pid {os.getpid()}" in said
+    assert "Traceback" not in said and run.lock_path.read_text() == lock

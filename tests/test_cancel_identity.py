@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from enn_cluster.errors import UserError
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.process_identity import boot_id, identity, launcher_problem, own_identity
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, read_lock
@@ -77,7 +78,7 @@ def test_cancel_scancels_only_a_job_our_submission_marked(tmp_path, record, comm
     (tmp_path / "other").mkdir()
     comment = submission_comment(tmp_path / comment_of) if comment_of else "(null)"
     called = _stub_slurm(tmp_path / "bin", f"77|PENDING|Priority|0||1|N/A|{comment}|")
-    run.record_job(kind="slurm", **record)
+    run.record_job(JobRecord(kind="slurm", **record))
     run.lock_path.write_text(json.dumps({"slurm_job_id": "77", "host": "slurm", "pid": 0}))
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     done = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "cancel",

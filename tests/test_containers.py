@@ -145,11 +145,11 @@ def _sbatch_template(cluster, template: str, env: dict, *flags: str) -> str:
 def _assert_worker_recorded(run, job: str, task: str) -> None:
     """Rank 0 of `job` (its pid, as its own log names it) took the run lock, recorded the
     job once in jobs.jsonl, and released the lock when it ended."""
-    (record,) = [j for j in run.jobs() if str(j.get("job_id")) == job]
-    assert (record["kind"], record["task"], record["world_size"], record["nodes"]) == \
+    (record,) = [j for j in run.jobs() if j.job_id == job]
+    assert (record.kind, record.task, record.world_size, record.nodes) == \
         ("slurm", task, 4, 2), record
     rank0 = (run.logs / f"slurm-{job}-r0" / "rank-0.log").read_text()
-    assert "worker rank 0/4 " in rank0 and f" pid {record['pid']} " in rank0, rank0[:500]
+    assert "worker rank 0/4 " in rank0 and f" pid {record.pid} " in rank0, rank0[:500]
     assert not run.lock_path.exists()
 
 

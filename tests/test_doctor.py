@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
+from enn_cluster.storage.job_record import JobRecord
 from helpers import ROOT, as_gpu_ranks_on_sockets, cli, small_config, write_config
 
 LAYERS = ["files", "data", "model", "kernels", "precision", "logs", "distributed", "checkpoints",
@@ -266,7 +267,7 @@ def test_a_save_longer_than_the_signal_grace_is_a_warning_and_raises_the_next_gr
     step = store.latest_committed(rd.checkpoints)
     path = store.step_dir(rd.checkpoints, step) / store.COMMIT
     path.write_text(json.dumps({**json.loads(path.read_text()), "save_seconds": 200.0}))
-    rd.record_job(kind="slurm", job_id="7", signal_grace_s=90)
+    rd.record_job(JobRecord(kind="slurm", job_id="7", signal_grace_s=90))
     found = check_checkpoints(rd, "RUN")
     assert found.level == "warning" and f"step-{step} took 200 s" in found.detail
     assert "--signal-grace 330 " in found.detail

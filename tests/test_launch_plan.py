@@ -34,7 +34,8 @@ def test_nodes_flag_fixes_a_mesh_the_config_alone_cannot_hold(tmp_path):
 
 
 def _no_gpu_plan(*, nodes=4, gpus=8, procs=None, cpus=2, sbatch=False):
-    from enn_cluster.client.launch_plan import Machine, ShapeRequest, plan_launch
+    from enn_cluster.client.launch_plan import Machine, plan_launch
+    from enn_cluster.config.launch_shape import ShapeRequest
     from enn_cluster.config.loading import config_from_dict
 
     return plan_launch(config_from_dict({}), ShapeRequest(nodes, gpus, procs),
@@ -108,3 +109,23 @@ def test_a_cpu_run_asked_for_gpus_warns_and_records_them(tmp_path):
                            for r in reports), reports
     doctor = cli("doctor", run, timeout=120)
     assert "2 GPUs per node were requested but" in doctor.stdout, doctor.stdout
+
+
+def test_the_slurm_job_takes_its_nodes_from_the_launch_shape(tmp_path):
+    """Issue 41 section 2: the shape (config/launch_shape.py) is the one node range; the
+    job built for a plan asks Slurm for that range and reads the same shape back."""
+    from enn_cluster.client.launch_plan import plan_launch
+    from enn_cluster.cluster.job_spec import JobSpec
+    from enn_cluster.cluster.site import SiteConfig
+    from enn_cluster.cluster.submit_slurm import SlurmRequest
+    from enn_cluster.config.launch_shape import LaunchShape, ShapeRequest
+    from enn_cluster.config.loading import config_from_dict
+
+    cfg = config_from_dict(small_config(tmp_path, "ranged"))
+    slurm = SlurmRequest(container="none", site_config=SiteConfig())
+    for asked, nodes in (("2-3", "2-3"), (2, 2), ("3-3", 3), (None, cfg.parallel.nodes)):
+        plan = plan_launch(cfg, ShapeRequest(asked, 4), slurm=slurm,
+                           run_dir=tmp_path / "runs" / "ranged")
+        assert isinstance(plan.spec, JobSpec) and plan.spec.nodes == nodes
+        assert plan.spec.shape == plan.shape and plan.spec.tasks_per_node == 4
+    assert LaunchShape(2, 4, 4, 3).node_counts == (2, 3) and LaunchShape(2, 1).max_nodes == 2

@@ -36,12 +36,13 @@ def test_the_newest_attempt_follows_jobs_jsonl_then_the_restart_count(tmp_path):
     """A Slurm job requeued after a local launch: its second attempt is the newest even
     with the oldest folder time; a folder no launch names falls back to its own time."""
     from enn_cluster.client.cli_ops import _latest_log_dir
+    from enn_cluster.storage.job_record import JobRecord
     from enn_cluster.storage.rundir import RunDir
 
     run = RunDir(tmp_path)
-    run.record_job(kind="local", task="train", time=100.0)
-    run.record_job(kind="slurm", job_id="77", task="train", time=200.0)
-    run.record_job(kind="slurm", job_id="77", task="train", time=300.0)  # its requeue
+    run.record_job(JobRecord(kind="local", task="train", time=100.0))
+    run.record_job(JobRecord(kind="slurm", job_id="77", task="train", time=200.0))
+    run.record_job(JobRecord(kind="slurm", job_id="77", task="train", time=300.0))  # requeue
     for name, mtime in (("local-1-r0", 150.0), ("slurm-77-r0", 250.0), ("slurm-77-r1", 50.0)):
         (run.logs / name).mkdir(parents=True)
         os.utime(run.logs / name, (mtime, mtime))

@@ -117,8 +117,8 @@ def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_p
     resume = metrics(run, "resume")[-1]
     assert (resume["step"], resume["from_world"], resume["world_size"]) == (lost["step"], 6, 4)
     assert resume["global_batch"] == 48
-    (relaunch,) = [j for j in RunDir(run).jobs() if j["kind"] == "relaunch"]
-    assert (relaunch["job_id"], relaunch["lost"], relaunch["step"]) == (job, ["n3"], lost["step"])
+    (relaunch,) = [j for j in RunDir(run).jobs() if j.kind == "relaunch"]
+    assert (relaunch.job_id, relaunch.lost, relaunch.step) == (job, ("n3",), lost["step"])
     status = cli("status", run, timeout=60)
     assert status.returncode == 0, status.stderr
     # when n3 was lost, as the records bound it: after the last step logged with it

@@ -15,6 +15,7 @@ from datetime import timedelta
 from enn_cluster.client.status import node_loss_lines, progress_line, with_last_step
 from enn_cluster.cluster.job_spec import JobSpec, render_batch_script
 from enn_cluster.storage import node_loss
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.attempts import attempt_order
 from enn_cluster.storage.metrics import MetricsLog
 from enn_cluster.storage.rundir import RunDir
@@ -69,7 +70,9 @@ def test_rank_0_of_the_relaunch_records_the_loss_once_in_both_files(tmp_path):
     assert (rec["world_size"], rec["step"], rec["job_id"], rec["detected"]) == \
         (4, 20, "7", 1795634012.25)
     (job,) = run.jobs()
-    assert job["kind"] == "relaunch" and {k: job[k] for k in fields} == fields
+    assert job.kind == "relaunch" and job.hosts == ("n1", "n2") and job.lost == ("n3",)
+    assert (job.job_id, job.relaunch, job.world_size, job.step, job.detected) == \
+        ("7", 1, 4, 20, fields["detected"])
 
 
 def test_status_names_the_lost_node_and_a_probe_under_way():
@@ -167,7 +170,7 @@ def test_doctor_says_a_relaunch_is_under_way_not_that_the_ranks_failed(tmp_path)
 
     run = RunDir(tmp_path / "run")
     (run.path / "logs").mkdir(parents=True)
-    run.record_job(kind="slurm", job_id="7")
+    run.record_job(JobRecord(kind="slurm", job_id="7"))
     first = run.path / "logs" / "slurm-7-r0"
     first.mkdir()
     for rank in (0, 1):

@@ -68,11 +68,13 @@ def test_status_knows_slurm_jobs_that_only_left_worker_logs():
     (and so recorded itself in jobs.jsonl) is known only by its log folders."""
     from enn_cluster.client.status import with_unrecorded_slurm_jobs
 
-    recorded = [{"kind": "slurm", "job_id": "5", "time": 10.0}]
+    from enn_cluster.storage.job_record import JobRecord
+
+    recorded = [JobRecord(kind="slurm", job_id="5", time=10.0)]
     dirs = [("slurm-5-r0", 11.0), ("slurm-9-r0", 20.0), ("slurm-9-r1", 30.0), ("local-r0", 40.0),
             ("slurm-7-r0", 5.0)]
     jobs = with_unrecorded_slurm_jobs(recorded, dirs)
-    assert [(j["job_id"], j["time"]) for j in jobs] == [("7", 5.0), ("5", 10.0), ("9", 30.0)]
+    assert [(j.job_id, j.time) for j in jobs] == [("7", 5.0), ("5", 10.0), ("9", 30.0)]
     assert with_unrecorded_slurm_jobs(recorded, [("slurm-5-r1", 50.0)]) == recorded
 
 

@@ -83,7 +83,8 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     from enn_cluster.cluster import job_spec
     from enn_cluster.client.cli import build_parser
     from enn_cluster.client.cli_ops import slurm_request
-    from enn_cluster.client.launch_plan import LaunchShape, plan_shape
+    from enn_cluster.client.launch_plan import plan_shape
+    from enn_cluster.config.launch_shape import LaunchShape
     from enn_cluster.config.loading import config_from_dict
     from enn_cluster.storage.rundir import run_dir_for
     from render_support import make_submitit_script

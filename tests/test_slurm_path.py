@@ -116,7 +116,7 @@ def test_api_trains_and_predicts_on_slurm_like_the_cli(slurm_cluster, tmp_path, 
     run = enn_cluster.train("api_models:tiny", x, y, run_dir=str(tmp_path / "runs" / "api"),
                             cluster=cluster, training={"epochs": 1, "per_device_train_batch_size": 16})
     assert run.latest_checkpoint == 4  # 256 rows / (16 x 4 ranks)
-    assert any(j.get("kind") == "slurm" for j in run.dir.jobs())
+    assert any(j.is_slurm for j in run.dir.jobs())
     np.save(tmp_path / "x.npy", x)
     job = _submit("predict", run.path, "--input", tmp_path / "x.npy", "--name", "cli",
                   "--chunk-rows", "50", *SLURM, "--nodes", "2", "--gpus-per-node", "2", "--wait")

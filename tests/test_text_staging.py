@@ -223,7 +223,8 @@ def prepare(tmp_path, cfg: dict, env=None):
 
 
 def test_prepare_stages_once_and_resume_never_tokenizes_again(tmp_path, model_dir):
-    from enn_cluster.client.launch_plan import LaunchShape, plan_shape
+    from enn_cluster.client.launch_plan import plan_shape
+    from enn_cluster.config.launch_shape import LaunchShape
     from enn_cluster.client.prepare import prepare_resume, resumed_config
     from enn_cluster.storage.rundir import RunDir
 

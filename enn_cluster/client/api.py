@@ -14,23 +14,15 @@ reads back their artifacts.
 from __future__ import annotations
 
 import importlib
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from enn_cluster.client.launch_plan import LaunchPlan, Machine, ShapeRequest, plan_launch
-from enn_cluster.client.launching import (
-    create_train_run,
-    launch_detached,
-    removed_if_never_run,
-    resolved_config,
-    submit_plan,
-    wait_for_job,
-)
+from enn_cluster.client.launch_plan import LaunchPlan, Machine, plan_launch
+from enn_cluster.client.launching import create_train_run, resolved_config, start
 from enn_cluster.client.api_words import EXPORT_WORDS, PREDICT_WORDS, TRAIN_WORDS, speaks_api
-from enn_cluster.client.prepare import run_local
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
+from enn_cluster.config.launch_shape import ShapeRequest
 from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
@@ -140,9 +132,7 @@ def _slurm_request(cluster: Optional[dict], read_site=None) -> Optional[SlurmReq
         return None
     keys = ("partition", "account", "qos", "time", "container", "python", "site",
             "job_name", "signal_grace", "cpus_per_task", "mem_gb")
-    nodes = cluster.get("nodes")
     return SlurmRequest(**{k: cluster.get(k) for k in keys},
-                        nodes=None if nodes is None else str(nodes),
                         mounts=tuple(cluster.get("mounts", ())),
                         exclusive=bool(cluster.get("exclusive", False)),
                         site_config=(read_site or _site_reader(cluster))())
@@ -201,22 +191,14 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
 
 def _start(run: RunDir, plan: LaunchPlan, wait: bool, name: Optional[str] = None,
            step: Optional[int] = None, *, fresh: bool = False) -> Run:
-    """The API's launch: the CLI's functions, with its own returns (a Run, an exception).
+    """The API's launch: the CLI's `start`, with its own returns (a Run, an exception).
     `fresh`: a run `train` just made (refused by sbatch: the run is removed, as the CLI's is)."""
-    if plan.slurm is not None:
-        with removed_if_never_run(run) if fresh else nullcontext():
-            job = submit_plan(run, plan, name, step)
-        if wait and wait_for_job(job, run=run) != 0:
-            raise RuntimeError(f"Slurm job {job} for {run.path} did not complete; "
-                               f"see 'enn-submit logs {run.path}'")
-        return Run.open(run.path)
-    if not wait:
-        launch_detached(run, plan)
-        return Run.open(run.path)
-    code = run_local(run, plan, name=name, step=step)
-    if code != 0:
-        raise RuntimeError(f"workers for {run.path} exited with code {code}; "
-                           f"see 'enn-submit logs {run.path}'")
+    started = start(run, plan, name, step, wait=wait, fresh=fresh)
+    if started.code:
+        what = f"Slurm job {started.job_id}" if started.job_id is not None else "workers"
+        raise RuntimeError(f"{what} for {run.path} " + (
+            "did not complete" if started.job_id is not None
+            else f"exited with code {started.code}") + f"; see 'enn-submit logs {run.path}'")
     return Run.open(run.path)
 
 

@@ -7,9 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-from enn_cluster.client.launch_plan import LaunchPlan, Machine, ShapeRequest, plan_launch
+from enn_cluster.client.launch_plan import LaunchPlan, Machine, plan_launch
 from enn_cluster.client.launching import cancel_run, load_flagged_config
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
+from enn_cluster.config.launch_shape import ShapeRequest
 from enn_cluster.errors import UserError
 from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.rundir import RunDir
@@ -50,7 +51,6 @@ def slurm_request(args) -> SlurmRequest:
         signal_grace=args.signal_grace, cpus_per_task=getattr(args, "cpus_per_task", None),
         mem_gb=getattr(args, "mem_gb", None),
         mounts=tuple(args.mounts or ()), exclusive=bool(args.exclusive),
-        nodes=None if args.nodes is None else str(args.nodes),
         wait=bool(getattr(args, "wait", False)))
 
 

@@ -29,9 +29,10 @@ def register(sub, commands) -> None:
 
 def cmd_plan(args) -> int:
     from enn_cluster.client.cli_ops import site_config
-    from enn_cluster.client.launch_plan import ShapeRequest, plan_launch
+    from enn_cluster.client.launch_plan import plan_launch
     from enn_cluster.client.launching import load_flagged_config
     from enn_cluster.client.model_shape import model_shape
+    from enn_cluster.config.launch_shape import ShapeRequest
     from enn_cluster.errors import UserError
 
     site = site_config(args)

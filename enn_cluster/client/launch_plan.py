@@ -14,10 +14,12 @@ import os
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
+from enn_cluster.cluster.job_spec import JobSpec
 from enn_cluster.cluster.submit_slurm import SlurmRequest, build_spec
-from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
+from enn_cluster.config.checks import node_range
+from enn_cluster.config.launch_shape import LaunchShape, ShapeRequest, shape_from_flags
 from enn_cluster.config.run_config import MeshPlan, RunConfig, plan_mesh
 from enn_cluster.config.schedule import (
     BatchPlan,
@@ -29,44 +31,6 @@ from enn_cluster.errors import UserError
 
 LOCAL_PROCS_PER_CPU = 4  # the most local processes per CPU we start without being told to
 LOCAL_CPU_FORM = "--gpus-per-node 0 --procs-per-node 2"  # the local run that works anywhere
-
-
-@dataclass(frozen=True)
-class LaunchShape:
-    """How many processes, where: nodes x procs per node (one per GPU on GPU nodes)."""
-
-    nodes: int
-    procs_per_node: int
-    gpus_per_node: int = 0  # asked for; a local run on a machine without GPUs runs on CPU
-    max_nodes: int = 0  # --nodes MIN-MAX on Slurm: any count up to this may be granted
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.procs_per_node
-
-    @property
-    def node_counts(self) -> tuple:
-        return tuple(range(self.nodes, max(self.max_nodes, self.nodes) + 1))
-
-
-@dataclass(frozen=True)
-class ShapeRequest:
-    """The shape as asked: None where the caller did not say (the config's, the site's)."""
-
-    nodes: Union[None, int, str] = None
-    gpus_per_node: Optional[int] = None
-    procs_per_node: Optional[int] = None
-    max_restarts: Optional[int] = None
-
-    @classmethod
-    def from_flags(cls, args) -> "ShapeRequest":
-        return cls(args.nodes, args.gpus_per_node, args.procs_per_node,
-                   getattr(args, "max_restarts", None))
-
-    @classmethod
-    def from_cluster(cls, cluster: Optional[dict]) -> "ShapeRequest":
-        c = cluster or {}
-        return cls(c.get("nodes"), c.get("gpus_per_node"), c.get("procs_per_node"))
 
 
 @dataclass(frozen=True)
@@ -100,7 +64,7 @@ class LaunchPlan:
     meshes: Mapping[int, MeshPlan] = field(default_factory=dict)
     batches: Mapping[int, BatchPlan] = field(default_factory=dict)
     slurm: Optional[SlurmRequest] = None
-    spec: Optional[object] = None
+    spec: Optional[JobSpec] = None
     warnings: tuple[str, ...] = ()
 
     def for_job(self, run_dir: Path, name: Optional[str] = None) -> "LaunchPlan":
@@ -116,21 +80,6 @@ class LaunchPlan:
         return replace(self, spec=build_spec(self.slurm, Path(run_dir), self.task, self.shape,
                                              self.restarts, name=name, cfg=self.cfg,
                                              read_dirs=kind_of(self.cfg).read_dirs(self.cfg)))
-
-
-def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],
-                     procs_per_node: Optional[int]) -> LaunchShape:
-    nodes, max_nodes = node_range(nodes) if nodes is not None else (cfg.parallel.nodes,) * 2
-    gpus = gpus_per_node or 0
-    if not 0 <= gpus <= MAX_PROCS_PER_NODE:
-        raise UserError(f"--gpus-per-node: {gpus} must be >= 0 and at most {MAX_PROCS_PER_NODE}")
-    procs = procs_per_node if procs_per_node is not None else (gpus or cfg.parallel.procs_per_node)
-    if not 1 <= procs <= MAX_PROCS_PER_NODE:
-        raise UserError(f"--procs-per-node: {procs} must be >= 1 and at most {MAX_PROCS_PER_NODE}")
-    if gpus and procs != gpus:
-        raise UserError(f"--procs-per-node: {procs} differs from --gpus-per-node {gpus}; "
-                        "GPU runs use one process per GPU")
-    return LaunchShape(nodes, procs, gpus, max_nodes)
 
 
 def with_shape(cfg: RunConfig, shape: LaunchShape) -> RunConfig:

@@ -6,15 +6,15 @@ No torch here: these must answer fast on a login node.
 """
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
-from contextlib import contextmanager
-from dataclasses import replace
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Callable, Optional
 
 from enn_cluster.client.launch_plan import LaunchPlan
 from enn_cluster.cluster.slurm_watch import wait_for_job
@@ -96,18 +96,50 @@ def check_control_files(run: RunDir) -> None:
     check_run_file(run.metrics)
 
 
-def launch(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
-           step: Optional[int] = None) -> int:
-    """The CLI's launch: start the workers through Slurm when the plan is for Slurm (its
-    job id on stdout), else here (local launcher), and say what came of it."""
+@dataclass(frozen=True)
+class Started:
+    """What `start` did: the Slurm job it submitted (None: a local launch), and the exit
+    code of what it waited for (None: it did not wait)."""
+
+    job_id: Optional[str]
+    code: Optional[int]
+
+
+def start(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
+          step: Optional[int] = None, *, wait: Optional[bool] = None, fresh: bool = False,
+          announce: Optional[Callable[[str], None]] = None) -> Started:
+    """The one Slurm-or-local branch of a launch, for the CLI and the API alike: the plan's
+    Slurm job to sbatch (`announce(job_id)` once submitted; `fresh`: a run this command just
+    made, removed if sbatch refuses it), else the local launcher here. `wait`: wait for the
+    job or the launcher (default: the Slurm request's --wait; a local launch waits); a local
+    launch not waited for runs detached (`launch_detached`)."""
     from enn_cluster.client.prepare import run_local
 
     if plan.slurm is not None:
-        job_id = submit_plan(run, plan, name, step)
+        with removed_if_never_run(run) if fresh else nullcontext():
+            job_id = submit_plan(run, plan, name, step)
+        if announce is not None:
+            announce(job_id)
+        wait = plan.slurm.wait if wait is None else wait
+        return Started(job_id, wait_for_job(job_id, run=run) if wait else None)
+    if wait is False:
+        launch_detached(run, plan, name, step)
+        return Started(None, None)
+    return Started(None, run_local(run, plan, name=name, step=step))
+
+
+def launch(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
+           step: Optional[int] = None) -> int:
+    """The CLI's launch (`start`): its Slurm job id on stdout, or what the local launch
+    came to on stderr; the exit code."""
+    def submitted(job_id: str) -> None:
         print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
-        print(job_id)
-        return wait_for_job(job_id, run=run) if plan.slurm.wait else 0
-    code = run_local(run, plan, name=name, step=step)
+        print(job_id, flush=True)
+
+    started = start(run, plan, name, step, announce=submitted)
+    if started.job_id is not None:
+        return started.code or 0
+    code = started.code
     if code == 0 and plan.task == "train":
         print(f"done: checkpoints in {run.checkpoints}, metrics in "
               f"{run.path / plan.cfg.logging.metrics_path}", file=sys.stderr)
@@ -125,17 +157,33 @@ def submit_plan(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
     return submit(run, spec, step=step, cfg=plan.cfg)
 
 
-def launch_detached(run: RunDir, plan: LaunchPlan) -> subprocess.Popen:
+def launch_detached(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
+                    step: Optional[int] = None) -> subprocess.Popen:
     """`launch` (local) in a process of its own session that outlives the caller: a
-    notebook's `wait=False`. Its output goes to logs/api-launcher.log."""
-    shape = plan.shape
-    spec = json.dumps({"run": str(run.path), "task": plan.task, "nodes": shape.nodes,
-                       "procs_per_node": shape.procs_per_node,
-                       "gpus_per_node": shape.gpus_per_node, "restarts": plan.restarts})
+    notebook's `wait=False`. The child is handed this very plan (pickled, on its stdin:
+    the config as this call froze it, the shape, the restarts), not a description to
+    rebuild one from. Its output goes to logs/api-launcher.log."""
     with open(run.logs / "api-launcher.log", "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "enn_cluster.client.launching", spec],
-                                stdout=log, stderr=log, start_new_session=True)
+        child = subprocess.Popen([sys.executable, "-m", "enn_cluster.client.launching"],
+                                 stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                 start_new_session=True)
+    with child.stdin as pipe:
+        pickle.dump((str(run.path), plan, name, step), pipe)
+    return child
 
+
+def detached_child(handed: BinaryIO) -> int:
+    """`launch_detached`'s child: the plan from `handed`, then `launch`, with no stdin
+    left for the workers (they must not read the notebook's)."""
+    path, plan, name, step = pickle.load(handed)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    try:
+        return launch(RunDir(Path(path)), plan, name, step)
+    except UserError as exc:
+        print(f"enn-submit: error: {exc}", file=sys.stderr)
+        return 2
 
 
 
@@ -146,9 +194,9 @@ def cancel_run(run: RunDir) -> int:
 
     RunDir.existing(run.path)
     owner = read_lock(run)
-    jobs = [j for j in run.jobs() if j.get("kind") == "slurm"]
-    if jobs and job_alive(str(jobs[-1]["job_id"])):
-        return _cancel_slurm(run, str(jobs[-1]["job_id"]))
+    jobs = [j for j in run.jobs() if j.is_slurm]
+    if jobs and job_alive(jobs[-1].job_id):
+        return _cancel_slurm(run, jobs[-1].job_id)
     if owner and not owner.get("slurm_job_id"):
         return _stop_launcher(run, owner)
     print(f"{run.path}: nothing is running")
@@ -198,15 +246,4 @@ def _stop_launcher(run: RunDir, owner: dict) -> int:
 
 
 if __name__ == "__main__":  # launch_detached's child
-    from enn_cluster.client.launch_plan import LaunchShape
-
-    _spec = json.loads(sys.argv[1])
-    _run = RunDir(Path(_spec["run"]))
-    try:
-        sys.exit(launch(_run, LaunchPlan(
-            _run.load_config(), _spec["task"],
-            LaunchShape(_spec["nodes"], _spec["procs_per_node"], _spec["gpus_per_node"]),
-            _spec["restarts"])))
-    except UserError as exc:
-        print(f"enn-submit: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(detached_child(sys.stdin.buffer))

@@ -11,16 +11,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.client.launch_plan import (  # noqa: F401  (LaunchShape, shape_from_flags: API)
-    LaunchPlan,
+from enn_cluster.client.launch_plan import LaunchPlan, batch_plans, plan_shape
+from enn_cluster.config.launch_shape import (  # noqa: F401  (shape_from_flags: API)
     LaunchShape,
-    batch_plans,
-    plan_shape,
     shape_from_flags,
 )
 from enn_cluster.cluster.slurm import lock_liveness
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.storage.data_sources import check_data_sources
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.text_sources import check_text_sources
 from enn_cluster.storage.rundir import RunDir, create_run_dir, run_umask, update_config
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock
@@ -99,8 +98,8 @@ def run_local(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
     owner = acquire_lock(run, lock_owner(), slurm_job_alive=lock_liveness())
     try:
         ensure_run(run, cfg)
-        run.record_job(kind="local", task=task, pid=os.getpid(), nodes=shape.nodes,
-                       procs_per_node=shape.procs_per_node, name=name)
+        run.record_job(JobRecord(kind="local", task=task, pid=os.getpid(), nodes=shape.nodes,
+                                 tasks_per_node=shape.procs_per_node, name=name))
         with run_umask():  # the workers inherit it: checkpoints, logs, metrics
             return launch_local(str(run.path), task, nodes=shape.nodes,
                                 procs_per_node=shape.procs_per_node,

@@ -13,6 +13,7 @@ from enn_cluster.storage import commits as store
 from enn_cluster.storage import node_loss
 from enn_cluster.storage import oom_record
 from enn_cluster.storage.attempts import attempt_dirs
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.metrics import scan_metrics
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.run_lock import read_lock
@@ -54,7 +55,7 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
         "step_time_s": last_train.get("step_time_s") if last_train else None,
         "samples_per_s": last_train.get("samples_per_s") if last_train else None,
         "checkpoints": store.committed_steps(run.checkpoints),
-        "jobs": jobs,
+        "jobs": [job.as_json() for job in jobs],
         "lock": live_lock(run, slurm.job_alive),
         "node_losses": lost,
     }
@@ -94,9 +95,9 @@ def with_last_step(rec: Optional[dict], train: Optional[dict]) -> Optional[dict]
     return {**rec, "last_step": train.get("step"), "last_step_time": when}
 
 
-def newest_slurm_job(jobs: list[dict]) -> Optional[str]:
+def newest_slurm_job(jobs: list[JobRecord]) -> Optional[str]:
     """The id of the run's newest Slurm job (the one status and doctor speak of), or None."""
-    ids = [str(j["job_id"]) for j in jobs if j.get("kind") == "slurm"]
+    ids = [j.job_id for j in jobs if j.is_slurm]
     return ids[-1] if ids else None
 
 
@@ -111,25 +112,26 @@ def _slurm_log_dirs(run: RunDir) -> list[tuple[str, float]]:
     return [(d.name, d.stat().st_mtime) for d in run.logs.iterdir() if d.is_dir()]
 
 
-def save_grace_line(run: RunDir, jobs: list[dict]) -> Optional[str]:
+def save_grace_line(run: RunDir, jobs: list[JobRecord]) -> Optional[str]:
     """The newest recorded save time against the stop signal's grace of the run's newest
     Slurm job (its recorded --signal-grace, else the site default); None when it fits."""
     found = store.last_save_seconds(run.checkpoints)
-    slurm = [j for j in jobs if j.get("kind") == "slurm"]
+    slurm = [j for j in jobs if j.is_slurm]
     if found is None or not slurm:
         return None
     from enn_cluster.cluster.site import DEFAULTS
 
-    return store.save_over_grace(*found, slurm[-1].get("signal_grace_s")
+    return store.save_over_grace(*found, slurm[-1].signal_grace_s
                                  or DEFAULTS["signal_grace_s"])
 
 
-def with_unrecorded_slurm_jobs(jobs: list[dict], log_dirs: list[tuple[str, float]]) -> list[dict]:
+def with_unrecorded_slurm_jobs(jobs: list[JobRecord],
+                               log_dirs: list[tuple[str, float]]) -> list[JobRecord]:
     """`jobs` plus the Slurm jobs only the workers' logs know, in time order. A job from
     slurm/*.sbatch or a site's own srun line is recorded by its rank 0 once it takes the
     run lock (worker_lock); one that ended before that (or whose lock was refused) left
     only its slurm-<job>-r<n> log folder."""
-    known = {str(j.get("job_id")) for j in jobs}
+    known = {str(j.job_id) for j in jobs}
     found: dict[str, float] = {}
     for name, mtime in log_dirs:
         match = _SLURM_ATTEMPT.match(name)
@@ -137,9 +139,9 @@ def with_unrecorded_slurm_jobs(jobs: list[dict], log_dirs: list[tuple[str, float
             found[match.group(1)] = max(mtime, found.get(match.group(1), 0.0))
     if not found:
         return jobs
-    extra = [{"kind": "slurm", "job_id": job, "time": t, "source": "logs"}
+    extra = [JobRecord(kind="slurm", job_id=job, time=t, source="logs")
              for job, t in found.items()]
-    return sorted(jobs + extra, key=lambda j: j.get("time", 0.0))
+    return sorted(jobs + extra, key=lambda j: j.time if isinstance(j.time, (int, float)) else 0.0)
 
 
 def live_lock(run: RunDir, job_alive=None):

@@ -38,6 +38,7 @@ from enn_cluster.cluster.slurm_values import (
 from enn_cluster.config import nccl
 from enn_cluster.config.checks import node_range
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
+from enn_cluster.config.launch_shape import LaunchShape
 from enn_cluster.storage import layout
 from enn_cluster.cluster.slurm import LIVE_STATES
 from enn_cluster.storage.run_lock import run_identity
@@ -97,6 +98,17 @@ class JobSpec:
             raise _fail("--env", f"{self.env!r} is not a mapping", "give NAME=VALUE pairs")
         fix("env", tuple(env.items()))
         _validate(self)
+
+    @classmethod
+    def for_shape(cls, shape: LaunchShape, **fields) -> "JobSpec":
+        """The job of a launch shape: its node range, GPUs and procs per node."""
+        return cls(nodes=shape.job_nodes, gpus_per_node=shape.gpus_per_node,
+                   procs_per_node=shape.procs_per_node, **fields)
+
+    @property
+    def shape(self) -> LaunchShape:
+        lo, hi = self.node_range
+        return LaunchShape(lo, self.procs_per_node, self.gpus_per_node, hi)
 
     @property
     def time_minutes(self) -> int:

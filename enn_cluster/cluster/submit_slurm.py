@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.cluster.job_spec import JobSpec
 from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: render's)
     batch_script,
     refused_errors,
@@ -20,8 +21,11 @@ from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: 
     unreadable_reply,
 )
 from enn_cluster.config.launch_env import SUBMISSION_VAR
+from enn_cluster.config.launch_shape import LaunchShape
+from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store, layout
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.rundir import RunDir, run_umask
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock, replace_lock
 from enn_cluster.worker.slurm_entry import code_identity, worker_entry
@@ -62,7 +66,8 @@ def default_image(site_cache: Optional[str]) -> Path:
 @dataclass(frozen=True)
 class SlurmRequest:
     """What the user asked of Slurm, from CLI flags or the API's `cluster=` dict; None means
-    "the site config's, else the default". `nodes` may be a range "MIN-MAX"."""
+    "the site config's, else the default". The node count is the launch shape's
+    (config/launch_shape.py), not the request's."""
 
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -77,7 +82,6 @@ class SlurmRequest:
     mem_gb: Optional[float] = None
     mounts: tuple = ()
     exclusive: bool = False
-    nodes: Optional[str] = None
     wait: bool = False
     site_config: Optional[object] = None  # the SiteConfig of `site`, when already read
 
@@ -87,20 +91,16 @@ class SlurmRequest:
 
         return self.site_config if self.site_config is not None else load_site(self.site)
 
-    @property
-    def nodes_range(self) -> Optional[str]:
-        return self.nodes if self.nodes and "-" in self.nodes else None
 
-
-def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts: int,
-               name: Optional[str] = None, *, cfg, read_dirs=()):
+def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape: LaunchShape,
+               max_restarts: int, name: Optional[str] = None, *, cfg: RunConfig,
+               read_dirs=()) -> JobSpec:
     """The job for the run at `run_dir` (which need not exist yet). Flags win over the site
     config, which wins over defaults (site.merge). `cfg`: the
     run's config as the command holds it (the default job name is its run_name's);
     `read_dirs`: what its model's kind reads besides the run (mounted read-only). A job
     asking for every GPU of a node gets it whole (slurm_values.whole_node_request). CPUs
     per task that neither sets are left to `sized_for_nodes`, when the job is handed over."""
-    from enn_cluster.cluster.job_spec import JobSpec
     from enn_cluster.cluster.site import DEFAULTS, merge
     from enn_cluster.cluster.slurm_values import whole_node_request
 
@@ -121,12 +121,9 @@ def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape, max_restarts:
                         "(bare metal mounts nothing); drop --mount or name an image")
     exclusive, mem_gb = whole_node_request(shape.gpus_per_node, opts["whole_node_gpus"],
                                            bool(req.exclusive), opts["mem_gb"])
-    return JobSpec(
-        job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
-        run_dir=str(run_dir),
-        task=task, predict_name=name, nodes=req.nodes_range or shape.nodes,
-        gpus_per_node=shape.gpus_per_node, procs_per_node=shape.procs_per_node,
-        gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=mem_gb,
+    return JobSpec.for_shape(
+        shape, job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
+        run_dir=str(run_dir), task=task, predict_name=name, gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=mem_gb,
         env=site_env(opts),
         time=opts["time"], partition=opts["partition"], account=opts["account"],
         qos=opts["qos"], exclusive=exclusive, wckey=opts["wckey"],
@@ -340,9 +337,10 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         print(warning, file=sys.stderr)
     replace_lock(run, {"slurm_job_id": job_id, "host": "slurm", "pid": 0,
                        "submitted_by": "enn-submit", "submission": token})
-    run.record_job(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task, name=spec.predict_name,
-                   nodes=spec.nodes, tasks_per_node=spec.tasks_per_node,
-                   image=spec.container_image, signal_grace_s=spec.signal_grace_s)
+    run.record_job(JobRecord(kind="slurm", job_id=job_id, job_name=spec.job_name, task=spec.task,
+                             name=spec.predict_name, nodes=spec.nodes,
+                             tasks_per_node=spec.tasks_per_node, image=spec.container_image,
+                             signal_grace_s=spec.signal_grace_s))
     return job_id
 
 

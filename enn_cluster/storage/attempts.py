@@ -9,21 +9,22 @@ import re
 from pathlib import Path
 
 from enn_cluster.errors import UserError
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.rundir import RunDir
 
 
-def launch_times(jobs: list[dict]) -> dict[str, float]:
+def launch_times(jobs: list[JobRecord]) -> dict[str, float]:
     """When each recorded launch began, keyed as its attempt folders are named
     (local-K: the K-th line of jobs.jsonl; slurm-JOB: that job's first line)."""
     times: dict[str, float] = {}
     for k, job in enumerate(jobs, 1):
-        t = job.get("time")
+        t = job.time
         if not isinstance(t, (int, float)):
             continue
-        if job.get("kind") == "local":
+        if job.kind == "local":
             times[f"local-{k}"] = t
-        elif job.get("kind") == "slurm" and job.get("job_id"):
-            times.setdefault(f"slurm-{job['job_id']}", t)
+        elif job.is_slurm and job.job_id:
+            times.setdefault(f"slurm-{job.job_id}", t)
     return times
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.storage import layout
+from enn_cluster.storage.job_record import RELAUNCH, JobRecord
 
 MAX_BYTES = 4096
 _HOST = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -127,7 +128,10 @@ def record_relaunch(run, metrics, job_id: str, relaunch: int, world_size: int,
               "nodes": rec["nodes"], "ended": rec["ended"], "detected": rec["detected"],
               "launched": rec["launched"], "world_size": world_size, "step": step}
     metrics.write("node_lost", **fields)
-    run.record_job(kind="relaunch", **fields)
+    run.record_job(JobRecord(kind=RELAUNCH, job_id=job_id, relaunch=relaunch,
+                             lost=tuple(rec["lost"]), hosts=tuple(rec["nodes"]),
+                             ended=rec["ended"], detected=rec["detected"],
+                             launched=rec["launched"], world_size=world_size, step=step))
     return fields
 
 

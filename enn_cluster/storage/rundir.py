@@ -20,6 +20,7 @@ from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import PlainLoader
 from enn_cluster.errors import UserError
 from enn_cluster.storage import layout
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.output_target import missing_parents, remove_empty
 from enn_cluster.storage.run_files import (
     LOG_LIMIT,
@@ -174,14 +175,15 @@ class RunDir:
         return "restore it from the newest file in config-history/" if kept else \
             "restore it from the YAML the run was made with (it has no config-history/)"
 
-    def record_job(self, **fields) -> None:
-        """Append one launch record (job id, kind, shape); appends of one line are atomic."""
-        fields.setdefault("time", time.time())
-        line = json.dumps(fields, sort_keys=True) + "\n"
+    def record_job(self, record: JobRecord) -> None:
+        """Append one launch record (now, unless it says when); appends of one line are
+        atomic."""
+        line = json.dumps(record.stamped(time.time()).as_json(), sort_keys=True) + "\n"
         with run_umask(), append_run_file(self.path / layout.JOBS) as fh:
             fh.write(line)
 
-    def jobs(self) -> list[dict]:
+    def jobs(self) -> list[JobRecord]:
+        """Every record of jobs.jsonl, oldest first, as whichever version wrote it."""
         try:
             text = read_run_text(self.path / layout.JOBS, LOG_LIMIT)
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -196,7 +198,7 @@ class RunDir:
                for r in records):
             raise UserError(f"jobs.jsonl: {self.path / 'jobs.jsonl'} holds a Slurm record without "
                             "a job id (job_id); remove that line")
-        return records
+        return [JobRecord.from_json(r) for r in records]
 
 
 _MADE_FOR: dict = {}  # run path -> the runs_root folders create_run_dir made for it here

@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 from enn_cluster.cluster.slurm import lock_liveness
 from enn_cluster.config.launch_env import LOCK_HELD_VAR, SUBMISSION_VAR
 from enn_cluster.errors import UserError
+from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, read_lock, release_lock
 from enn_cluster.worker.environment import WorkerEnv
@@ -40,8 +41,9 @@ def hold_run_lock(run: RunDir, env: WorkerEnv, lanes, task: str):
         try:
             mine = acquire_lock(run, {**lock_owner(), "launcher": env.launcher},
                                 slurm_job_alive=lock_liveness())
-            run.record_job(kind=env.launcher, task=task, job_id=env.job_id, pid=os.getpid(),
-                           world_size=env.world_size, nodes=env.num_nodes)
+            run.record_job(JobRecord(kind=env.launcher, task=task, job_id=env.job_id,
+                                     pid=os.getpid(), world_size=env.world_size,
+                                     nodes=env.num_nodes))
         except UserError as exc:
             refusal = str(exc)
     refusal = lanes.broadcast_object(refusal)
