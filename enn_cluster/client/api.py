@@ -30,8 +30,8 @@ from enn_cluster.client.launching import (
 from enn_cluster.client.api_words import EXPORT_WORDS, PREDICT_WORDS, TRAIN_WORDS, speaks_api
 from enn_cluster.client.prepare import run_local
 from enn_cluster.client.run_handle import Run
-from enn_cluster.config.launch_options import API_KEYS, asked
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
+from enn_cluster.config.launch_options import API_KEYS, asked
 from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml

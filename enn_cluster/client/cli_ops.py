@@ -9,8 +9,8 @@ from pathlib import Path
 
 from enn_cluster.client.launch_plan import LaunchPlan, Machine, ShapeRequest, plan_launch
 from enn_cluster.client.launching import cancel_run, load_flagged_config
-from enn_cluster.config.launch_options import asked
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
+from enn_cluster.config.launch_options import asked
 from enn_cluster.errors import UserError
 from enn_cluster.storage.attempts import attempt_dirs
 from enn_cluster.storage.rundir import RunDir
