@@ -122,7 +122,7 @@ def test_the_slurm_job_takes_its_nodes_from_the_launch_shape(tmp_path):
     from enn_cluster.config.loading import config_from_dict
 
     cfg = config_from_dict(small_config(tmp_path, "ranged"))
-    slurm = SlurmRequest(container="none", site_config=SiteConfig())
+    slurm = SlurmRequest({"container": "none"}, site_config=SiteConfig())
     for asked, nodes in (("2-3", "2-3"), (2, 2), ("3-3", 3), (None, cfg.parallel.nodes)):
         plan = plan_launch(cfg, ShapeRequest(asked, 4), slurm=slurm,
                            run_dir=tmp_path / "runs" / "ranged")

@@ -228,6 +228,8 @@ PICKLE_ALLOWED = {
     "model_structure.py": "enn_cluster.train(model=<nn.Module instance>) pickles the caller's "
                           "own module's structure into RUN_DIR for the workers (same user, "
                           "by design)",
+    "launching.py": "the API's wait=False launcher hands its plan to its own child over a "
+                    "pipe it made (same user, same process tree; nothing read from disk)",
 }
 
 

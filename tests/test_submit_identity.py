@@ -63,13 +63,14 @@ def test_a_skewed_rank_of_a_slurm_job_is_the_one_line_its_peers_and_logs_point_a
     no traceback in the batch log (its own failure goes to its rank log), and `logs
     --rank 0`, with no log of rank 0 to show, names the refusal and the batch log."""
     from enn_cluster.storage import layout, node_loss
+    from enn_cluster.storage.job_record import JobRecord
     from enn_cluster.storage.rundir import RunDir
 
     cfg = write_config(tmp_path / "run.yaml", **small_config(
         tmp_path, "skew", parallel={"nodes": 1, "procs_per_node": 2, "rendezvous_timeout_s": 3}))
     assert cli("prepare", "--config", cfg).returncode == 0
     run = tmp_path / "runs" / "skew"
-    RunDir(run).record_job(kind="slurm", job_id="41")  # as the submitter records the job
+    RunDir(run).record_job(JobRecord(kind="slurm", job_id="41"))  # as the submitter records the job
     layout.batch_log(run, "41").parent.mkdir(exist_ok=True)
     layout.batch_log(run, "41").write_text("enn: job 41 restart 0 on n1\n")
     (run / "requeue").mkdir(exist_ok=True)  # the batch shell makes it

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from enn_cluster.client.launch_plan import LaunchPlan, Machine, plan_launch
 from enn_cluster.client.launching import create_train_run, resolved_config, start
 from enn_cluster.client.api_words import EXPORT_WORDS, PREDICT_WORDS, TRAIN_WORDS, speaks_api
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
+from enn_cluster.config.launch_options import API_KEYS, asked
 from enn_cluster.config.launch_shape import ShapeRequest
 from enn_cluster.config.loading import config_to_dict
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import read_yaml
-from enn_cluster.errors import UserError
+from enn_cluster.errors import UserError, did_you_mean
 from enn_cluster.storage.rundir import RunDir
 
 from enn_cluster.storage.model_structure import (
@@ -125,16 +126,26 @@ def _write_step0(model, run: RunDir) -> None:
     store.write_commit(path, 0, files, world_size=1, contents=["model"], source="api")
 
 
+def _check_cluster(cluster) -> None:
+    """`cluster=`: None (run here) or a dict of launch options by their API keys
+    (config/launch_options.py); a key it does not know is refused, not ignored."""
+    if cluster is None:
+        return
+    if not isinstance(cluster, Mapping):
+        raise UserError(f"cluster: expected a dict such as {{'nodes': 2, 'partition': 'gpu'}} "
+                        f"or None (run here), got {type(cluster).__name__}")
+    for key in cluster:
+        if key not in API_KEYS:
+            raise UserError(f'cluster["{key}"]: unknown key{did_you_mean(key, API_KEYS)}; '
+                            f"known keys: {', '.join(API_KEYS)}")
+
+
 def _slurm_request(cluster: Optional[dict], read_site=None) -> Optional[SlurmRequest]:
     """The API's `cluster=` dict as the CLI's Slurm flags would give it, with the site config
     read once; None: run locally."""
     if cluster is None:
         return None
-    keys = ("partition", "account", "qos", "time", "container", "python", "site",
-            "job_name", "signal_grace", "cpus_per_task", "mem_gb")
-    return SlurmRequest(**{k: cluster.get(k) for k in keys},
-                        mounts=tuple(cluster.get("mounts", ())),
-                        exclusive=bool(cluster.get("exclusive", False)),
+    return SlurmRequest(asked(cluster.get),
                         site_config=(read_site or _site_reader(cluster))())
 
 
@@ -165,6 +176,7 @@ def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[di
     lands at `run_dir`, else under the config's runs_root, else the site config's (as with
     `enn-submit train`).
     """
+    _check_cluster(cluster)
     structure = check_shippable(model)
     if run_dir is not None:
         overrides = {**overrides, "run_name": Path(run_dir).name,
@@ -228,6 +240,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
         prepare_prediction,
     )
 
+    _check_cluster(cluster)
     run = RunDir.existing(getattr(run_or_dir, "path", run_or_dir))
     cfg = run.load_config()
     plan = _plan(cfg, cluster, "predict", _slurm_request(cluster))

@@ -8,14 +8,13 @@ import functools
 import re
 from typing import Callable, Mapping
 
+from enn_cluster.config.launch_options import OPTIONS
 from enn_cluster.errors import UserError
 
-# CLI flag -> the key of the API's `cluster=` dict (the Slurm flags and the launch shape)
-CLUSTER_FLAGS = ("partition", "account", "qos", "time", "container", "python", "site",
-                 "job-name", "signal-grace", "cpus-per-task", "mem-gb", "mount", "exclusive",
-                 "nodes", "gpus-per-node", "procs-per-node")
-CLUSTER_WORDS = {f"--{flag}": f'cluster["{flag.replace("-", "_")}"]' for flag in CLUSTER_FLAGS}
-CLUSTER_WORDS.update({"--container-image": 'cluster["container"]', "--mount": 'cluster["mounts"]'})
+# CLI flag -> the key of the API's `cluster=` dict (config/launch_options.py), and the
+# JobSpec's name for the image
+CLUSTER_WORDS = {o.flag: f'cluster["{o.api}"]' for o in OPTIONS if o.flag and o.api}
+CLUSTER_WORDS["--container-image"] = 'cluster["container"]'
 
 TRAIN_WORDS = {**CLUSTER_WORDS, "RUN_DIR": "run_dir", "--set": "the keyword sections",
                "--config": "config"}

@@ -53,33 +53,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_shape_flags(p: argparse.ArgumentParser) -> None:
+    """The launch flags (config/launch_options.py): the shape's, then the Slurm ones."""
+    from enn_cluster.config.launch_options import OPTIONS
+
     p.add_argument("--cluster", choices=("local", "slurm"), default="local",
                    help="where workers run: local processes (default) or Slurm via submitit")
-    p.add_argument("--nodes", default=None,
-                   help="nodes (simulated when local); on Slurm MIN-MAX takes what is granted")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (0: CPU)")
-    p.add_argument("--procs-per-node", type=int, default=None,
-                   help="processes per node on CPU (default: GPUs per node, or the config)")
-    p.add_argument("--max-restarts", type=int, default=None,
-                   help="retries after a worker failure (default: parallel.max_restarts)")
+    for option in OPTIONS:
+        if option.flag and option.shape:
+            p.add_argument(option.flag, **option.flag_arguments())
     g = p.add_argument_group("Slurm (with --cluster slurm; the site config fills the rest)")
-    g.add_argument("--partition")
-    g.add_argument("--account")
-    g.add_argument("--qos")
-    g.add_argument("--time", help="minutes or a Slurm time string (e.g. 2-00:00:00)")
-    g.add_argument("--exclusive", action="store_true")
-    g.add_argument("--container", default=None,
-                   help="squashfs path or registry image for Pyxis; 'none' runs bare metal")
-    g.add_argument("--mount", dest="mounts", action="append", default=[], metavar="SRC:DST[:FLAGS]")
-    g.add_argument("--python", default=None, help="interpreter the tasks run (inside the container)")
-    g.add_argument("--site", default=None, help="site config YAML (default: search order, see docs)")
-    g.add_argument("--job-name", default=None)
-    g.add_argument("--cpus-per-task", type=int, default=None,
-                   help="CPUs per task (default: site, else the node's CPUs / tasks per node)")
-    g.add_argument("--mem-gb", type=float, default=None,
-                   help="memory per node in GB (sbatch --mem; 0: all of it; default: site, else Slurm's)")
-    g.add_argument("--signal-grace", type=int, default=None,
-                   help="seconds between the USR2 warning and the time limit")
+    for option in OPTIONS:
+        if option.flag and not option.shape:
+            g.add_argument(option.flag, **option.flag_arguments())
     g.add_argument("--wait", action="store_true", help="block until the Slurm job ends")
 
 

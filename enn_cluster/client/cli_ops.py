@@ -10,6 +10,7 @@ from pathlib import Path
 from enn_cluster.client.launch_plan import LaunchPlan, Machine, plan_launch
 from enn_cluster.client.launching import cancel_run, load_flagged_config
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
+from enn_cluster.config.launch_options import asked
 from enn_cluster.config.launch_shape import ShapeRequest
 from enn_cluster.errors import UserError
 from enn_cluster.storage.attempts import attempt_dirs
@@ -45,13 +46,8 @@ def slurm_request(args) -> SlurmRequest:
             raise UserError(f"--mount: {mount!r} holds a line break or control character; "
                             "write SRC:DST[:FLAGS] on one line")
     parse_mounts(list(args.mounts or ()), "--mount")
-    return SlurmRequest(site_config=site_config(args),
-        partition=args.partition, account=args.account, qos=args.qos, time=args.time,
-        container=args.container, python=args.python, site=args.site, job_name=args.job_name,
-        signal_grace=args.signal_grace, cpus_per_task=getattr(args, "cpus_per_task", None),
-        mem_gb=getattr(args, "mem_gb", None),
-        mounts=tuple(args.mounts or ()), exclusive=bool(args.exclusive),
-        wait=bool(getattr(args, "wait", False)))
+    return SlurmRequest(asked(lambda name: getattr(args, name, None)),
+                        wait=bool(getattr(args, "wait", False)), site_config=site_config(args))
 
 
 def plan_from_flags(args, cfg, task: str = "train", run_dir=None, *,

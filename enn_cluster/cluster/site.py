@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from enn_cluster.cluster import pyxis, slurm_values
 from enn_cluster.config import nccl
+from enn_cluster.config.launch_options import LIST, OPTIONS
 from enn_cluster.errors import UserError, did_you_mean
 
 ENV_VAR = "ENN_SITE_CONFIG"
@@ -30,55 +31,25 @@ LOCAL_NAME = "enn-site.yaml"
 USER_PATH = ".config/enn_cluster/site.yaml"  # under the home directory
 SYSTEM_PATH = "/etc/enn_cluster/site.yaml"
 
-DEFAULTS: dict[str, Any] = {
-    "partition": None, "account": None, "qos": None, "mounts": (), "runs_root": None,
-    "image_cache": None, "image": None, "nccl_profile": "auto", "gpus_per_node": None,
-    "extra_sbatch_args": (), "extra_srun_args": (), "setup_lines": (), "python": "python3",
-    "signal_grace_s": 90, "time": 60, "cpus_per_task": None, "socket_ifname": None,
-    "mem_gb": None, "gpu_request": "gpus-per-node", "gpu_mem_gb": None, "wckey": None,
-    "whole_node_gpus": slurm_values.WHOLE_NODE_GPUS, "allow_socket_fallback": None,
-}
-
-_LISTS = ("mounts", "extra_sbatch_args", "extra_srun_args", "setup_lines")
-_INTS = ("signal_grace_s", "gpus_per_node", "cpus_per_task", "whole_node_gpus")
+# the site file's keys, typing and defaults are the launch options' (launch_options.py)
+SITE_OPTIONS = {o.site: o for o in OPTIONS if o.site}
+KEYS = tuple(SITE_OPTIONS)
+DEFAULTS: dict[str, Any] = {key: o.default for key, o in SITE_OPTIONS.items()}
 
 
-@dataclass(frozen=True)
-class SiteConfig:
-    """One site file; None means 'not set here' (DEFAULTS or flags decide)."""
-
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    mounts: Optional[tuple[str, ...]] = None  # SRC:DST[:FLAGS] for every container job
-    runs_root: Optional[str] = None  # where run directories go (shared filesystem)
-    image_cache: Optional[str] = None  # where built squashfs images go (shared filesystem)
-    image: Optional[str] = None  # default container image; "none": bare metal
-    nccl_profile: Optional[str] = None  # auto | efa | ib | socket | none
-    gpus_per_node: Optional[int] = None
-    extra_sbatch_args: Optional[tuple[str, ...]] = None
-    extra_srun_args: Optional[tuple[str, ...]] = None
-    setup_lines: Optional[tuple[str, ...]] = None  # shell lines run on the host first
-    python: Optional[str] = None  # interpreter inside the container
-    signal_grace_s: Optional[int] = None  # USR2 this many seconds before the time limit
-    time: Optional[Union[int, str]] = None  # default time limit (minutes or Slurm time)
-    cpus_per_task: Optional[int] = None  # default: the node's CPUs / tasks per node
-    socket_ifname: Optional[str] = None  # control-plane NIC (gloo + NCCL bootstrap)
-    mem_gb: Optional[float] = None  # memory per node in GB (--mem); 0: all of it
-    gpu_request: Optional[str] = None  # gpus-per-node | gres | gres:TYPE (no select/cons_tres)
-    gpu_mem_gb: Optional[float] = None  # memory of one GPU, for the memory plan (default 80)
-    wckey: Optional[str] = None  # --wckey for every job; none by default
-    whole_node_gpus: Optional[int] = None  # GPUs per node from which a job gets --exclusive --mem=0
-    allow_socket_fallback: Optional[bool] = None  # NCCL over TCP on EFA/IB nodes: run (true) or stop
-    source: Optional[str] = field(default=None, compare=False)  # the file it came from
-
-    def overrides(self) -> dict[str, Any]:
-        """The keys this site sets."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "source" and getattr(self, f.name) is not None}
+def _overrides(self) -> dict[str, Any]:
+    """The keys this site sets."""
+    return {key: getattr(self, key) for key in KEYS if getattr(self, key) is not None}
 
 
-KEYS = tuple(f.name for f in dataclasses.fields(SiteConfig) if f.name != "source")
+SiteConfig = dataclasses.make_dataclass(
+    "SiteConfig",
+    [(key, Any, None) for key in KEYS] +
+    [("source", Optional[str], field(default=None, compare=False))],  # the file it came from
+    frozen=True, namespace={
+        "__module__": __name__, "overrides": _overrides,
+        "__doc__": "One site file: a field per site key (None: 'not set here', DEFAULTS or "
+                   "flags decide) and `source`, the file it came from."})
 
 
 def _where(source: Optional[str]) -> str:
@@ -86,33 +57,12 @@ def _where(source: Optional[str]) -> str:
 
 
 def _typed(key: str, value: Any, source: Optional[str]) -> Any:
-    """Check one value's YAML type; lists become tuples."""
-    where = _where(source)
-    if key in _LISTS:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UserError(f"site.{key}: expected a list of strings, got "
-                            f"{type(value).__name__}{where}; write one item per '- ' line")
-        return tuple(value)
-    if key in _INTS:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"site.{key}: expected a whole number, got {value!r}{where}")
-        return value
-    if key == "allow_socket_fallback":
-        if not isinstance(value, bool):
-            raise UserError(f"site.{key}: expected true or false, got {value!r}{where}")
-        return value
-    if key in ("mem_gb", "gpu_mem_gb"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"site.{key}: expected a number of GB, got {value!r}{where}")
-        return value
-    if key == "time":
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise UserError(f"site.time: expected minutes or a Slurm time string like "
-                            f"04:00:00, got {value!r}{where}")
-        return value
-    if not isinstance(value, str) or not value:
-        raise UserError(f"site.{key}: expected a non-empty string, got {value!r}{where}")
-    return value
+    """Check one value's YAML type (its option's kind); lists become tuples."""
+    kind = SITE_OPTIONS[key].kind
+    if not kind.holds(value):
+        raise UserError(f"site.{key}: expected {kind.expected}, got {kind.shown(value)}"
+                        f"{_where(source)}{kind.fix}")
+    return tuple(value) if kind is LIST else value
 
 
 def _check_values(site: SiteConfig) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Optional, Union
 
+from enn_cluster.config.launch_options import WHOLE_NODE_GPUS  # noqa: F401 (tests read it here)
 from enn_cluster.errors import UserError
 
 # sbatch options JobSpec owns; extra_sbatch_args may not repeat them.
@@ -55,11 +56,6 @@ def time_minutes(value: Union[int, str], field_name: str = "--time") -> int:
         raise UserError(f"{field_name}: {short_value(value)} is more than a year; give a real "
                         "time limit (Slurm's own limits are far below it)")
     return minutes
-
-
-# A job asking for at least this many GPUs per node takes whole nodes (site.whole_node_gpus;
-# 8: DGX/HGX H100, AWS p4d/p5; 0 turns the rule off).
-WHOLE_NODE_GPUS = 8
 
 
 def whole_node_request(gpus_per_node: int, whole_node_gpus: int, exclusive: bool,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from enn_cluster.cluster.job_spec import JobSpec
 from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: render's)
@@ -65,23 +65,12 @@ def default_image(site_cache: Optional[str]) -> Path:
 
 @dataclass(frozen=True)
 class SlurmRequest:
-    """What the user asked of Slurm, from CLI flags or the API's `cluster=` dict; None means
-    "the site config's, else the default". The node count is the launch shape's
-    (config/launch_shape.py), not the request's."""
+    """What the user asked of Slurm, from CLI flags or the API's `cluster=` dict: the launch
+    options' values by name (`asked`: launch_options.asked; None means "the site config's,
+    else the default"). The node count is the launch shape's (config/launch_shape.py), not
+    the request's."""
 
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    time: Optional[str] = None
-    container: Optional[str] = None
-    python: Optional[str] = None
-    site: Optional[str] = None
-    job_name: Optional[str] = None
-    signal_grace: Optional[int] = None
-    cpus_per_task: Optional[int] = None
-    mem_gb: Optional[float] = None
-    mounts: tuple = ()
-    exclusive: bool = False
+    asked: Mapping[str, Any] = field(default_factory=dict)
     wait: bool = False
     site_config: Optional[object] = None  # the SiteConfig of `site`, when already read
 
@@ -89,52 +78,48 @@ class SlurmRequest:
         """The site config: the one already read for this command, else read now."""
         from enn_cluster.cluster.site import load_site
 
-        return self.site_config if self.site_config is not None else load_site(self.site)
+        return self.site_config if self.site_config is not None else \
+            load_site(self.asked.get("site"))
+
 
 
 def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape: LaunchShape,
                max_restarts: int, name: Optional[str] = None, *, cfg: RunConfig,
                read_dirs=()) -> JobSpec:
-    """The job for the run at `run_dir` (which need not exist yet). Flags win over the site
-    config, which wins over defaults (site.merge). `cfg`: the
-    run's config as the command holds it (the default job name is its run_name's);
-    `read_dirs`: what its model's kind reads besides the run (mounted read-only). A job
-    asking for every GPU of a node gets it whole (slurm_values.whole_node_request). CPUs
-    per task that neither sets are left to `sized_for_nodes`, when the job is handed over."""
-    from enn_cluster.cluster.site import DEFAULTS, merge
+    """The job for the run at `run_dir` (which need not exist yet). Each launch option's
+    value reaches its JobSpec field (config/launch_options.py), the flag's winning over the
+    site config's, which wins over the default (site.merge); the shape is the plan's.
+    Decided here: the default job name (`cfg`'s run_name), the USR2 grace (the run's last
+    save), the default image, bare metal's mounts and interpreter, and whole nodes for a
+    job asking for every GPU of one (slurm_values.whole_node_request). `read_dirs`: what
+    its model's kind reads besides the run (mounted read-only). CPUs per task that neither
+    sets are left to `sized_for_nodes`, when the job is handed over."""
+    from enn_cluster.cluster.site import merge
     from enn_cluster.cluster.slurm_values import whole_node_request
+    from enn_cluster.config.launch_options import OPTIONS, defaults, site_values
 
-    flags = {"partition": req.partition, "account": req.account, "qos": req.qos,
-             "time": req.time, "image": req.container, "python": req.python,
-             "signal_grace_s": req.signal_grace,
-             "cpus_per_task": req.cpus_per_task, "mem_gb": req.mem_gb,
-             "mounts": tuple(req.mounts) if req.mounts else None}
-    opts = merge(DEFAULTS, req.site_options(), flags)
-    if req.signal_grace is None:  # no flag: a grace the run's last save fits in
-        opts["signal_grace_s"] = measured_grace(RunDir(Path(run_dir)), opts["signal_grace_s"],
-                                                opts["time"])
-    if opts["image"] is None:
-        opts["image"] = str(default_image(opts["image_cache"]))
-    bare = opts["image"] == "none"
-    if bare and req.mounts:  # the site's mounts are for its images; a flag's are meant
-        raise UserError(f"--mount: {len(req.mounts)} mount(s) given with --container none "
-                        "(bare metal mounts nothing); drop --mount or name an image")
-    exclusive, mem_gb = whole_node_request(shape.gpus_per_node, opts["whole_node_gpus"],
-                                           bool(req.exclusive), opts["mem_gb"])
-    return JobSpec.for_shape(
-        shape, job_name=default_job_name(cfg.run_name) if req.job_name is None else req.job_name,
-        run_dir=str(run_dir), task=task, predict_name=name, gpu_request=opts["gpu_request"], cpus_per_task=opts["cpus_per_task"], mem_gb=mem_gb,
-        env=site_env(opts),
-        time=opts["time"], partition=opts["partition"], account=opts["account"],
-        qos=opts["qos"], exclusive=exclusive, wckey=opts["wckey"],
-        signal_grace_s=opts["signal_grace_s"],
-        container_image=None if bare else opts["image"],
-        container_mounts=() if bare else (*opts["mounts"], *read_mounts(read_dirs, opts["mounts"])),
-        nccl_profile=opts["nccl_profile"],
-        # bare metal: the tasks run this very interpreter (same venv on a shared filesystem)
-        python=req.python or (sys.executable if bare else opts["python"]),
-        setup_lines=tuple(opts["setup_lines"]), extra_sbatch_args=tuple(opts["extra_sbatch_args"]),
-        extra_srun_args=tuple(opts["extra_srun_args"]), max_restarts=max_restarts)
+    asked = req.asked
+    opts = merge(defaults(), site_values(req.site_options()), asked)
+    if opts["job_name"] is None:
+        opts["job_name"] = default_job_name(cfg.run_name)
+    if asked.get("signal_grace") is None:  # no flag: a grace the run's last save fits in
+        opts["signal_grace"] = measured_grace(RunDir(Path(run_dir)), opts["signal_grace"],
+                                              opts["time"])
+    if opts["container"] is None:
+        opts["container"] = str(default_image(opts["image_cache"]))
+    if opts["container"] == "none":  # bare metal
+        if asked.get("mounts"):  # the site's mounts are for its images; a flag's are meant
+            raise UserError(f"--mount: {len(asked['mounts'])} mount(s) given with --container "
+                            "none (bare metal mounts nothing); drop --mount or name an image")
+        # the tasks run this very interpreter (same venv on a shared filesystem)
+        opts.update(container=None, mounts=(), python=asked.get("python") or sys.executable)
+    else:
+        opts["mounts"] = (*opts["mounts"], *read_mounts(read_dirs, opts["mounts"]))
+    opts["exclusive"], opts["mem_gb"] = whole_node_request(
+        shape.gpus_per_node, opts["whole_node_gpus"], opts["exclusive"], opts["mem_gb"])
+    fields = {o.spec: opts[o.name] for o in OPTIONS if o.spec and not o.shape}
+    return JobSpec.for_shape(shape, run_dir=str(run_dir), task=task, predict_name=name,
+                             max_restarts=max_restarts, env=site_env(opts), **fields)
 
 
 def measured_grace(run: RunDir, grace_s: int, time) -> int:
