@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,9 +23,9 @@ from enn_cluster.storage.slurm_jobs import (
     parse_scontrol,
     state_from_fields,
 )
-from helpers import ROOT, small_config, write_config
+from helpers import ROOT, TESTS, small_config, write_config
 
-DATA = Path(__file__).parent / "data" / "slurm"
+DATA = TESTS / "data" / "slurm"
 
 
 def captured(name: str) -> str:
