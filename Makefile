@@ -48,11 +48,12 @@ test-fast: venv
 # find-links or constraint file must not swap in another torch); the version check proves it.
 FLOOR_TORCH ?= 2.9.1
 FLOOR_VENV ?= .venv-floor-$(FLOOR_TORCH)
-FLOOR_TESTS ?= tests/test_trainer_units.py tests/test_dcp_io.py tests/test_async_checkpoint.py \
-	tests/test_train_local.py tests/test_predict.py tests/test_crash_during_checkpoint.py \
-	tests/test_sampler_staging_store.py tests/test_torch_range.py \
-	tests/test_resume_exact.py tests/test_meta_init.py tests/test_hsdp_accumulation.py \
-	tests/test_device_check.py tests/test_place_task.py tests/test_predict_memory.py tests/test_api.py
+FLOOR_TESTS ?= tests/worker/test_trainer_units.py tests/storage/test_dcp_io.py \
+	tests/worker/test_async_checkpoint.py tests/e2e/test_train_local.py tests/worker/test_predict.py \
+	tests/worker/test_crash_during_checkpoint.py tests/worker/test_sampler_staging_store.py \
+	tests/repo/test_torch_range.py tests/e2e/test_resume_exact.py tests/worker/test_meta_init.py \
+	tests/worker/test_hsdp_accumulation.py tests/worker/test_device_check.py \
+	tests/worker/test_place_task.py tests/worker/test_predict_memory.py tests/client/test_api.py
 FLOOR_CERT := $(wildcard /etc/ssl/certs/ca-certificates.crt)
 
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp

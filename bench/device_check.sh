@@ -9,7 +9,7 @@
 # (fp32 adapters, no frozen tensor saved), doctor, and bench/gpu.py's tokens/s and MFU.
 # One PASS/FAIL/INFO line per check in $OUT/summary.txt; everything in $OUT/log.txt.
 # DC_GPUS=0 DC_SMALL=1 DC_COMPILE=false runs the same flow on the CPU
-# (tests/test_gpu_check_script.py). Env: PY (python3), DC_GPUS (1), DC_COMPILE (true),
+# (tests/repo/test_gpu_check_script.py). Env: PY (python3), DC_GPUS (1), DC_COMPILE (true),
 # DC_SMALL (tiny shapes), DC_BENCH (1: bench/gpu.py --quick on a GPU).
 set -u
 OUT=${OUT:-/tmp/enn-device-check}; mkdir -p "$OUT"

@@ -3,7 +3,7 @@ GPU takes that the trainer's CPU runs reach in another form. Placement on the no
 PCI/NUMA sysfs, the fabric and memlock checks, the accelerator lane, fused AdamW's
 `found_inf` skip on FSDP2 DTensors, torch.compile with the composable activation
 checkpoint, flash SDPA. With no CUDA the same package calls run over gloo on the CPU and the
-CUDA-only readings print as INFO: tests/test_gpu_check_script.py runs it so, and this file
+CUDA-only readings print as INFO: tests/repo/test_gpu_check_script.py runs it so, and this file
 cannot drift from the package's API unseen (the copy in ../shared did: its optimizer stand-in
 lacked the Adam fields new_optimizer reads).
 

@@ -34,7 +34,7 @@ SAVE_AT, DIE_AFTER, STEPS = 20, 25, 40
 
 
 def _config(ctx: BenchContext, s: dict, x: Path, y: Path, name: str) -> Path:
-    """The node-loss test's shape (tests/test_node_loss_continue.py): 3 nodes x 2 tasks, then
+    """The node-loss test's shape (tests/slurm/test_node_loss_continue.py): 3 nodes x 2 tasks, then
     2 x 2; a global batch of 12 micro-batches (2 or 3 per rank, accumulated)."""
     micro = s["batch"] // 2
     cfg = mlp_run(ctx, name, dict(s, batch=micro), x, y,

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"  # the support modules and data/, golden/; the tests sit in folders below
 
 
 def cli(*args, timeout=300, env=None, cwd=None) -> subprocess.CompletedProcess:

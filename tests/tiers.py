@@ -17,10 +17,12 @@ LIST = Path(__file__).with_name("slow_tests.txt")
 
 
 def node_id(classname: str, name: str) -> str:
-    """A junit record's pytest node id: `tests.test_x.TestC` + `t[p]` -> `tests/test_x.py::TestC::t[p]`."""
+    """A junit record's pytest node id: `tests.worker.test_x.TestC` + `t[p]` ->
+    `tests/worker/test_x.py::TestC::t[p]` (the module is the first part named test_*)."""
     parts = classname.split(".")
     name = name.partition("@")[0]  # xdist's loadgroup suffix (conftest compares without it)
-    return "/".join(parts[:2]) + ".py::" + "::".join([*parts[2:], name])
+    module = next(i for i, part in enumerate(parts) if part.startswith("test_")) + 1
+    return "/".join(parts[:module]) + ".py::" + "::".join([*parts[module:], name])
 
 
 def slow_tests(junit_xml: str, slow_s: float = SLOW_S) -> list[str]:

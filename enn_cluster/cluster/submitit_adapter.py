@@ -5,7 +5,7 @@ submitit writes the sbatch script and pickles the call; three of the things we n
 are not its public API: the text of the script without submitting (`render`), building a
 Slurm executor on a machine without srun (`render` from a laptop), and its parameter
 conversion. `PRIVATE_SURFACE` names each of them with the signature we call;
-`surface_problems()` says what an installed submitit lacks of it (tests/test_submitit_adapter.py
+`surface_problems()` says what an installed submitit lacks of it (tests/cluster/test_submitit_adapter.py
 runs it), and pyproject.toml's bound on submitit is the range that test has passed on.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Names, types and defaults come from the dataclasses; the one-line descriptions live in
 DESCRIPTIONS below, keyed by the dotted key `--set` uses (`training.lr`). A field without a
 description, or a description without a field, raises: adding a config field forces a doc
-update, and tests/test_docs.py fails while docs/config.md is stale. Pure; no torch.
+update, and tests/repo/test_docs.py fails while docs/config.md is stale. Pure; no torch.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ SOCKET_ENV = {"NCCL_IB_DISABLE": "1"}
 # Documented range of every closed-domain value we set: (low, high) for integers, or the
 # set of accepted words; `report` judges the job's effective values against it. Names,
 # paths and lists (interfaces, plugin, dump files) are not judged here.
-# tests/test_nccl_ranges.py holds the whole table with its references.
+# tests/config/test_nccl_ranges.py holds the whole table with its references.
 RANGES: dict[str, object] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": (0, 3), "TORCH_NCCL_DUMP_ON_TIMEOUT": (0, 1),
     "TORCH_FR_BUFFER_SIZE": (0, 2**31 - 1), "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": (1, 2**31 - 1),

@@ -57,7 +57,7 @@ class NonFiniteWatch:
         self.flags_kept = torch.where(bad, flags, self.flags_kept)
         # step and lr are host numbers: they enter as kernel arguments of `where` (Python
         # scalars), never as tensors built from them (a host-to-device copy, and a wait for
-        # it, per step: tests/test_trainer_units.py counts them)
+        # it, per step: tests/worker/test_trainer_units.py counts them)
         figures = torch.where(self._slots == 2, grad_norm.detach().double().reshape(()),
                               loss.detach().double().reshape(()))
         figures = torch.where(self._slots == 1, float(lr), figures)  # stays float64

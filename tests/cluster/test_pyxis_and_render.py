@@ -1,7 +1,7 @@
 """Pyxis flags, JobSpec validation and rendered batch scripts.
 
 Rendered scripts are pinned by golden files (ENN_UPDATE_GOLDEN=1 rewrites them) and
-linted by shellcheck; tests/test_rendered_scripts_run.py runs them.
+linted by shellcheck; tests/cluster/test_rendered_scripts_run.py runs them.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from packaging.requirements import Requirement
 from enn_cluster.cluster import submitit_adapter
 from enn_cluster.cluster.submitit_adapter import TESTED_RANGE, installed_version, surface_problems
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "enn_cluster"
 
 

@@ -10,7 +10,7 @@ import yaml
 from enn_cluster.cluster import site
 from enn_cluster.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

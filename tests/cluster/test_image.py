@@ -18,7 +18,7 @@ from enn_cluster.cluster.image_key import (context_entries, find_cached_image, i
                                            image_path, is_ignored, parse_dockerignore)
 from pyxis_fixture import build_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------- .dockerignore and key

@@ -18,7 +18,7 @@ import torch
 
 from enn_cluster.worker import checkpoint_async, checkpoint_staging, loader, placement
 
-PACKAGE = Path(__file__).resolve().parents[1] / "enn_cluster"
+PACKAGE = Path(__file__).resolve().parents[2] / "enn_cluster"
 STARTS_THREAD = re.compile(r"threading\.Thread\(|ThreadPoolExecutor\(")
 HOST_ONLY = {"storage/staging.py": "runs on the submit host before any worker; no device",
              "storage/text_staging.py": "tokenizes on the submit host before any worker; "

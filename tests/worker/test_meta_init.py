@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, cli, small_config, write_config
+from helpers import ROOT, TESTS, cli, small_config, write_config
 
 # Installed in every worker (by the probe script under torchrun, by a sitecustomize under
 # the API's own launcher); each rank writes its record to $ENN_PROBE_OUT when fit returns.
@@ -129,7 +129,8 @@ def test_no_rank_holds_the_whole_model_given_to_the_api(tmp_path):
     res = subprocess.run(
         [sys.executable, "-c", API_RUN, str(tmp_path / "runs" / "api"), str(Path(__file__).parent)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=f"{tmp_path / 'probe'}{os.pathsep}{ROOT}",
+        env=dict(os.environ,
+                 PYTHONPATH=os.pathsep.join(map(str, [tmp_path / "probe", ROOT, TESTS])),
                  ENN_PROBE_OUT=str(out), **PROBE_ENV))
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]

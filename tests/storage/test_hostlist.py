@@ -2,15 +2,14 @@
 hostnames` (tests/data/slurm/hostnames.txt, captured on slurm/dev/cluster.sh) are ours."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from enn_cluster.errors import UserError
 from enn_cluster.storage.hostlist import expand_hostlist
 from enn_cluster.worker.environment import expand_hostlist as worker_expand
+from helpers import TESTS
 
-CAPTURED = Path(__file__).parent / "data" / "slurm" / "hostnames.txt"
+CAPTURED = TESTS / "data" / "slurm" / "hostnames.txt"
 
 
 def captured_cases() -> list[tuple[str, list[str]]]:

@@ -6,7 +6,7 @@ Pyxis cannot carry them). What does reach a script - extra environment values, t
 interpreter path, srun arguments - is quoted: here it runs for real under sbatch/srun, a
 `$(touch ...)`, backticks or `;` in it never executes, and every string arrives verbatim
 (the job name in `scontrol show job`, the values in each task's argv and environment).
-Run with: flock /tmp/enn-slurm-test.lock .venv/bin/python -m pytest tests/test_slurm_hostile.py
+Run with: flock /tmp/enn-slurm-test.lock .venv/bin/python -m pytest tests/slurm/test_slurm_hostile.py
 """
 from __future__ import annotations
 

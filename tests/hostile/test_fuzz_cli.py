@@ -1,7 +1,7 @@
 """Fuzzed bad input through real `enn-submit` processes: what must be refused is refused
 before torch is imported (a fake `torch` package on PYTHONPATH makes any import of it exit
 97), in one line with exit code 2, with nothing written; what is accepted is quoted.
-In-process fuzzing of the same surfaces: tests/test_fuzz_input.py.
+In-process fuzzing of the same surfaces: tests/hostile/test_fuzz_input.py.
 """
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def test_nonfinite_watch_flags_exactly_the_gradients_holding_nan_or_inf():
 
 def test_step_norm_clips_fsdp2_gradients(world_of_one):
     """On DTensor gradients (FSDP2 on a 2-D mesh) the norm comes from the local shards and
-    the clip scales them (4 processes: tests/test_step_norm.py)."""
+    the clip scales them (4 processes: tests/worker/test_step_norm.py)."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +20,9 @@ from enn_cluster.cluster.submit_slurm import check_slurm_here, slurm_problem
 from enn_cluster.errors import UserError
 from enn_cluster.cluster import slurm
 from enn_cluster.cluster.slurm import dead_nodes, describe, held_until, parse_scontrol, parse_squeue
-from helpers import ROOT, small_config, write_config
+from helpers import ROOT, TESTS, small_config, write_config
 
-DATA = Path(__file__).parent / "data" / "slurm"
+DATA = TESTS / "data" / "slurm"
 
 
 def captured(name: str) -> str:

@@ -213,7 +213,7 @@ def test_spawned_children_are_not_reexecuted(argv, ok):
 
 def _efa_step() -> str:
     """containers/Dockerfile's EFA RUN step, as the shell runs it."""
-    text = (Path(__file__).resolve().parents[1] / "containers" / "Dockerfile").read_text()
+    text = (Path(__file__).resolve().parents[2] / "containers" / "Dockerfile").read_text()
     step = text.split('ARG EFA_INSTALLER_VERSION=""\nRUN ', 1)[1]
     return step[:step.index("\n    fi\n") + len("\n    fi\n")]
 

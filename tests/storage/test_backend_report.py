@@ -181,7 +181,7 @@ CHECKLIST_PLACEHOLDERS = ("FABRIC", "A-B", "PCI", "IF", "R", "W", "L", "N", "C",
 
 def _checklist() -> dict[str, str]:
     """The checklist's log lines, by their first two words: the first column's code span."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "admin.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "admin.md").read_text()
     section = text.split("## First run on a new cluster", 1)[1].split("\n## ", 1)[0]
     lines = [m.group(1) for m in re.finditer(r"^\| `([^`]+)`", section, re.M)]
     return {" ".join(line.split()[:2]): line for line in lines}
@@ -214,10 +214,10 @@ def test_the_first_run_checklist_shows_the_lines_workers_write(cpu_run):
         "NCCL environment": nccl.report({"NCCL_IB_TIMEOUT": "22"}, "ib")[0][1],
         "placement: rank": placement.describe(3, 3, range(36, 48), 12, "plan",
                                               "cuda:3 of [0,1,2,3,4,5,6,7] (0000:9c:00.0)", 0),
-        # where the image lacks the host's HOME (tests/test_submit_identity.py runs it)
+        # where the image lacks the host's HOME (tests/cluster/test_submit_identity.py runs it)
         "HOME is": "HOME is not a writable directory here: HOME and caches under %s"
                    % "/tmp/enn-cache-1000",
-        # a site's TMPDIR the container lacks (tests/test_submit_identity.py runs it)
+        # a site's TMPDIR the container lacks (tests/cluster/test_submit_identity.py runs it)
         "TMPDIR ...": "TMPDIR %s is not a writable directory here: temporary files go to %s"
                       % ("/local/job-9", "/tmp"),
         "ulimit -l:": nccl.memlock_problem("ib", 64 << 10)}

@@ -17,7 +17,7 @@ from enn_cluster.config import docs as config_docs
 from enn_cluster.cluster import site
 from enn_cluster.client.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 # Subcommands the docs may show before they are registered in enn_cluster/cli.py. Once a
@@ -283,7 +283,7 @@ def enn_names_the_code_reads() -> set[str]:
     ones the test suite and Makefile read (ENN_UPDATE_GOLDEN)."""
     files = [*(ROOT / "enn_cluster").rglob("*.py"), *(ROOT / "enn_cluster").rglob("*.sh"),
              *(ROOT / "enn_cluster").rglob("*.sbatch"), ROOT / "Makefile",
-             *(ROOT / "tests").glob("test_*.py")]
+             *(ROOT / "tests").rglob("test_*.py")]
     docs = {DOCS / n for n in OPS_DOCS}
     return {n for f in files if f not in docs for n in _ENN_NAME.findall(f.read_text("utf-8"))}
 

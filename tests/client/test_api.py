@@ -1,8 +1,6 @@
 """The Python API drives the same runtime as the CLI: real workers, real files."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -11,7 +9,7 @@ import enn_cluster
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from api_models import normed_preset, preset
-from helpers import full_params
+from helpers import TESTS, full_params
 
 
 def _data(n=384, seed=0):
@@ -79,7 +77,7 @@ def test_a_module_ships_as_its_structure_and_trains_as_a_whole_one_did(tmp_path)
                               "kwargs": {"path": str(tmp_path / "whole.pkl")}},
                        data={"train_path": str(tmp_path / "x.npy"),
                              "train_targets_path": str(tmp_path / "y.npy")}, **sections)
-    done = cli("train", "--config", cfg, cwd=Path(__file__).parent)  # imports api_models
+    done = cli("train", "--config", cfg, cwd=TESTS)  # imports api_models
     assert done.returncode == 0, done.stderr[-3000:]
     ref = tmp_path / "runs" / "ref"
     assert [r["loss"] for r in metrics(ref, "train")] == [r["loss"] for r in run.metrics("train")]
@@ -111,7 +109,7 @@ def test_a_structure_run_without_a_checkpoint_that_verifies_refuses_to_train(tmp
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(data)
     res = cli("resume", run.path, "--set", "training.max_steps=2", "--procs-per-node", "2",
-              cwd=Path(__file__).parent)  # imports api_models
+              cwd=TESTS)  # imports api_models
     assert res.returncode == 2, res.stderr[-3000:]
     assert "the model's weights exist only there" in res.stderr
     assert store.committed_steps(run.path / "checkpoints") == [0]

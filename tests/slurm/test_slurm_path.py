@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    TESTS,
     assert_same_run,
     cli,
     faults,
@@ -107,7 +108,7 @@ def test_api_trains_and_predicts_on_slurm_like_the_cli(slurm_cluster, tmp_path, 
 
     import enn_cluster
 
-    tests_dir = str(Path(__file__).resolve().parent)
+    tests_dir = str(TESTS)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(tests_dir).parent), tests_dir]))
     rng = np.random.default_rng(3)
     x = rng.standard_normal((256, 8)).astype(np.float32)

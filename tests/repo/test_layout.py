@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "enn_cluster"
+PKG = Path(__file__).resolve().parents[2] / "enn_cluster"
 
 # Which side may import which. The package root exposes the client's API lazily (so a module
 # importing the root imports the client: `reached`); the cluster names the one function
