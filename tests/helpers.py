@@ -199,6 +199,17 @@ def controller_up_scontrol(bin_dir: Path) -> None:
     stub.chmod(0o755)
 
 
+def slurm_answers_here(tmp_path: Path, monkeypatch) -> None:
+    """An sbatch that submits nothing and an scontrol whose ping says up, first on PATH: the
+    API and the CLI check that Slurm answers here before they plan a job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    controller_up_scontrol(bin_dir)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
 def outside_layout(run: Path) -> list[str]:
     """Paths of a run directory that storage/layout.py's table does not list (a file
     nobody documented is a file nobody cleans up, locks or explains)."""

@@ -16,7 +16,7 @@ from enn_cluster.client.cli import build_parser
 from enn_cluster.client.cli_ops import plan_from_flags, slurm_request
 from enn_cluster.config.loading import config_from_dict
 from enn_cluster.storage.rundir import run_dir_for
-from helpers import ROOT, controller_up_scontrol, metrics, small_config
+from helpers import ROOT, controller_up_scontrol, metrics, slurm_answers_here, small_config
 
 
 def _api_job(cfg, cluster):
@@ -31,21 +31,10 @@ def _cli_job(cfg, argv):
                            run_dir=run_dir_for(cfg).path).spec
 
 
-def _slurm_answers_here(tmp_path, monkeypatch):
-    """An sbatch and an scontrol whose ping says up on PATH: the API and the CLI check that
-    Slurm answers here before they plan a job."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    controller_up_scontrol(bin_dir)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-
-
 def test_api_cluster_dict_and_cli_flags_build_the_same_slurm_job(tmp_path, monkeypatch):
     monkeypatch.delenv("ENN_SITE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)
-    _slurm_answers_here(tmp_path, monkeypatch)
+    slurm_answers_here(tmp_path, monkeypatch)
     cfg = config_from_dict(small_config(tmp_path, "same"))
     flags = [
         "train", "--cluster", "slurm", "--nodes", "2-3", "--gpus-per-node", "4",
@@ -150,7 +139,7 @@ def test_memory_per_node_from_site_and_flag_reaches_the_job(tmp_path, monkeypatc
     from enn_cluster.cluster import job_spec
 
     monkeypatch.chdir(tmp_path)
-    _slurm_answers_here(tmp_path, monkeypatch)
+    slurm_answers_here(tmp_path, monkeypatch)
     site = tmp_path / "site.yaml"
     site.write_text("mem_gb: 32\n")
     monkeypatch.setenv("ENN_SITE_CONFIG", str(site))

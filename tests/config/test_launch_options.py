@@ -25,7 +25,7 @@ from enn_cluster.config.launch_options import API_KEYS, LIST, OPTIONS
 from enn_cluster.config.loading import config_from_dict
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import run_dir_for
-from helpers import ROOT, controller_up_scontrol, small_config
+from helpers import ROOT, controller_up_scontrol, slurm_answers_here, small_config
 
 PKG = ROOT / "enn_cluster"
 BASE_IMAGE = "/img/base.sqsh"
@@ -57,12 +57,7 @@ def _cli_words(option, value) -> list[str]:
 def jobs(tmp_path, monkeypatch):
     """The Slurm job each front end plans for a new run: `cli(argv)`, `api(cluster)`, with
     `site(data)` the site file ($ENN_SITE_CONFIG) both read; Slurm answers here."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    controller_up_scontrol(bin_dir)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    slurm_answers_here(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     cfg = config_from_dict(small_config(tmp_path, "options"))
     path = tmp_path / "site.yaml"
