@@ -186,8 +186,12 @@ def cmd_prepare(args) -> int:
     run, _ = prepare_run_and_config(plan)
     path = shlex.quote(str(run.path))
     print(run.path)
+    lo, hi = shape.node_range
+    # a range: torchrun's elastic agent, one per node, meeting at a rendezvous (quickstart.md)
+    nnodes = f"{lo}:{hi} --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id " \
+        f"{shlex.quote(cfg.run_name)}" if hi > lo else str(lo)
     print(f"start every task with: python -m enn_cluster.worker {path} --task train\n"
-          f"  e.g. torchrun --nnodes {shape.nodes} --nproc-per-node {shape.procs_per_node} "
+          f"  e.g. torchrun --nnodes {nnodes} --nproc-per-node {shape.procs_per_node} "
           f"-m enn_cluster.worker {path} --task train", file=sys.stderr)
     return 0
 

@@ -79,3 +79,31 @@ def test_a_taken_rendezvous_port_is_one_line_and_a_retryable_failure(tmp_path):
     assert f"MASTER_PORT={port} is taken on {socket.gethostname()}" in last, res.stderr
     assert "Traceback" not in res.stderr
     assert not (run / "jobs.jsonl").exists() and not (run / "run.lock").exists()
+
+
+def test_the_documented_elastic_torchrun_trains_a_run_prepared_for_a_node_range(tmp_path):
+    """docs/quickstart.md's torchrun block, run as written from a checkout-like directory
+    (its .venv and examples/ linked in), on a free port: the elastic agent starts at the
+    range's minimum, and the run trains to its end under it; prepare's own hint for a range
+    names the same rendezvous flags."""
+    import re
+
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "torchrun" in b]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name in (".venv", "examples"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    script = block.replace("127.0.0.1:29400", f"127.0.0.1:{port}")
+    done = subprocess.run(["bash", "-euc", script], capture_output=True, text=True,
+                          timeout=600, env=_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torchrun --nnodes 1:2 --rdzv-backend c10d" in done.stderr  # prepare's hint
+    run = tmp_path / "demo-runs" / "elastic"
+    jobs = [json.loads(line) for line in (run / "jobs.jsonl").read_text().splitlines()]
+    assert [(j["kind"], j["world_size"]) for j in jobs] == [("torchrun", 2)]
+    last = metrics(run, "train")[-1]["step"]
+    assert f"training done at step {last}" in done.stderr  # to the end, not a stop
+    assert (run / "checkpoints" / f"step-{last}" / "commit.json").is_file()
+    assert cli("verify", run).returncode == 0
