@@ -200,6 +200,20 @@ def _newest_refusal(run: RunDir) -> Optional[str]:
     return f"job {job} refused its input (not requeued): {note}" if note else None
 
 
+def stopped_short(run: RunDir, q: str) -> Optional[str]:
+    """Why a run nothing runs now is not done: its last logged step is short of the
+    schedule's (a pause, a cancel, a launcher that died or gave up: torchrun's agent after
+    a failed join, whose ranks all ended cleanly). None when it finished or never trained."""
+    start = list(read_metrics(run.metrics, "start"))
+    train = list(read_metrics(run.metrics, "train"))
+    total = start[-1].get("total_steps") if start else None
+    last = train[-1].get("step") if train else None
+    if not isinstance(total, int) or not isinstance(last, int) or last >= total:
+        return None
+    return (f"stopped at step {last} of {total} and nothing runs it: enn-submit resume {q} "
+            "goes on from its newest complete checkpoint")
+
+
 def check_logs(run: RunDir, live: bool, q: str) -> Finding:
     dirs = attempt_dirs(run)
     refusal = _newest_refusal(run) if not live else None
@@ -232,6 +246,10 @@ def check_logs(run: RunDir, live: bool, q: str) -> Finding:
         worst = max(worst, "warning", key=LEVELS.index)
     if relaunch:  # the ranks' exits above are what the relaunch answers
         lines.insert(0, relaunch)
+        worst = max(worst, "warning", key=LEVELS.index)
+    stopped = None if live else stopped_short(run, q)
+    if stopped:  # every rank may have ended cleanly, and the run is still not done
+        lines.append(stopped)
         worst = max(worst, "warning", key=LEVELS.index)
     if refusal:  # why the job stopped comes first, whatever its ranks' logs say after it
         lines.insert(0, refusal)

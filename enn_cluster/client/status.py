@@ -190,6 +190,23 @@ def nonfinite_line(nf: dict) -> str:
             f"; loss {rec.get('loss')}, lr {rec.get('lr')}")
 
 
+def world_sizes_line(jobs: list[dict]) -> Optional[str]:
+    """'4 (torchrun 12:01:05) -> 2 (torchrun 12:04:10)': the world size of each launch where
+    it changed. An external launcher's membership change (torchrun's agents restarting the
+    workers on the nodes left) shows nowhere else; None while it never changed."""
+    sized = []
+    for j in jobs:
+        world = j.get("world_size")
+        if world is None and isinstance(j.get("nodes"), int) and j.get("tasks_per_node"):
+            world = j["nodes"] * j["tasks_per_node"]
+        if isinstance(world, int) and (not sized or sized[-1][0] != world):
+            sized.append((world, j.get("kind"), j.get("time")))
+    if len(sized) < 2:
+        return None
+    return " -> ".join(f"{w} ({kind} {time.strftime('%H:%M:%S', time.localtime(t))})"
+                       if isinstance(t, (int, float)) else f"{w} ({kind})" for w, kind, t in sized)
+
+
 def format_status(st: dict) -> str:
     lines = [f"run:             {st['run_dir']}",
              f"last step:       {st['last_step']} (loss {st['last_loss']})",
@@ -201,6 +218,8 @@ def format_status(st: dict) -> str:
                f"(resume skips it; `enn-submit verify` lists every problem)"
                for i, (step, problems) in enumerate(sorted(st["corrupt_checkpoints"].items()))),
              f"restarts:        {st['resumes']} resume(s), {len(st['jobs'])} launch(es)"]
+    if world_sizes_line(st["jobs"]):
+        lines.append(f"world size:      {world_sizes_line(st['jobs'])}")
     for i, line in enumerate((st.get("backends") or {}).get("lines", [])):
         lines.append(f"{'backends:' if i == 0 else '':<17}{line}")
     if st.get("oom") and st["oom"].get("events"):

@@ -138,3 +138,24 @@ def test_a_nonfinite_dump_of_the_wrong_shape_is_reported_not_a_crash(tmp_path):
     line = nonfinite_line(nonfinite_dumps(folder))
     assert "2 dump(s)" not in line and "3 dump(s); newest nonfinite/step-5.json: rows []" in line
     assert nonfinite_dumps(folder)["record"] == {"unreadable": "a JSON list, not an object"}
+
+
+def test_a_torchrun_membership_change_shows_as_world_sizes(tmp_path):
+    """Issue 37: torchrun's agents restarting the workers on fewer nodes leave one record per
+    launch (each new group's rank 0 records itself, as worker_lock does); status shows the
+    world size changing, and a run launched at one size shows no such line."""
+    from enn_cluster.storage.job_record import JobRecord
+    from enn_cluster.storage.rundir import RunDir
+
+    cfg = write_config(tmp_path / "run.yaml", **small_config(tmp_path, "tr"))
+    assert cli("prepare", "--config", cfg).returncode == 0
+    run = RunDir(tmp_path / "runs" / "tr")
+    run.record_job(JobRecord(kind="torchrun", task="train", pid=11, world_size=4, nodes=2))
+    done = cli("status", run.path)
+    assert done.returncode == 0 and "world size:" not in done.stdout, done.stdout
+    run.record_job(JobRecord(kind="torchrun", task="train", pid=12, world_size=4, nodes=2))
+    run.record_job(JobRecord(kind="torchrun", task="train", pid=13, world_size=2, nodes=1))
+    done = cli("status", run.path)
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("world size:")]
+    assert line.startswith("world size:      4 (torchrun ") and " -> 2 (torchrun " in line, line
+    assert line.count("->") == 1  # a relaunch at the same size is no change

@@ -191,6 +191,10 @@ def test_a_run_paused_at_a_step_goes_on_with_its_schedule(uninterrupted, tmp_pat
     assert max(int(p.name[5:]) for p in (run / "checkpoints").glob("step-*")) == 20
     logs = "".join(p.read_text() for p in (run / "logs").glob("*/rank-0.log"))
     assert "paused at step 20 of 42 (training.pause_at_step)" in logs
+    doctor = cli("doctor", run, timeout=120)  # clean exits, and still not done: it says so
+    (line,) = [x for x in doctor.stdout.splitlines() if x.startswith("logs ")]
+    assert line.split()[1] == "warning" and f"stopped at step 20 of 42 and nothing runs it: " \
+        f"enn-submit resume {run}" in line, line
     res = cli("resume", run, "--nodes", "1", "--procs-per-node", "2", timeout=240)
     assert res.returncode == 0, res.stderr
     assert_same_steps(run, uninterrupted, 42)
