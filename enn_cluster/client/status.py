@@ -74,13 +74,26 @@ def run_status(path: Path, verified: Optional[dict] = None, slurm=None) -> dict:
     status["save_over_grace"] = save_grace_line(run, jobs)
     job = newest_slurm_job(jobs)
     if job is not None:
-        status["slurm"] = slurm.job_state(job)
+        status["slurm"] = without_nodes_gone_on_from(slurm.job_state(job), lost)
         status["probing_since"] = node_loss.probing_since(run.path, job)
         status["ended"] = node_loss.read_ended(run.path, job)
         status["refused"] = node_loss.read_refusal(run.path, job)
         status["relaunch"] = with_last_step(node_loss.relaunch_pending(
             node_loss.read_relaunch(run.path, job), lost, job), last_train)
     return status
+
+
+def without_nodes_gone_on_from(state: dict, lost: list[dict]) -> dict:
+    """The job's state less the dead nodes it has already gone on without (a node_lost
+    record of this job names them): Slurm keeps a lost node in a relaunched job's node list
+    until it declares the node down, minutes later, and "node down ... stays RUNNING" would
+    be said of a job that is training again on the nodes left."""
+    gone = {n for r in lost if str(r.get("job_id")) == str(state.get("job_id"))
+            for n in (r.get("lost") or [])}
+    dead = state.get("dead_nodes")
+    if not dead or not gone:
+        return state
+    return {**state, "dead_nodes": {n: s for n, s in dead.items() if n not in gone}}
 
 
 def with_last_step(rec: Optional[dict], train: Optional[dict]) -> Optional[dict]:

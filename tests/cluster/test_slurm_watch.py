@@ -324,3 +324,20 @@ def test_the_gateway_asks_every_job_in_one_squeue_call(slurm_cluster, tmp_path, 
         assert slurm.job_alive(running) and not slurm.job_alive(ended)
     finally:
         slurm_cluster.run(["scancel", running, never])
+
+
+def test_a_node_the_job_went_on_without_is_no_longer_said_to_hold_it():
+    """Issue 37: after the in-job relaunch, Slurm keeps the lost node in the job's node list
+    (IDLE*) until it declares it down; status names the loss (node lost: ...), not a node
+    that keeps a RUNNING job waiting to be requeued. Another job's loss changes nothing."""
+    (running,) = parse_squeue(captured("squeue_on_a_node_not_responding.txt")).values()
+    state = {**running, "dead_nodes": dead_nodes(captured("sinfo_one_down.txt"))}
+    mine = [{"kind": "node_lost", "job_id": running["job_id"], "lost": ["n2"]}]
+    other = [{"kind": "node_lost", "job_id": "9999", "lost": ["n2", "n3"]}]
+    shown = status_mod.without_nodes_gone_on_from(state, mine)
+    assert shown["dead_nodes"] == {"n3": "DOWN"}
+    (hint,) = [line for line in slurm_lines(shown) if line.startswith("node down:")]
+    assert "n3 (DOWN)" in hint and "n2" not in hint
+    assert status_mod.without_nodes_gone_on_from(state, other) == state
+    gone = status_mod.without_nodes_gone_on_from(state, mine + [{**mine[0], "lost": ["n3"]}])
+    assert not [line for line in slurm_lines(gone) if line.startswith("node down:")]
