@@ -204,10 +204,9 @@ def stopped_short(run: RunDir, q: str) -> Optional[str]:
     """Why a run nothing runs now is not done: its last logged step is short of the
     schedule's (a pause, a cancel, a launcher that died or gave up: torchrun's agent after
     a failed join, whose ranks all ended cleanly). None when it finished or never trained."""
-    start = list(read_metrics(run.metrics, "start"))
-    train = list(read_metrics(run.metrics, "train"))
-    total = start[-1].get("total_steps") if start else None
-    last = train[-1].get("step") if train else None
+    newest = {r.get("kind"): r for r in read_metrics(run.metrics)}  # one read, the last of each
+    total = newest.get("start", {}).get("total_steps")
+    last = newest.get("train", {}).get("step")
     if not isinstance(total, int) or not isinstance(last, int) or last >= total:
         return None
     return (f"stopped at step {last} of {total} and nothing runs it: enn-submit resume {q} "

@@ -190,24 +190,26 @@ def detached_child(handed: BinaryIO) -> int:
 def cancel_run(run: RunDir) -> int:
     """Cancel the run's live Slurm job, or stop its local launcher: only a job or process
     proven to be this run's is signalled (a forged lock or jobs.jsonl names someone else's)."""
-    from enn_cluster.cluster.slurm import job_alive
+    from enn_cluster.cluster.slurm import alive, job_state
 
     RunDir.existing(run.path)
     owner = read_lock(run)
     jobs = [j for j in run.jobs() if j.is_slurm]
-    if jobs and job_alive(jobs[-1].job_id):
-        return _cancel_slurm(run, jobs[-1].job_id)
+    state = job_state(jobs[-1].job_id) if jobs else None  # one answer: alive, and whose
+    if state is not None and alive(state):
+        return _cancel_slurm(run, state)
     if owner and not owner.get("slurm_job_id"):
         return _stop_launcher(run, owner)
     print(f"{run.path}: nothing is running")
     return 0
 
 
-def _cancel_slurm(run: RunDir, job_id: str) -> int:
-    from enn_cluster.cluster.slurm import cancel, job_belongs_to_run, job_state
+def _cancel_slurm(run: RunDir, state: dict) -> int:
+    from enn_cluster.cluster.slurm import cancel, job_belongs_to_run
     from enn_cluster.storage.run_lock import clear_lock_of_job
 
-    if not job_belongs_to_run(job_state(job_id), run.path):
+    job_id = state["job_id"]
+    if not job_belongs_to_run(state, run.path):
         raise UserError(f"jobs.jsonl: Slurm job {job_id} is not proven this run's (its comment "
                         "is not the one enn-submit gave it for this run); not cancelling it: "
                         f"use scancel {job_id} yourself if you mean it")

@@ -27,6 +27,7 @@ from pathlib import Path
 from enn_cluster.cluster import enroot_import, enroot_layout
 from enn_cluster.cluster.image_key import image_key, image_path
 from enn_cluster.errors import ToolMissing, UserError
+from enn_cluster.storage.run_files import read_run_text
 from enn_cluster.storage.output_target import missing_parents, remove_empty
 
 TAG_REPO = "localhost/enn-cluster"
@@ -74,10 +75,12 @@ def record_path(image: Path) -> Path:
 
 
 def read_record(image: Path) -> str | None:
-    """The writer recorded for `image`; None for an image without (or with a bad) record."""
+    """The writer recorded for `image`; None for an image without (or with a bad) record.
+    The image cache is shared: the record is read as a run file is (a regular file, not a
+    link, bounded), so a FIFO or a huge file in its place cannot hang or flood a build."""
     try:
-        record = json.loads(record_path(image).read_text(encoding="utf-8")[:4096])
-    except (OSError, ValueError):
+        record = json.loads(read_run_text(record_path(image), limit=4096))
+    except (OSError, ValueError, UserError):
         return None
     writer = record.get("writer") if isinstance(record, dict) else None
     return writer if writer in (OWN_WRITER, ENROOT_IMPORT) else None

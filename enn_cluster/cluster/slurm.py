@@ -172,8 +172,8 @@ NODES_UNAVAILABLE = ("ReqNodeNotAvail", "Nodes_required_for_job_are_DOWN")
 
 def unavailable_nodes(reason: Optional[str]) -> Optional[str]:
     """'n3' of 'ReqNodeNotAvail,_UnavailableNodes:n3'; None where the reason names none."""
-    _, found, nodes = (reason or "").partition("UnavailableNodes:")
-    return nodes.strip(",_ ") or None if found else None
+    _, _, nodes = (reason or "").partition("UnavailableNodes:")
+    return nodes.strip(",_ ") or None
 
 
 def pending_why(state: dict) -> Optional[str]:
@@ -196,7 +196,7 @@ def pending_why(state: dict) -> Optional[str]:
              "JobHeldAdmin": "held by an administrator"}
     if reason in words:
         return f"{words[reason]} (Reason={reason})"
-    if reason.startswith(("QOS", "Assoc")) and "PerUser" in reason or reason.endswith("Limit"):
+    if (reason.startswith(("QOS", "Assoc")) and "PerUser" in reason) or reason.endswith("Limit"):
         return f"waits until running jobs leave room under a limit (Reason={reason})"
     return f"Reason={reason}"
 

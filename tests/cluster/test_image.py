@@ -121,6 +121,14 @@ def test_a_bad_build_record_reads_as_unrecorded(tmp_path):
         assert read_record(image) is None
     record_path(image).write_text('{"writer": "enroot import"}')
     assert read_record(image) == ENROOT_IMPORT
+    real = tmp_path / "elsewhere.json"
+    real.write_text('{"writer": "enroot import"}')
+    big = '{"writer": "enroot import", "x": "' + "y" * 5000 + '"}'
+    makers = (os.mkfifo, Path.mkdir, lambda p: p.symlink_to(real), lambda p: p.write_text(big))
+    for i, make in enumerate(makers):
+        other = tmp_path / f"enn-{i}.sqsh"  # a fresh image name for each
+        make(record_path(other))  # a FIFO must not hang the build, a link not be followed
+        assert read_record(other) is None
 
 
 FAKE_PODMAN = """#!/bin/sh
