@@ -39,13 +39,75 @@ def looks_secret(value) -> bool:
     return isinstance(value, str) and redact(value) != value
 
 
+FRONT_ENDS = ("cli", "api", "site")  # where a user gives an input: a flag, an argument, a key
+
+
 class UserError(Exception):
-    """Bad input (config, flag, path): the message names the field and the fix."""
+    """Bad input (config, flag, path): the message names the field and the fix.
+
+    A plain message (`UserError("training.lr: ...")`) names a config key, the same in every
+    front end. A message about an input whose name differs between front ends (a CLI flag, an
+    API argument, a site key) is given in parts instead, so that each front end names it in its
+    own words: `field` (an input of config/inputs.py's table, or a tuple of them), `value` (the
+    value given), the `problem` and `fix` as str.format templates of `say`'s items (an input
+    renders as its name there, `Said(input, value)` as the name with the value; any other value
+    as text, so braces in a user's value stay text). str(exc) is the CLI's line; the API's
+    boundary renders `rendered("api", ...)` (client/api_words.py)."""
 
     exit_code = 2
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args, field=None, value=None, fix: str = "", api_fix=None, **say) -> None:
+        self.field, self.value, self.fix, self.api_fix, self.say = field, value, fix, api_fix, say
+        self.problem = args[0] if args and (field is not None or say) else None
+        if self.problem is not None:
+            args = (self.rendered("cli"), *args[1:])
         super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
+
+    @classmethod
+    def on(cls, field, text: str, fix: str = "", **parts) -> "UserError":
+        """`field: text; fix`, with `text` and `fix` as they are (no templates: they may quote
+        a user's value)."""
+        return cls("{text}", field=field, text=text, fix="{fix_text}" if fix else "",
+                   fix_text=fix, **parts)
+
+    def rendered(self, front: str, names=None) -> str:
+        """The message in `front`'s words (FRONT_ENDS); `names`: input name -> the word a
+        caller gave it there (the API's `run_dir`, `Run.open(path)`)."""
+        if self.problem is None:
+            return str(self)
+        if front not in FRONT_ENDS:
+            raise ValueError(f"front end {front!r}: one of {FRONT_ENDS}")
+        words = {k: _in_words(v, front, names or {})
+                 for k, v in {"value": self.value, "field": self.field, **self.say}.items()}
+        fix = self.api_fix if front == "api" and self.api_fix is not None else self.fix
+        line = self.problem.format_map(words)
+        if self.field is not None:
+            line = f"{words['field']}: {line}"
+        return redact(line + ("; " + fix.format_map(words) if fix else ""))
+
+
+class Said:
+    """An input with the value given for it: `--nodes 2`, `cluster["nodes"]=2`, `nodes: 2`."""
+
+    def __init__(self, field, value) -> None:
+        self.field, self.value = field, value
+
+
+def _in_words(value, front: str, names):
+    """A message's part in `front`'s words: an input (config/inputs.py: it has `named`) as
+    its name there, a Said as the name with the value, a tuple of inputs joined; any other
+    value as it is. `names` overrides an input's name (input name -> word)."""
+    if isinstance(value, Said):
+        field = value.field
+        spoken = front if field.name in names else field.spoken(front)
+        return field.said(spoken, value.value, _in_words(field, front, names))
+    if hasattr(value, "named"):
+        return names.get(value.name) or value.named(front)
+    if isinstance(value, tuple) and value and all(isinstance(v, Said) or hasattr(v, "named")
+                                                  for v in value):
+        return (" / " if all(hasattr(v, "named") for v in value) else " ").join(
+            _in_words(v, front, names) for v in value)
+    return value
 
 
 class ToolMissing(UserError):

@@ -36,6 +36,26 @@ ANY = st.recursive(st.none() | st.booleans() | NUMBERS | FLOATS | HOSTILE,
                    | st.dictionaries(HOSTILE, inner, max_size=3), max_leaves=6)
 
 
+def _flag(name, values):
+    return st.tuples(st.just(name), values).map(list)
+
+
+# launch flags with hostile values, as a command line (the CLI fuzz) or the API's `cluster=`
+# (tests/client/test_api_words.py) gives them
+RENDER_FLAGS = st.lists(st.one_of(
+    _flag("--job-name", ARGV_SAFE | st.sampled_from(["enn-x", "ü.v1"])),
+    _flag("--mount", ARGV_SAFE | st.sampled_from(["/data:/data:ro", "/a:/b:rw"])),
+    _flag("--container", st.sampled_from(["none", "/img/enn.sqsh", "nvcr.io#nvidia/pytorch:24.05"])
+          | ARGV_SAFE),
+    _flag("--set", st.tuples(st.sampled_from(["run_name=", "runs_root=/tmp/", "training.lr=",
+                                              "model.kwargs.k="]), ARGV_SAFE).map("".join)),
+    _flag("--partition", ARGV_SAFE), _flag("--time", ARGV_SAFE | st.sampled_from(["30", "2-00"])),
+    _flag("--nodes", ARGV_SAFE | st.sampled_from(["2", "1-3", "0", "-1"])),
+    _flag("--python", ARGV_SAFE), _flag("--signal-grace", ARGV_SAFE | st.sampled_from(["0", "30"])),
+    st.just(["--admin"]),
+), max_size=4).map(lambda pairs: [a for pair in pairs for a in pair])
+
+
 def one_line_error(message: str) -> None:
     assert message and len(message.strip().splitlines()) == 1, message
     assert "Traceback" not in message and "\x1b" not in message, message

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Union
 
 from enn_cluster.client.launch_plan import LaunchPlan, Machine, plan_launch
 from enn_cluster.client.launching import create_train_run, resolved_config, start
-from enn_cluster.client.api_words import EXPORT_WORDS, PREDICT_WORDS, TRAIN_WORDS, speaks_api
+from enn_cluster.client.api_words import speaks_api
 from enn_cluster.client.run_handle import Run
 from enn_cluster.cluster.submit_slurm import SlurmRequest, check_slurm_here
 from enn_cluster.config.launch_options import API_KEYS, asked
@@ -164,7 +164,7 @@ def _plan(cfg: RunConfig, cluster: Optional[dict], task: str,
     return plan
 
 
-@speaks_api(TRAIN_WORDS)
+@speaks_api(run_dir="run_dir")
 def train(model, X, y=None, *, config=None, eval_data=None, cluster: Optional[dict] = None,
           run_dir: Optional[str] = None, wait: bool = True, **overrides) -> Run:
     """Train `model` (an nn.Module or 'module:factory') on X/y; returns a `Run` handle.
@@ -217,7 +217,7 @@ def _start(run: RunDir, plan: LaunchPlan, wait: bool, name: Optional[str] = None
 IN_MEMORY_LIMIT = 1 << 30  # larger outputs come back as a read-only memmap
 
 
-@speaks_api(PREDICT_WORDS)
+@speaks_api()
 def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict] = None,
             name: Optional[str] = None, raw: bool = False, out: Optional[str] = None,
             chunk_rows: Optional[int] = None, batch_size: Optional[int] = None):
@@ -262,7 +262,7 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
     return np.array(array) if array.nbytes <= IN_MEMORY_LIMIT else array
 
 
-@speaks_api(EXPORT_WORDS)
+@speaks_api()
 def export(run_or_dir, out, *, step: Optional[int] = None, format: str = "torch") -> Path:
     """`enn-submit export`: the checkpoint as `model.pt` (full state dict), with
     `format="export"` also a torch.export program `model.pt2`; returns the directory.

@@ -23,13 +23,15 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.errors import UserError
+from enn_cluster.config.inputs import INPUTS
+from enn_cluster.errors import Said, UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.output_target import missing_parents, remove_empty
 from enn_cluster.storage.rundir import RunDir, atomic_write_text, fsync_dir
 
 LM_FORMATS = ("hf", "peft")  # Hugging Face forms (client/lm_artifacts): a kind's export_formats
 FORMATS = ("torch", "export", *LM_FORMATS)
+FORMAT = INPUTS["format"]
 STATE_FILE, PROGRAM_FILE, RECORD_FILE = "model.pt", "model.pt2", "export.json"
 
 
@@ -58,10 +60,11 @@ def export_program(model, input_shape: tuple, model_name: str):
             return torch.export.export(model, example,
                                        dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
     except Exception as exc:  # torch raises many types here; all mean "not exportable"
-        raise UserError(f"model.name: {model_name} is not export-safe: "
-                        f"{offending_line(exc, os.path.dirname(torch.__file__))}; make the "
-                        "forward traceable (no data-dependent Python branches or host "
-                        "round trips) or export the weights alone with --format torch")
+        raise UserError("{name} is not export-safe: {why}", field="model.name",
+                        name=model_name, why=offending_line(exc, os.path.dirname(torch.__file__)),
+                        fix="make the forward traceable (no data-dependent Python branches or "
+                            "host round trips) or export the weights alone with {torch}",
+                        torch=Said(FORMAT, "torch"))
     finally:
         logging.disable(logging.NOTSET)
 
@@ -86,10 +89,12 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
 
     run = RunDir.existing(run_dir)
     if fmt not in FORMATS:
-        raise UserError(f"--format: {fmt!r} is not a format; use one of {', '.join(FORMATS)}")
+        raise UserError("{value!r} is not a format", field=FORMAT, value=fmt,
+                        fix="use one of {formats}", formats=", ".join(FORMATS))
     out = Path(out).resolve()
     if out.exists():
-        raise UserError(f"--out: {out} exists; give a new directory")
+        raise UserError("{value} exists", field=INPUTS["out"], value=out,
+                        fix="give a new directory")
     step, fallback = choose_step(run.checkpoints, step)
     cfg, manifest = run.load_config(), read_manifest(run.data_dir)
     check_model(cfg)  # the weights folder (an LM's) as prepare checked it
@@ -131,8 +136,9 @@ def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict)
     from enn_cluster.models import kind_of
 
     if "hf" not in kind_of(cfg).export_formats:
-        raise UserError(f"--format: {fmt} is for Hugging Face causal LMs (model.name: hf:DIR); "
-                        f"{cfg.model.name} exports with --format torch or export")
+        raise UserError("{value} is for Hugging Face causal LMs (model.name: hf:DIR)",
+                        field=FORMAT, value=fmt, name=cfg.model.name, torch=Said(FORMAT, "torch"),
+                        fix="{name} exports with {torch} or export")
     return _write_artifact(out, lambda tmp: write_hf(cfg, store.step_dir(run.checkpoints, step),
                                                      tmp, fmt, manifest.get("text")),
                            run, step, fmt, tuple(manifest["entries"]["train_x"]["shape"][1:]),

@@ -20,7 +20,8 @@ from typing import Optional, TextIO
 
 import numpy as np
 
-from enn_cluster.errors import UserError
+from enn_cluster.config.inputs import INPUTS
+from enn_cluster.errors import Said, UserError
 from enn_cluster.storage import prediction_manifest as pm
 from enn_cluster.storage.checksum import RunningChecksum, algorithm_of
 from enn_cluster.storage.file_copy import kernel_copy
@@ -37,6 +38,7 @@ from enn_cluster.storage.memmap_writer import progress_bar
 from enn_cluster.storage.run_files import open_run_file, read_run_text
 
 
+NAME, OUT = INPUTS["name"], INPUTS["out"]
 ASSEMBLED = ("assembled.npy", "assembled-raw.npy")  # the API's own outputs, in the prediction
 
 
@@ -57,15 +59,18 @@ def find_prediction(run: RunDir, name: Optional[str]) -> str:
         if run.predictions.exists() else []
     if name is not None:
         if name not in names:
-            raise UserError(f"--name: no prediction {name!r} in {run.predictions}; "
-                            f"there are: {', '.join(names) or 'none'}")
+            raise UserError("no prediction {value!r} in {where}", field=NAME, value=name,
+                            where=run.predictions, fix="there are: {names}",
+                            names=", ".join(names) or "none")
         return name
     if not names:
-        raise UserError(f"RUN_DIR: {run.path} has no predictions yet; make one with "
-                        f"'enn-submit predict {run.path} --input X.npy', then collect it")
+        raise UserError("{value} has no predictions yet", field=INPUTS["run_dir"],
+                        value=run.path, fix="make one with 'enn-submit predict {value} --input "
+                        "X.npy', then collect it", api_fix="make one with predict()")
     if len(names) != 1:
-        raise UserError(f"--name: {run.path} has {len(names)} predictions "
-                        f"({', '.join(names) or 'none'}); pass --name NAME")
+        raise UserError("{run} has {count} predictions ({names})", field=NAME,
+                        run=run.path, count=len(names), names=", ".join(names) or "none",
+                        fix="pass {name}", name=Said(NAME, "NAME"))
     return names[0]
 
 
@@ -76,20 +81,26 @@ def read_committed(pdir: Path) -> dict:
     try:
         manifest = json.loads(read_run_text(where))
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise UserError(f"{where}: not valid JSON (damaged or hand-edited); recompute the "
-                        f"prediction with 'enn-submit predict ... --name {pdir.name}'") from None
+        raise _recompute(f"{where}: not valid JSON (damaged or hand-edited)", pdir.name) from None
     except FileNotFoundError:
         done = len(list(pdir.glob("chunk-*.json")))
         request = pm.read_request(pdir)
         total = len(pm.plan_chunks(request["input"]["shape"][0], request["chunk_rows"]))
-        raise UserError(f"prediction {pdir.name}: not complete ({done} of {total} chunks "
-                        f"committed); continue it with 'enn-submit predict "
-                        f"{pdir.parent.parent} --name {pdir.name}'")
+        raise UserError("prediction {name}: not complete ({done} of {total} chunks committed)",
+                        name=pdir.name, done=done, total=total, run=pdir.parent.parent,
+                        fix="continue it with 'enn-submit predict {run} --name {name}'",
+                        api_fix="continue it with predict(..., name={name!r})")
     problem = manifest_problem(manifest)
     if problem:
-        raise UserError(f"{where}: {problem}; recompute the prediction with "
-                        f"'enn-submit predict ... --name {pdir.name}'")
+        raise _recompute(f"{where}: {problem}", pdir.name)
     return manifest
+
+
+def _recompute(problem: str, name: str) -> UserError:
+    """A damaged prediction: computed again under its name."""
+    return UserError("{problem}", problem=problem, name=name,
+                     fix="recompute the prediction with 'enn-submit predict ... --name {name}'",
+                     api_fix="recompute it under another name (predict(..., name=...))")
 
 
 def manifest_problem(manifest) -> Optional[str]:
@@ -195,8 +206,10 @@ def _target(out: str):
     try:
         fs, path = fsspec.core.url_to_fs(out)
     except (ValueError, ImportError) as exc:
-        raise UserError(f"--out: no storage for {out.split('://')[0]!r}:// here ({str(exc)[:120]}); "
-                        "give a local path or an fsspec URL whose package is installed") from None
+        raise UserError("no storage for {scheme!r}:// here ({why})", field=OUT, value=out,
+                        scheme=out.split("://")[0], why=str(exc)[:120],
+                        fix="give a local path or an fsspec URL whose package is installed"
+                        ) from None
     local = type(fs).__name__ == "LocalFileSystem"
     return fs, path, local
 
@@ -206,21 +219,24 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
     """Verify and assemble prediction `name` of `run` into `out` (.npy path or fsspec URL)."""
     from enn_cluster.config.checks import no_credentials_in_url
 
-    no_credentials_in_url("--out", str(out))
+    no_credentials_in_url(OUT, str(out))
     if str(out).startswith("memory://"):
-        raise UserError("--out: memory:// is gone when enn-submit exits; give a file path "
-                        "or a URL of lasting storage")
+        raise UserError("memory:// is gone when enn-submit exits", field=OUT, value=out,
+                        fix="give a file path or a URL of lasting storage")
     name = find_prediction(run, name)
     pdir = run.predictions / name
     manifest = read_committed(pdir)
     if not str(out).endswith(".npy"):
-        raise UserError(f"--out: {out!r} must end in .npy (local path or fsspec URL)")
-    fs, path, local = _target(expanded("--out", out))
+        raise UserError("{value!r} must end in .npy (local path or fsspec URL)", field=OUT,
+                        value=out)
+    fs, path, local = _target(expanded(OUT, out))
     if local:  # the API's default target, predictions/<name>/assembled*.npy, is the run's own
         own = Path(path).parent == Path(os.path.abspath(pdir)) and Path(path).name in ASSEMBLED
-        check_local_target("--out", path, overwrite, run_dir=None if own else run.path)
+        check_local_target(OUT, path, overwrite, run_dir=None if own else run.path)
     elif fs.exists(path) and not overwrite:
-        raise UserError(f"--out: {out} exists; choose another path or pass --overwrite")
+        raise UserError("{value} exists", field=OUT, value=out,
+                        fix="choose another path or pass --overwrite",
+                        api_fix="choose another path")
     made: list[Path] = []  # the parents of --out this call creates: gone again on failure
     if local:
         made = missing_parents(Path(path))
@@ -232,9 +248,12 @@ def collect(run: RunDir, name: Optional[str], out: str, *, raw: bool = False,
     try:
         problems = _assemble(pdir, manifest, tmp, raw, stream)
         if problems:
-            raise UserError(f"collect {name}: {len(problems)} problem(s), nothing written to "
-                            f"{out}: " + "; ".join(problems) +
-                            f". Recompute them with 'enn-submit predict {run.path} --name {name}'")
+            raise UserError("collect {name}: {count} problem(s), nothing written to {out}: "
+                            "{problems}", name=name, count=len(problems), out=out,
+                            problems="; ".join(problems), run=run.path,
+                            fix="recompute them with 'enn-submit predict {run} --name {name}'",
+                            api_fix="recompute them under another name (predict(..., "
+                                    "name=...))")
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         if local:

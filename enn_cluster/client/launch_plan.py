@@ -27,10 +27,12 @@ from enn_cluster.config.schedule import (
     requested_global_batch,
     total_steps,
 )
-from enn_cluster.errors import UserError
+from enn_cluster.config.inputs import INPUTS, ON_SLURM
+from enn_cluster.errors import Said, UserError
 
 LOCAL_PROCS_PER_CPU = 4  # the most local processes per CPU we start without being told to
-LOCAL_CPU_FORM = "--gpus-per-node 0 --procs-per-node 2"  # the local run that works anywhere
+# the local run that works anywhere: --gpus-per-node 0 --procs-per-node 2
+LOCAL_CPU_FORM = (Said(INPUTS["gpus_per_node"], 0), Said(INPUTS["procs_per_node"], 2))
 
 
 @dataclass(frozen=True)
@@ -170,9 +172,11 @@ def check_gpus_here(cfg: RunConfig, asked: ShapeRequest, gpus: Optional[int],
         here = "this machine has no GPU" + ("" if machine.sbatch else
                                             " and no Slurm (no sbatch on PATH)")
         raise UserError(
-            f"--gpus-per-node: {gpus} asked, but {here}; a local run would start "
-            f"{nodes} x {gpus} = {nodes * gpus} CPU processes on {machine.cpus} CPUs. Run on "
-            f"this machine's CPU with {LOCAL_CPU_FORM}, or on a cluster with --cluster slurm")
+            "{value} asked, but {here}; a local run would start {nodes} x {value} = {world} "
+            "CPU processes on {cpus} CPUs. Run on this machine's CPU with {cpu} {cpu_procs}, "
+            "or on a cluster with {slurm}", field=INPUTS["gpus_per_node"], value=gpus, here=here,
+            nodes=nodes, world=nodes * gpus, cpus=machine.cpus, cpu=LOCAL_CPU_FORM[0],
+            cpu_procs=LOCAL_CPU_FORM[1], slurm=ON_SLURM)
     return (f"--gpus-per-node {gpus}: this machine has no GPU; the {nodes * gpus} local "
             f"ranks run on the CPU (pass --gpus-per-node 0 to say so, or --cluster slurm)",)
 
@@ -183,7 +187,9 @@ def check_local_capacity(shape: LaunchShape, procs_given: bool, machine: Machine
     unless --procs-per-node says the number on purpose."""
     cap = machine.process_cap
     if not procs_given and shape.world > cap:
-        raise UserError(f"--procs-per-node: a local run would start {shape.nodes} x "
-                        f"{shape.procs_per_node} = {shape.world} processes on this machine "
-                        f"({machine.cpus} CPUs; at most {cap} unless asked for); pass "
-                        "--procs-per-node to mean it, or --cluster slurm to run on the cluster")
+        raise UserError("a local run would start {nodes} x {procs} = {world} processes on "
+                        "this machine ({cpus} CPUs; at most {cap} unless asked for)",
+                        field=INPUTS["procs_per_node"], nodes=shape.nodes,
+                        procs=shape.procs_per_node, world=shape.world, cpus=machine.cpus,
+                        cap=cap, fix="pass {field} to mean it, or {slurm} to run on the cluster",
+                        slurm=ON_SLURM)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.errors import UserError
+from enn_cluster.config.inputs import INPUTS
+from enn_cluster.errors import Said, UserError
 from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.models.causal_lm import CausalLM
 from enn_cluster.storage.base_weights import check_step_base
@@ -49,9 +50,10 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
     state = {k: v for k, v in model.state_dict().items() if k in held}
     trained = {n for n, _ in model.named_parameters() if not cfg.lora.enabled or is_adapter(n)}
     if not state or len(state) != len(held) or not trained <= held:
-        raise UserError(f"--step: {step_dir} holds {len(held)} model tensors, {len(state)} of "
-                        f"which this model has, and lacks {len(trained - held)} it trains; it "
-                        "was not written by this run's model")
+        raise UserError("{value} holds {held} model tensors, {had} of which this model has, "
+                        "and lacks {lacks} it trains; it was not written by this run's model",
+                        field=INPUTS["step"], value=step_dir, held=len(held), had=len(state),
+                        lacks=len(trained - held))
     with warnings.catch_warnings():  # DCP's note that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_load({"model": state}, step_dir)
@@ -67,8 +69,9 @@ def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str,
     from transformers import AutoTokenizer
 
     if fmt == "peft" and not cfg.lora.enabled:
-        raise UserError("--format: peft writes LoRA adapters, and this run fine-tuned every "
-                        "weight (lora.r: 0); use --format hf")
+        raise UserError("peft writes LoRA adapters, and this run fine-tuned every weight "
+                        "(lora.r: 0)", field=INPUTS["format"], value=fmt,
+                        fix="use {hf}", hf=Said(INPUTS["format"], "hf"))
     check_same_tokenizer(staged_text, cfg.data, cfg.model)  # exported beside the model
     model = load_lm(cfg, step_dir, merge=fmt == "hf")
     model.lm.save_pretrained(str(out))

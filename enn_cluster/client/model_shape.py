@@ -8,9 +8,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from enn_cluster.config.memory_plan import DEFAULT_GPU_MEM_GB, ModelShape, refusal
+from enn_cluster.config.memory_plan import DEFAULT_GPU_MEM_GB, ModelShape, memory_refusal
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.errors import UserError
 
 
 def check_fits(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gb: Optional[float],
@@ -27,9 +26,10 @@ def check_fits(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gb: Optio
 
     if cfg.model.name == FACTORY:
         return
-    why = refusal(cfg, model_shape(cfg), nodes, gpus_per_node, gpu_mem_gb or DEFAULT_GPU_MEM_GB)
+    why = memory_refusal(cfg, model_shape(cfg), nodes, gpus_per_node,
+                         gpu_mem_gb or DEFAULT_GPU_MEM_GB)
     if why:
-        raise UserError(why)
+        raise why
 
 
 def replica_fits(cfg: RunConfig, gpus_per_node: int, gpu_mem_gb: Optional[float]) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from enn_cluster.config.lm_config import TEXT_SUFFIXES
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import prediction_manifest as pm
@@ -37,6 +38,8 @@ from enn_cluster.storage.staging import read_manifest, stage_array
 from enn_cluster.storage.step_choice import choose_step
 from enn_cluster.storage.text_sources import check_same_tokenizer, check_text_file
 from enn_cluster.storage.text_staging import text_rows
+
+INPUT = INPUTS["input"]  # --input, the API's X
 
 DEFAULT_CHUNK_ROWS = 65536
 DEFAULT_BATCH_SIZE = 1024
@@ -89,10 +92,11 @@ def _is_text(cfg, source: Any) -> bool:
 def _check_input(entry: dict, run: RunDir) -> None:
     features = read_manifest(run.data_dir)["entries"]["train_x"]["shape"][1:]
     if entry["shape"][1:] != features:
-        raise UserError(f"--input: rows have shape {tuple(entry['shape'][1:])} but the model "
-                        f"was trained on rows of shape {tuple(features)}")
+        raise UserError("rows have shape {shape} but the model was trained on rows of shape "
+                        "{features}", field=INPUT, shape=tuple(entry["shape"][1:]),
+                        features=tuple(features))
     if entry["shape"][0] < 1:
-        raise UserError("--input: has no rows")
+        raise UserError("has no rows", field=INPUT)
 
 
 def check_prediction_inputs(run: RunDir, cfg, source: Any) -> None:
@@ -105,9 +109,9 @@ def check_prediction_inputs(run: RunDir, cfg, source: Any) -> None:
     check_control_files(run)
     check_model(cfg)
     if isinstance(source, str) and _is_text(cfg, source):
-        check_text_file("--input", source, cfg.data)
+        check_text_file(INPUT, source, cfg.data)
     elif isinstance(source, str):
-        check_source("--input", source)
+        check_source(INPUT, source)
 
 
 def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] = None,
@@ -118,25 +122,25 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
     `cfg`: the run's config when the caller has loaded it (else read here)."""
     cfg = run.load_config() if cfg is None else cfg
     if chunk_rows < 1 or batch_size < 1:
-        raise UserError("--chunk-rows / --batch-size: must be >= 1")
+        raise UserError("must be >= 1", field=(INPUTS["chunk_rows"], INPUTS["batch_size"]),
+                        value=(chunk_rows, batch_size))
     if name is not None:
         _checked_name(name)
     existing = _existing(run, name)
     if existing is not None and source is None:
         if step is not None and step != existing["step"]:
-            raise UserError(f"--step: prediction {name!r} was made from step-{existing['step']}; "
-                            "use another --name for another step")
+            raise _other_step(name, existing["step"], step)
         return _request(run, existing)
     if isinstance(source, str):
         from enn_cluster.config.run_config import no_credentials_in_url
 
-        no_credentials_in_url("--input", source)
+        no_credentials_in_url(INPUT, source)
     if source is None:
-        raise UserError(f"--input: required (no prediction named {name!r} to continue in "
-                        f"{run.predictions})")
+        raise UserError("required (no prediction named {name!r} to continue in {where})",
+                        field=INPUT, name=name, where=run.predictions)
     text = _is_text(cfg, source)
     if text:
-        check_text_file("--input", str(source), cfg.data)
+        check_text_file(INPUT, str(source), cfg.data)
     else:
         _check_input_array(source, cfg.data.x_key)
     if existing is not None and step is None:
@@ -153,7 +157,7 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
                         read_weights=False)
     if text:  # tokenized here, staged as the array of token ids it makes
         name = name or default_name(source, step, "")
-        source = text_rows("--input", str(source), cfg.data, cfg.model)
+        source = text_rows(INPUT, str(source), cfg.data, cfg.model)
     with run_umask(), sigterm_unwinds():  # modes as the rest of the run, whatever the umask
         staged = _stage_request(run, cfg, source, name, step, chunk_rows, batch_size,
                                 generate, sharded)
@@ -164,10 +168,10 @@ def _check_input_array(source: Any, x_key: str) -> None:
     """The input's header (a file) or dtype and shape (an array), before anything is made."""
     if isinstance(source, (str, os.PathLike)):
         source = str(source)
-        check_source("--input", source)
-        inspect_array("--input", source, x_key if source.endswith(".npz") else None)
+        check_source(INPUT, source)
+        inspect_array(INPUT, source, x_key if source.endswith(".npz") else None)
     elif isinstance(source, np.ndarray):
-        check_layout("--input", "the input array", tuple(source.shape), False, source.dtype, None)
+        check_layout(INPUT, "the input array", tuple(source.shape), False, source.dtype, None)
 
 
 def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chunk_rows: int,
@@ -206,7 +210,7 @@ def _checked_name(name: str) -> str:
     try:
         return pm.check_name(name)
     except ValueError as exc:
-        raise UserError(str(exc))
+        raise UserError.on(INPUTS["name"], str(exc)) from None
 
 
 def _existing(run: RunDir, name: Optional[str]) -> Optional[dict]:
@@ -248,9 +252,15 @@ def _reuse(run: RunDir, existing: dict, entry: dict, step: int) -> PredictionReq
     name = existing["name"]
     if entry["checksum"] != _input_checksum(run, existing, like=entry["checksum"]) or \
             entry["shape"] != existing["input"]["shape"]:
-        raise UserError(f"--name: prediction {name!r} already holds another input; pick "
-                        f"another --name or remove {run.predictions / name}")
+        raise UserError("prediction {value!r} already holds another input",
+                        field=INPUTS["name"], value=name, where=run.predictions / name,
+                        fix="pick another {field} or remove {where}")
     if step != existing["step"]:
-        raise UserError(f"--step: prediction {name!r} was made from step-{existing['step']}; "
-                        "use another --name for another step")
+        raise _other_step(name, existing["step"], step)
     return _request(run, existing)
+
+
+def _other_step(name: str, made_from: int, step: int) -> UserError:
+    return UserError("prediction {name!r} was made from step-{made_from}", field=INPUTS["step"],
+                     value=step, name=name, made_from=made_from,
+                     fix="use another {other} for another step", other=INPUTS["name"])

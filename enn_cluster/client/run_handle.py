@@ -6,7 +6,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from enn_cluster.client.api_words import RUN_WORDS, speaks_api
+from enn_cluster.client.api_words import speaks_api
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 from enn_cluster.storage import commits as store
 from enn_cluster.storage.metrics import read_metrics
@@ -19,7 +20,7 @@ class Run:
         self.dir = RunDir(Path(path).resolve())
 
     @classmethod
-    @speaks_api(RUN_WORDS)
+    @speaks_api(run_dir="Run.open(path)")
     def open(cls, path) -> "Run":
         run = cls(RunDir.existing(path).path)
         run.dir.load_config()  # a damaged config.yaml: one line now
@@ -64,7 +65,7 @@ class Run:
 
         cancel_run(self.dir)
 
-    @speaks_api(RUN_WORDS)
+    @speaks_api()
     def load_model(self, step: Optional[int] = None, raw: bool = False):
         """The model with the full weights of a complete checkpoint, in this process. A
         causal LM comes with LoRA merged: `forward(input_ids)` gives its logits. With
@@ -82,8 +83,10 @@ class Run:
                             "resume it until one commits (enn-submit status shows them)")
         committed = store.committed_steps(self.dir.checkpoints)
         if step not in committed:
-            raise UserError(f"--step: step-{step} is not a complete checkpoint of {self.path}; "
-                            f"complete ones: {', '.join(map(str, committed)) or 'none'}")
+            raise UserError("step-{value} is not a complete checkpoint of {run}",
+                            field=INPUTS["step"], value=step, run=self.path,
+                            fix="complete ones: {steps}",
+                            steps=", ".join(map(str, committed)) or "none")
         cfg, manifest = self.config, read_manifest(self.dir.data_dir)
         from enn_cluster.models import kind_of
 
@@ -102,8 +105,9 @@ class Run:
             raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - metadata is untrusted
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
-            raise UserError(f"step-{step}: {path} does not load into this run's model ({why}); "
-                            "restore the checkpoint or pick another --step") from None
+            raise UserError("step-{step}: {path} does not load into this run's model ({why})",
+                            step=step, path=path, why=why, step_input=INPUTS["step"],
+                            fix="restore the checkpoint or pick another {step_input}") from None
         scaler = manifest.get("target_scaler")
         if scaler and not raw:
             model.register_forward_hook(TargetUnits(scaler["mean"], scaler["std"]))

@@ -37,6 +37,8 @@ from enn_cluster.cluster.slurm_values import (
 )
 from enn_cluster.config import nccl
 from enn_cluster.config.checks import node_range
+from enn_cluster.config.inputs import INPUTS
+from enn_cluster.errors import UserError
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
 from enn_cluster.config.launch_shape import LaunchShape
 from enn_cluster.storage import layout
@@ -125,7 +127,7 @@ class JobSpec:
     @property
     def mounts(self) -> tuple[pyxis.Mount, ...]:
         """User mounts, then the run directory at its own path (the worker reads it)."""
-        return (*pyxis.parse_mounts(self.container_mounts),
+        return (*pyxis.parse_mounts(self.container_mounts, INPUTS["container_mounts"]),
                 pyxis.Mount(self.run_dir, self.run_dir))
 
     @property
@@ -140,41 +142,44 @@ class JobSpec:
 
 
 def _validate(s: JobSpec) -> None:
-    check_word(s.job_name, "--job-name", _NAME)
-    pyxis.check_path(s.run_dir, "RUN_DIR", "run directory")
+    check_word(s.job_name, INPUTS["job_name"], _NAME)
+    pyxis.check_path(s.run_dir, INPUTS["run_dir"], "run directory")
     if "%" in s.run_dir or posixpath.normpath(s.run_dir) != s.run_dir:
-        raise _fail("RUN_DIR", f"{s.run_dir!r} has '%', '.', '..', '//' or a trailing '/'",
-                    "give the plain absolute path ('%' is a log-name pattern in Slurm)")
+        raise _fail(INPUTS["run_dir"], f"{s.run_dir!r} has '%', '.', '..', '//' or a "
+                    "trailing '/'", "give the plain absolute path ('%' is a log-name pattern "
+                    "in Slurm)")
     if s.task not in TASKS:
         raise _fail("--task", f"{s.task!r} is not a task", "use train or predict")
     if s.task == "predict":
         if not s.predict_name:
-            raise _fail("--name", "predict needs a prediction name", "pass --name NAME")
-        check_word(s.predict_name, "--name", _NAME)
+            raise _fail(INPUTS["name"], "predict needs a prediction name", "pass --name NAME")
+        check_word(s.predict_name, INPUTS["name"], _NAME)
     time_minutes(s.time)
-    _int(s.gpus_per_node, "--gpus-per-node", 0, MAX_GPUS_PER_NODE)
+    _int(s.gpus_per_node, INPUTS["gpus_per_node"], 0, MAX_GPUS_PER_NODE)
     check_gpu_request(s.gpu_request, "site.gpu_request")
-    _int(s.procs_per_node, "--procs-per-node", 1, MAX_GPUS_PER_NODE)
+    _int(s.procs_per_node, INPUTS["procs_per_node"], 1, MAX_GPUS_PER_NODE)
     if s.cpus_per_task is not None:
-        _int(s.cpus_per_task, "--cpus-per-task", 1, MAX_CPUS_PER_TASK)
+        _int(s.cpus_per_task, INPUTS["cpus_per_task"], 1, MAX_CPUS_PER_TASK)
     if s.mem_gb is not None:
         check_mem_gb(s.mem_gb)
     for flag in ("partition", "account", "qos"):
-        check_word(getattr(s, flag), f"--{flag}")
+        check_word(getattr(s, flag), INPUTS[flag])
     check_word(s.wckey, "site.wckey")
-    _int(s.signal_grace_s, "--signal-grace", 1)
-    _int(s.max_restarts, "--max-restarts", 0)
+    _int(s.signal_grace_s, INPUTS["signal_grace"], 1)
+    _int(s.max_restarts, INPUTS["max_restarts"], 0)
     if s.time_minutes * 60 <= s.signal_grace_s + 60:
-        raise _fail("--time", f"{s.time!r} leaves no run time before the USR2 warning "
-                    f"({s.signal_grace_s} s before the end; Slurm may send it 60 s early)",
-                    f"give more than {(s.signal_grace_s + 60) // 60 + 1} minutes or a "
-                    "smaller --signal-grace")
+        raise UserError("{value!r} leaves no run time before the USR2 warning ({grace} s "
+                        "before the end; Slurm may send it 60 s early)", field=INPUTS["time"],
+                        value=s.time, grace=s.signal_grace_s,
+                        fix="give more than {least} minutes or a smaller {signal_grace}",
+                        least=(s.signal_grace_s + 60) // 60 + 1,
+                        signal_grace=INPUTS["signal_grace"])
     if not isinstance(s.exclusive, bool):
-        raise _fail("--exclusive", f"{s.exclusive!r} is not true/false", "give a boolean")
+        raise _fail(INPUTS["exclusive"], f"{s.exclusive!r} is not true/false", "give a boolean")
     _validate_container(s)
-    check_line(s.python, "--python")
+    check_line(s.python, INPUTS["python"])
     if not s.python.strip():
-        raise _fail("--python", "empty interpreter", "give python3 or a path")
+        raise _fail(INPUTS["python"], "empty interpreter", "give python3 or a path")
     nccl.check_profile(s.nccl_profile, "--nccl-profile")
     for name, value in s.env:
         pyxis.check_env_names([name], "--env")
@@ -191,11 +196,11 @@ def _validate(s: JobSpec) -> None:
 def _validate_container(s: JobSpec) -> None:
     if s.container_image is None:
         if s.container_mounts or s.container_workdir:
-            raise _fail("--container-mounts", "mounts or workdir given without an image",
+            raise _fail(INPUTS["container_mounts"], "mounts or workdir given without an image",
                         "pass --container-image, or drop them for bare metal")
         return
     pyxis.check_image(s.container_image)
-    pyxis.parse_mounts(s.container_mounts)
+    pyxis.parse_mounts(s.container_mounts, INPUTS["container_mounts"])
     if s.container_workdir is not None:
         pyxis.check_path(s.container_workdir, "--container-workdir")
     pyxis.check_env_names(s.container_env)

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError, looks_secret
 
 # Mount flags Pyxis passes to enroot (joined with '+', e.g. "ro+rprivate").
@@ -49,45 +50,46 @@ def _bad_char(value: str) -> Optional[str]:
 def check_path(path: str, field: str, what: str = "path") -> str:
     """An absolute path Pyxis and #SBATCH lines can carry unquoted."""
     if not isinstance(path, str) or not path:
-        raise UserError(f"{field}: {what} is empty; give an absolute path")
+        raise UserError.on(field, f"{what} is empty; give an absolute path")
     if not path.startswith("/"):
-        raise UserError(f"{field}: {what} {path!r} must be absolute (start with /)")
+        raise UserError.on(field, f"{what} {path!r} must be absolute (start with /)")
     bad = _bad_char(path)
     if bad:
-        raise UserError(f"{field}: {what} {path!r} contains {bad}, which Pyxis cannot carry "
-                        "(',' and ':' separate mounts, spaces split its mount table, quotes "
-                        "and '$' reach a shell); use letters, digits and . _ - + / @ = ~ %")
+        raise UserError.on(field, f"{what} {path!r} contains {bad}, which Pyxis cannot carry "
+                                  "(',' and ':' separate mounts, spaces split its mount table, quotes "
+                                  "and '$' reach a shell); use letters, digits and . _ - + / @ = ~ %")
     return path
 
 
-def parse_mount(text: str, field: str = "--container-mounts") -> Mount:
+def parse_mount(text: str, field="--container-mounts") -> Mount:
     """'SRC:DST[:FLAGS]' with absolute paths and flags from MOUNT_FLAGS ('+'-joined)."""
     if not isinstance(text, str) or not text:
-        raise UserError(f"{field}: empty mount; write SRC:DST[:FLAGS], e.g. /data:/data:ro")
+        raise UserError.on(field, "empty mount; write SRC:DST[:FLAGS], e.g. /data:/data:ro")
     parts = text.split(":")
     if len(parts) not in (2, 3):
-        raise UserError(f"{field}: {text!r} is not SRC:DST[:FLAGS] (paths cannot contain ':' "
-                        "or ','); e.g. /shared/data:/data:ro")
+        raise UserError.on(field, f"{text!r} is not SRC:DST[:FLAGS] (paths cannot contain ':' "
+                                  "or ','); e.g. /shared/data:/data:ro")
     src = check_path(parts[0], field, "mount source")
     dst = check_path(parts[1], field, "mount target")
     flags = tuple(f for f in parts[2].split("+") if f) if len(parts) == 3 else ()
     unknown = [f for f in flags if f not in MOUNT_FLAGS]
     if unknown or (len(parts) == 3 and not flags):
-        raise UserError(f"{field}: mount {text!r} has unknown flags {unknown or [parts[2]]}; "
-                        f"use {'+'.join(('ro', 'rprivate'))}-style flags from "
-                        f"{', '.join(sorted(MOUNT_FLAGS))}")
+        raise UserError.on(field, f"mount {text!r} has unknown flags {unknown or [parts[2]]}; "
+                                  f"use {'+'.join(('ro', 'rprivate'))}-style flags from "
+                                  f"{', '.join(sorted(MOUNT_FLAGS))}")
     if "ro" in flags and "rw" in flags:
-        raise UserError(f"{field}: mount {text!r} is both ro and rw; keep one")
+        raise UserError.on(field, f"mount {text!r} is both ro and rw; keep one")
     return Mount(src, dst, flags)
 
 
 def parse_mounts(items: Union[str, Iterable[str], None],
-                 field: str = "--container-mounts") -> tuple[Mount, ...]:
+                 field="--container-mounts") -> tuple[Mount, ...]:
     """A comma-joined string or a list of entries (each may itself hold commas)."""
     if items is None:
         return ()
     labelled = [(field, items)] if isinstance(items, str) else [
-        (f"{field}[{i}]", item) for i, item in enumerate(items)]
+        (field.item(i) if hasattr(field, "item") else f"{field}[{i}]", item)
+        for i, item in enumerate(items)]
     return tuple(parse_mount(entry.strip(), label)
                  for label, item in labelled for entry in str(item).split(","))
 
@@ -100,36 +102,36 @@ def is_squashfs(image: str) -> bool:
     return image.startswith(("/", "./", "../", "~")) or image.endswith(SQUASHFS_SUFFIXES)
 
 
-def check_image(image: str, field: str = "--container-image") -> str:
+def check_image(image: str, field=INPUTS["container_image"]) -> str:
     """A squashfs path ('/'- or './'-prefixed) or a registry reference, unchanged."""
     if looks_secret(image):  # user:PASS@registry#img: it would be written into the script
-        raise UserError(f"{field}: holds a password or token (not shown); give registry "
-                        "credentials through Enroot's credentials file "
-                        "(ENROOT_CONFIG_PATH/.credentials), never in the image reference")
+        raise UserError.on(field, "holds a password or token (not shown); give registry "
+                                  "credentials through Enroot's credentials file "
+                                  "(ENROOT_CONFIG_PATH/.credentials), never in the image reference")
     if "://" in image:
         scheme = image.split("://", 1)[0]
         fix = ("build a squashfs (enroot import -o IMG.sqsh podman://TAG) and pass its path"
                if scheme != "docker" else "drop 'docker://': Pyxis adds it")
-        raise UserError(f"{field}: {image!r}: Pyxis takes a squashfs path or a registry "
-                        f"reference without a scheme; {fix}")
+        raise UserError.on(field, f"{image!r}: Pyxis takes a squashfs path or a registry "
+                                  f"reference without a scheme; {fix}")
     if is_squashfs(image):
         if image.startswith("~"):
-            raise UserError(f"{field}: {image!r}: '~' is not expanded on the nodes; "
-                            "write the absolute path")
+            raise UserError.on(field, f"{image!r}: '~' is not expanded on the nodes; "
+                                      "write the absolute path")
         if not image.startswith(("/", "./")):
-            raise UserError(f"{field}: {image!r} is a relative path; Pyxis would read it "
-                            "as a registry image: make it absolute (or ./-prefixed)")
+            raise UserError.on(field, f"{image!r} is a relative path; Pyxis would read it "
+                                      "as a registry image: make it absolute (or ./-prefixed)")
         body = "/" + image[2:] if image.startswith("./") else image
         check_path(body, field, "image path")
         return image
     if not _REF.match(image):
-        raise UserError(f"{field}: {image!r} is neither a squashfs path nor a registry "
-                        "reference like nvcr.io#nvidia/pytorch:24.05-py3")
+        raise UserError.on(field, f"{image!r} is neither a squashfs path nor a registry "
+                                  "reference like nvcr.io#nvidia/pytorch:24.05-py3")
     return image
 
 
 def image_arg(image: str, *, relative: bool = False, cwd: Optional[str] = None,
-              field: str = "--container-image") -> str:
+              field=INPUTS["container_image"]) -> str:
     """The `--container-image` value: a squashfs path made absolute against `cwd` (or
     './'-prefixed when `relative`, resolved by Pyxis in the job's directory); a registry
     reference unchanged."""
@@ -138,8 +140,8 @@ def image_arg(image: str, *, relative: bool = False, cwd: Optional[str] = None,
     if relative and not image.startswith("/"):
         norm = os.path.normpath(image)
         if norm.startswith(".."):
-            raise UserError(f"{field}: {image!r} leaves the job directory; use an "
-                            "absolute path")
+            raise UserError.on(field, f"{image!r} leaves the job directory; use an "
+                                      "absolute path")
         return check_image("./" + norm, field)
     base = cwd if cwd is not None else os.getcwd()
     return check_image(os.path.normpath(os.path.join(base, image)), field)
@@ -154,8 +156,8 @@ def check_env_names(names: Iterable[str], field: str = "--container-env") -> tup
     out = []
     for name in names:
         if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise UserError(f"{field}: {name!r} is not an environment variable name "
-                            "(letters, digits and _, not starting with a digit)")
+            raise UserError.on(field, f"{name!r} is not an environment variable name "
+                                      "(letters, digits and _, not starting with a digit)")
         if name not in out:
             out.append(name)
     return tuple(out)

@@ -8,6 +8,7 @@ import re
 from typing import Optional, Union
 
 from enn_cluster.config.launch_options import WHOLE_NODE_GPUS  # noqa: F401 (tests read it here)
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 
 # sbatch options JobSpec owns; extra_sbatch_args may not repeat them.
@@ -32,7 +33,7 @@ _SBATCH_UNSAFE = re.compile(r"[\s'\"\\#$`]|[\x00-\x1f\x7f]")
 _TIME = re.compile(r"^(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?\Z")
 
 
-def time_minutes(value: Union[int, str], field_name: str = "--time") -> int:
+def time_minutes(value: Union[int, str], field_name=INPUTS["time"]) -> int:
     """Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) or int -> minutes."""
     if isinstance(value, int) and not isinstance(value, bool):
         minutes = value
@@ -48,13 +49,13 @@ def time_minutes(value: Union[int, str], field_name: str = "--time") -> int:
             secs = nums[0] * 60 + (nums[1] if len(nums) == 2 else 0)
         minutes = -(-secs // 60)
     else:
-        raise UserError(f"{field_name}: {short_value(value)} is not a time; give minutes (240) or a "
-                        "Slurm time like 04:00:00 or 1-12:00:00")
+        raise UserError.on(field_name, f"{short_value(value)} is not a time; give minutes (240) or a "
+                                       "Slurm time like 04:00:00 or 1-12:00:00")
     if minutes <= 0:
-        raise UserError(f"{field_name}: {short_value(value)} must be at least one minute")
+        raise UserError.on(field_name, f"{short_value(value)} must be at least one minute")
     if minutes > MAX_TIME_MINUTES:
-        raise UserError(f"{field_name}: {short_value(value)} is more than a year; give a real "
-                        "time limit (Slurm's own limits are far below it)")
+        raise UserError.on(field_name, f"{short_value(value)} is more than a year; give a real "
+                                       "time limit (Slurm's own limits are far below it)")
     return minutes
 
 
@@ -70,8 +71,10 @@ def whole_node_request(gpus_per_node: int, whole_node_gpus: int, exclusive: bool
     return exclusive, mem_gb
 
 
-def _fail(flag: str, problem: str, fix: str) -> UserError:
-    return UserError(f"{flag}: {problem}; {fix}")
+def _fail(flag, problem: str, fix: str) -> UserError:
+    """`flag`: a launch option (config/inputs.py), named in each front end's words, or a
+    site file's key."""
+    return UserError.on(flag, problem, fix=fix)
 
 
 def check_line(line: str, flag: str) -> str:
@@ -124,7 +127,7 @@ def _int(value, flag: str, lo: int, hi: int = 2**31 - 1) -> int:
     return value
 
 
-def check_mem_gb(value, flag: str = "--mem-gb") -> None:
+def check_mem_gb(value, flag=INPUTS["mem_gb"]) -> None:
     """GB per node: 0 (all of it), or between 1 MiB and 1 PiB."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             value == 0 or MIN_MEM_GB <= value <= MAX_MEM_GB):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 from enn_cluster.cluster import slurm
 from enn_cluster.storage import layout
@@ -118,11 +119,13 @@ def wait_for_job(job_id: str, run=None, *, ask: Optional[Callable[[str], dict]] 
             print(f"Slurm job {job_id}: {shown}", file=sys.stderr, flush=True)
         if slurm.never_starts(state):
             slurm.cancel(job_id)
-            raise UserError(f"Slurm job {job_id} can never start: Reason={state['reason']} "
-                            "(beyond the partition's, account's or QOS's limits); cancelled "
-                            "it: ask for fewer nodes, GPUs, CPUs (--cpus-per-task; unset, it "
-                            "is sized from the partition's nodes) or less --time, or another "
-                            "--partition")
+            raise UserError("Slurm job {job} can never start: Reason={reason} (beyond the "
+                            "partition's, account's or QOS's limits); cancelled it",
+                            job=job_id, reason=state["reason"],
+                            fix="ask for fewer nodes, GPUs, CPUs ({cpus}; unset, it is sized "
+                                "from the partition's nodes) or less {time}, or another "
+                                "{partition}", cpus=INPUTS["cpus_per_task"],
+                            time=INPUTS["time"], partition=INPUTS["partition"])
         if state["state"] not in slurm.LIVE_STATES:
             if state["state"] == "COMPLETED":
                 return 0

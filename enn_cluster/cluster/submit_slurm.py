@@ -23,7 +23,8 @@ from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: 
 from enn_cluster.config.launch_env import SUBMISSION_VAR
 from enn_cluster.config.launch_shape import LaunchShape
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.errors import UserError
+from enn_cluster.config.inputs import INPUTS, ON_SLURM
+from enn_cluster.errors import Said, UserError
 from enn_cluster.storage import commits as store, layout
 from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.rundir import RunDir, run_umask
@@ -54,13 +55,15 @@ def default_image(site_cache: Optional[str]) -> Path:
 
     dockerfile = Path("containers/Dockerfile")
     if not dockerfile.is_file():
-        raise UserError("--container: no image given (flag or site config) and no "
-                        "containers/Dockerfile here to find a built one for; pass --container "
-                        "IMAGE, or --container none to run without Pyxis")
+        raise UserError("no image given (flag or site config) and no containers/Dockerfile "
+                        "here to find a built one for", field=INPUTS["container"],
+                        fix="pass {image}, or {bare} to run without Pyxis", bare=BARE,
+                        image=Said(INPUTS["container"], "IMAGE"))
     try:
         return image_for(dockerfile, ".", image_cache_dir(site_cache))
     except UserError as exc:
-        raise UserError(f"--container: {exc} (or pass --container IMAGE / none)") from None
+        raise UserError("{why} (or pass {field} IMAGE / none)", field=INPUTS["container"],
+                        why=str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,10 @@ def build_spec(req: SlurmRequest, run_dir: Path, task: str, shape: LaunchShape,
         opts["container"] = str(default_image(opts["image_cache"]))
     if opts["container"] == "none":  # bare metal
         if asked.get("mounts"):  # the site's mounts are for its images; a flag's are meant
-            raise UserError(f"--mount: {len(asked['mounts'])} mount(s) given with --container "
-                            "none (bare metal mounts nothing); drop --mount or name an image")
+            raise UserError("{count} mount(s) given with {bare} (bare metal mounts nothing)",
+                            field=INPUTS["mounts"], value=asked["mounts"],
+                            count=len(asked["mounts"]), bare=BARE,
+                            fix="drop {field} or name an image")
         # the tasks run this very interpreter (same venv on a shared filesystem)
         opts.update(container=None, mounts=(), python=asked.get("python") or sys.executable)
     else:
@@ -146,7 +151,7 @@ def read_mounts(dirs, mounts) -> tuple[str, ...]:
     snapshot's files are links into its blobs)."""
     from enn_cluster.cluster import pyxis
 
-    covered = [m.dst for m in pyxis.parse_mounts(tuple(mounts))]
+    covered = [m.dst for m in pyxis.parse_mounts(tuple(mounts), INPUTS["container_mounts"])]
     out: list[str] = []
     for path in map(Path, dirs):
         entry = next((p for p in (path, *path.parents) if p.name.startswith("models--")), path)
@@ -239,24 +244,32 @@ NO_CONFIG = "Could not establish a configuration source"
 NOT_CONFIGURED = "Slurm is not configured on this machine (no slurm.conf, SLURM_CONF or DNS record)"
 SLURM_FIX = ("submit from a Slurm login node, or run here without --cluster slurm "
              "(`enn-submit render` shows the script from anywhere)")
+API_SLURM_FIX = "submit from a Slurm login node, or run here with cluster=None"
+BARE = Said(INPUTS["container"], "none")  # bare metal: no Pyxis
 
 
-def slurm_problem(has_sbatch: bool, ping) -> Optional[str]:
+def slurm_refusal(problem: str, fix: str = SLURM_FIX) -> UserError:
+    """This machine cannot submit to Slurm, in each front end's words."""
+    return UserError("{problem}", field=ON_SLURM, problem=problem, fix=fix,
+                     api_fix=API_SLURM_FIX if fix == SLURM_FIX else None)
+
+
+def slurm_problem(has_sbatch: bool, ping) -> Optional[UserError]:
     """Why this machine cannot submit to Slurm, or None: from whether sbatch is on PATH and
     `scontrol ping`'s result (None: no scontrol, or no answer in time; then sbatch says).
     Only what Slurm's clients say plainly is refused here; anything else is sbatch's to say."""
     if not has_sbatch:
-        return f"--cluster slurm: this machine has no Slurm (no sbatch on PATH); {SLURM_FIX}"
+        return slurm_refusal("this machine has no Slurm (no sbatch on PATH)")
     if ping is None or ping.returncode == 0:
         return None
     said = f"{ping.stdout}\n{ping.stderr}"
     if NO_CONFIG in said:
-        return f"--cluster slurm: {NOT_CONFIGURED}; {SLURM_FIX}"
+        return slurm_refusal(NOT_CONFIGURED)
     down = next((line.strip() for line in said.splitlines() if line.rstrip().endswith(" DOWN")),
                 None)
     if down:
-        return (f"--cluster slurm: the Slurm controller does not answer (scontrol ping: "
-                f"{down}); try again when it is back, or ask the cluster's admins")
+        return slurm_refusal(f"the Slurm controller does not answer (scontrol ping: {down})",
+                             "try again when it is back, or ask the cluster's admins")
     return None
 
 
@@ -270,7 +283,7 @@ def check_slurm_here() -> None:
     has_sbatch = shutil.which("sbatch") is not None
     problem = slurm_problem(has_sbatch, ping() if has_sbatch else None)
     if problem:
-        raise UserError(problem)
+        raise problem
 
 
 def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
@@ -312,8 +325,7 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
         release_lock(run, claim)
         said = (str(exc).strip().splitlines() or ["no message"])[-1]
         if NO_CONFIG in said:
-            raise UserError(f"--cluster slurm: {NOT_CONFIGURED} (sbatch: {NO_CONFIG}); "
-                            f"{SLURM_FIX}") from None
+            raise slurm_refusal(f"{NOT_CONFIGURED} (sbatch: {NO_CONFIG})") from None
         raise UserError(f"sbatch refused the job: {said}")
     except BaseException:
         release_lock(run, claim)

@@ -9,6 +9,7 @@ import re
 import unicodedata
 from typing import Any, Optional
 
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError, did_you_mean
 
 MAX_SEED = 2**32 - 1  # numpy and torch both take it; negative seeds fail in numpy
@@ -135,11 +136,11 @@ def no_credentials_in_url(key: str, value: Optional[str],
     try:
         what = _url_secret(value)
     except ValueError:
-        raise UserError(f"{key}: is not a valid URL (not shown: it may hold a secret); "
-                        "check it") from None
+        raise UserError.on(key, "is not a valid URL (not shown: it may hold a secret); "
+                                "check it") from None
     if what:
-        raise UserError(f"{key}: the URL holds a {what}, and the config is frozen into the "
-                        f"run directory; give credentials through {where} instead")
+        raise UserError.on(key, f"the URL holds a {what}, and the config is frozen into the "
+                                f"run directory; give credentials through {where} instead")
 
 
 def check_regular_file(key: str, path: str, fix: str) -> None:
@@ -151,12 +152,12 @@ def check_regular_file(key: str, path: str, fix: str) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise UserError(f"{key}: {path} does not exist; {fix}") from None
+        raise UserError.on(key, f"{path} does not exist; {fix}") from None
     except OSError as exc:
-        raise UserError(f"{key}: cannot open {path} ({exc.strerror}); {fix}") from None
+        raise UserError.on(key, f"cannot open {path} ({exc.strerror}); {fix}") from None
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise UserError(f"{key}: {path} is {kind}; {fix}")
+        raise UserError.on(key, f"{path} is {kind}; {fix}")
 
 
 def _path_text(key: str, value: str) -> None:
@@ -181,20 +182,21 @@ def check_home(key: str, value: str) -> None:
     if value.startswith("~") and os.path.expanduser(value) == value:
         user = value[1:].split("/", 1)[0]
         who = f"no user {user!r} on this machine" if user else "no home directory is known"
-        raise UserError(f"{key}: {value!r} cannot be expanded ({who}); give an absolute path")
+        raise UserError.on(key, f"{value!r} cannot be expanded ({who}); give an absolute path")
 
 
-def _check_tree(data: Any, where: str) -> None:
+def _check_tree(data: Any, where, shown: str = "") -> None:
     """Refuse YAML that only aliases make finite (self-referencing anchors, 'billion laughs'):
-    the walks below would recurse forever or expand it exponentially."""
+    the walks below would recurse forever or expand it exponentially. `where`: the key or
+    input (config/inputs.py) that holds it; `shown`: text after its name (a file's path)."""
     stack, count = [(data, 0)], 0
     while stack:
         node, depth = stack.pop()
         count += 1
         if depth > MAX_YAML_DEPTH or count > MAX_YAML_VALUES:
-            raise UserError(f"{where}: nested deeper than {MAX_YAML_DEPTH} levels or more than "
-                            f"{MAX_YAML_VALUES} values (an alias that refers to itself?); "
-                            "write the values out plainly")
+            raise UserError.on(where, f"{shown}nested deeper than {MAX_YAML_DEPTH} levels or "
+                               f"more than {MAX_YAML_VALUES} values (an alias that refers to "
+                               "itself?); write the values out plainly")
         if isinstance(node, dict):
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, (list, tuple, set)):
@@ -217,9 +219,12 @@ def node_range(value) -> tuple[int, int]:
     elif isinstance(value, int) and not isinstance(value, bool):
         lo = hi = value
     else:
-        raise UserError(f"--nodes: {value!r} is not a node count; give N or a range MIN-MAX")
+        raise UserError("{value!r} is not a node count", field=INPUTS["nodes"], value=value,
+                        fix="give N or a range MIN-MAX")
     if not 1 <= lo <= hi:
-        raise UserError(f"--nodes: {value!r} is empty or below 1; give 1 <= MIN <= MAX")
+        raise UserError("{value!r} is empty or below 1", field=INPUTS["nodes"], value=value,
+                        fix="give 1 <= MIN <= MAX")
     if hi > MAX_NODES:
-        raise UserError(f"--nodes: {value!r} is more than {MAX_NODES} nodes; give a real count")
+        raise UserError("{value!r} is more than {most} nodes", field=INPUTS["nodes"],
+                        value=value, most=MAX_NODES, fix="give a real count")
     return lo, hi

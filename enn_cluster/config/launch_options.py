@@ -4,8 +4,8 @@ file's key and the JobSpec field of one value, its type, default and help.
 Everything else reads this table: the launch flags of `enn-submit train/prepare/resume/
 predict/render` (client/cli.py), the keys the API's `cluster=` takes (client/api.py), what
 reaches Slurm (SlurmRequest and build_spec, cluster/submit_slurm.py), the site file's keys,
-typing and defaults (cluster/site.py) and the API's words for the CLI's flags in errors
-(client/api_words.py). Adding an option is one row (tests/config/test_launch_options.py copies
+typing and defaults (cluster/site.py) and each front end's name of an option in errors
+(config/inputs.py). Adding an option is one row (tests/config/test_launch_options.py copies
 the package, adds a row and follows it end to end); what the value then does in the job
 is the JobSpec's (cluster/job_spec.py: its field, its check, its #SBATCH line).
 

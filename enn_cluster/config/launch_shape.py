@@ -11,7 +11,8 @@ from typing import Optional, Union
 
 from enn_cluster.config.checks import MAX_PROCS_PER_NODE, node_range
 from enn_cluster.config.run_config import RunConfig
-from enn_cluster.errors import UserError
+from enn_cluster.config.inputs import INPUTS
+from enn_cluster.errors import Said, UserError
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,14 @@ def shape_from_flags(cfg: RunConfig, nodes, gpus_per_node: Optional[int],
     lo, hi = node_range(nodes) if nodes is not None else (cfg.parallel.nodes,) * 2
     gpus = gpus_per_node or 0
     if not 0 <= gpus <= MAX_PROCS_PER_NODE:
-        raise UserError(f"--gpus-per-node: {gpus} must be >= 0 and at most {MAX_PROCS_PER_NODE}")
+        raise UserError("{value} must be >= 0 and at most {most}", field=INPUTS["gpus_per_node"],
+                        value=gpus, most=MAX_PROCS_PER_NODE)
     procs = procs_per_node if procs_per_node is not None else (gpus or cfg.parallel.procs_per_node)
     if not 1 <= procs <= MAX_PROCS_PER_NODE:
-        raise UserError(f"--procs-per-node: {procs} must be >= 1 and at most {MAX_PROCS_PER_NODE}")
+        raise UserError("{value} must be >= 1 and at most {most}", field=INPUTS["procs_per_node"],
+                        value=procs, most=MAX_PROCS_PER_NODE)
     if gpus and procs != gpus:
-        raise UserError(f"--procs-per-node: {procs} differs from --gpus-per-node {gpus}; "
-                        "GPU runs use one process per GPU")
+        raise UserError("{value} differs from {gpus}", field=INPUTS["procs_per_node"],
+                        value=procs, gpus=Said(INPUTS["gpus_per_node"], gpus),
+                        fix="GPU runs use one process per GPU")
     return LaunchShape(lo, procs, gpus, hi)

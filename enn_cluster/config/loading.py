@@ -16,7 +16,8 @@ import yaml
 from enn_cluster.config.checks import _check_tree, no_secret_values
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import PlainLoader, read_yaml
-from enn_cluster.errors import UserError, did_you_mean
+from enn_cluster.config.inputs import INPUTS
+from enn_cluster.errors import Said, UserError, did_you_mean
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -88,17 +89,18 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`training.lr=1e-4` -> (["training", "lr"], 0.0001); the value is parsed as YAML."""
     if "=" not in text:
-        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
+        raise _not_key_value(text)
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
-        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set training.lr=1e-4")
+        raise _not_key_value(text)
     try:
         value = yaml.load(raw, Loader=PlainLoader) if raw.strip() else ""  # noqa: S506
     except (yaml.YAMLError, ValueError):  # ValueError: a bad date or a 5000-digit number
         value = raw
     except RecursionError:
-        raise UserError(f"--set {key}: the value is nested too deeply; give a plain value") from None
-    _check_tree(value, f"--set {key}")
+        raise UserError.on(Said(INPUTS["set"], key), "the value is nested too deeply",
+                           fix="give a plain value") from None
+    _check_tree(value, Said(INPUTS["set"], key))
     if isinstance(value, float) or isinstance(value, str):
         # YAML 1.1 reads "1e-4" as a string; accept it as the float it means.
         try:
@@ -106,6 +108,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         except ValueError:
             pass
     return key.split("."), value
+
+
+def _not_key_value(text: str) -> UserError:
+    return UserError("{set} {text!r}: expected KEY=VALUE, e.g. {example}", set=INPUTS["set"],
+                     text=text, example=Said(INPUTS["set"], "training.lr=1e-4"))
 
 
 def _looks_float(text: str) -> bool:
@@ -124,7 +131,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         for part in path[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise UserError(f"--set {text!r}: {part} is not a section")
+                raise UserError.on(Said(INPUTS["set"], text), f"{part} is not a section")
             node = child
         node[path[-1]] = value
     return data

@@ -38,9 +38,11 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import Optional
 
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.config.lm_config import takes_lora
 from enn_cluster.config.run_config import RunConfig, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch
+from enn_cluster.errors import Said, UserError
 
 GB = 1e9
 HEADROOM_FRACTION = 0.10  # of the GPU's memory, kept free for fragmentation and buffers
@@ -211,22 +213,33 @@ def combined_fix(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: i
 def refusal(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: int,
             gpu_mem_gb: float = DEFAULT_GPU_MEM_GB) -> str:
     """One line: why the plan does not fit and the fixes, each with its total ("" if it fits)."""
+    refused = memory_refusal(cfg, model, nodes, gpus_per_node, gpu_mem_gb)
+    return str(refused) if refused else ""
+
+
+def memory_refusal(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: int,
+                   gpu_mem_gb: float = DEFAULT_GPU_MEM_GB) -> Optional[UserError]:
+    """`refusal` as the UserError a launch raises (each fix a --set, or the API's keyword
+    sections); None when the plan fits."""
     plan = memory_plan(cfg, model, nodes, gpus_per_node, gpu_mem_gb)
     if plan.fits:
-        return ""
+        return None
     tried = [(key, memory_plan(fixed, model, nodes, gpus_per_node, gpu_mem_gb))
              for key, fixed in fix_candidates(cfg, nodes * gpus_per_node)]
     tried = sorted(tried, key=lambda kp: kp[1].total)
     if not any(p.fits for key, p in tried if not key.startswith("lora.")):
         both = combined_fix(cfg, model, nodes, gpus_per_node, gpu_mem_gb)
         tried = ([both] if both else []) + tried
-    fixes = ", ".join(f"--set {key} ({p.total / GB:.1f} GB{', fits' if p.fits else ''})"
-                      for key, p in tried)
-    return (f"plan: {nodes} x {gpus_per_node} GPUs need {plan.total / GB:.1f} GB per GPU "
-            f"(parameters {plan.params / GB:.1f}, gradients {plan.grads / GB:.1f}, optimizer "
-            f"{plan.optimizer / GB:.1f}, activations {plan.activations / GB:.1f}; shards of "
-            f"{plan.shard_group}) but {plan.usable / GB:.1f} of {gpu_mem_gb:g} GB are usable; "
-            f"fix: {fixes or 'a GPU with more memory'}"
-            f"{', or more nodes' if cfg.parallel.strategy == 'fsdp' else ''} "
-            f"(details: enn-submit plan)")
+    sets = {f"fix{i}": tuple(Said(INPUTS["set"], one) for one in key.split(" --set "))
+            for i, (key, _) in enumerate(tried)}  # each fix: one or more --set
+    fixes = ", ".join(f"{{fix{i}}} ({p.total / GB:.1f} GB{', fits' if p.fits else ''})"
+                      for i, (_, p) in enumerate(tried))
+    return UserError(
+        f"plan: {nodes} x {gpus_per_node} GPUs need {plan.total / GB:.1f} GB per GPU "
+        f"(parameters {plan.params / GB:.1f}, gradients {plan.grads / GB:.1f}, optimizer "
+        f"{plan.optimizer / GB:.1f}, activations {plan.activations / GB:.1f}; shards of "
+        f"{plan.shard_group}) but {plan.usable / GB:.1f} of {gpu_mem_gb:g} GB are usable; "
+        f"fix: {fixes or 'a GPU with more memory'}"
+        f"{', or more nodes' if cfg.parallel.strategy == 'fsdp' else ''} "
+        f"(details: enn-submit plan)", **sets)
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from enn_cluster.config.checks import MAX_GLOBAL_BATCH
 from enn_cluster.config.run_config import TrainingConfig
-from enn_cluster.errors import UserError
+from enn_cluster.config.inputs import INPUTS
+from enn_cluster.errors import Said, UserError
 
 MAX_NODES_SUGGESTED = 64  # how far the "launch with" hint counts node numbers
 
@@ -67,7 +68,7 @@ def plan_batch(t: TrainingConfig, dp_size: int, procs_per_node: int = 0) -> Batc
     per_device_train_batch_size that divides each rank's share, the rest as accumulation."""
     gb = requested_global_batch(t, dp_size)
     if gb % dp_size:
-        raise UserError(_no_split_message(gb, dp_size, procs_per_node))
+        raise _no_split(gb, dp_size, procs_per_node)
     share = gb // dp_size
     micro = largest_divisor_at_most(share, t.per_device_train_batch_size)
     return BatchPlan(gb, micro, share // micro, dp_size)
@@ -82,19 +83,25 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
     return best
 
 
-def _no_split_message(gb: int, dp_size: int, procs_per_node: int) -> str:
-    hint = ""
+def _no_split(gb: int, dp_size: int, procs_per_node: int) -> UserError:
+    """The CLI's hint lists the counts after the flag; the API's says "one of" them."""
+    hint = api_hint = counts = ""
     if procs_per_node:
-        nodes = fitting_node_counts(gb, procs_per_node)
-        if nodes:
-            shown = ", ".join(map(str, nodes[:8]))
-            hint = f"launch with --nodes {shown} at --procs-per-node {procs_per_node}, or "
+        fitting = fitting_node_counts(gb, procs_per_node)
+        if fitting:
+            counts = ", ".join(map(str, fitting[:8]))
+            hint = "launch with {nodes} {counts} at {procs_said}, or "
+            api_hint = "launch with {nodes} one of {counts} and {procs_said}, or "
         else:
-            procs = [p for p in range(1, 17) if gb % p == 0]
-            hint = f"use --procs-per-node {', '.join(map(str, procs[:6]))}, or "
-    return (f"training.global_batch_size: the run's global batch of {gb} rows does not split "
-            f"over {dp_size} data-parallel ranks; {hint}change it on purpose with "
-            "--set training.global_batch_size=N")
+            counts = ", ".join(map(str, [p for p in range(1, 17) if gb % p == 0][:6]))
+            hint, api_hint = "use {procs} {counts}, or ", "use {procs} one of {counts}, or "
+    rest = "change it on purpose with {batch}"
+    return UserError("the run's global batch of {gb} rows does not split over {dp_size} "
+                     "data-parallel ranks", field="training.global_batch_size", gb=gb,
+                     dp_size=dp_size, fix=hint + rest, api_fix=api_hint + rest,
+                     nodes=INPUTS["nodes"], procs=INPUTS["procs_per_node"], counts=counts,
+                     procs_said=Said(INPUTS["procs_per_node"], procs_per_node),
+                     batch=Said(INPUTS["set"], "training.global_batch_size=N"))
 
 
 def total_steps(t: TrainingConfig, n_rows: int, global_batch: int) -> int:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import yaml
 
 from enn_cluster.config.checks import _check_tree, check_regular_file
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
+
+CONFIG = INPUTS["config"]
 
 
 def _no_duplicate_keys(node, path: str, where: tuple = (), walked=None) -> None:
@@ -53,30 +56,30 @@ def load_text(text: str, path: str = "<text>"):
 
 def read_yaml(path: str) -> dict:
     if not str(path).strip():
-        raise UserError("--config: an empty path; pass the path of a run YAML (or leave "
-                        "--config out for the defaults)")
-    check_regular_file("--config", path, "pass the path of a run YAML")
+        raise UserError("an empty path", field=CONFIG,
+                        fix="pass the path of a run YAML (or leave {field} out for the defaults)")
+    check_regular_file(CONFIG, path, "pass the path of a run YAML")
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
         data = load_text(text, path)
     except FileNotFoundError:
-        raise UserError(f"--config: {path} does not exist; pass the path of a run YAML")
+        raise UserError.on(CONFIG, f"{path} does not exist; pass the path of a run YAML")
     except IsADirectoryError:
-        raise UserError(f"--config: {path} is a directory; pass the path of a run YAML")
+        raise UserError.on(CONFIG, f"{path} is a directory; pass the path of a run YAML")
     except OSError as exc:
-        raise UserError(f"--config: cannot read {path} ({exc.strerror or exc}); "
-                        "fix its permissions or pass another file")
+        raise UserError.on(CONFIG, f"cannot read {path} ({exc.strerror or exc}); "
+                                   "fix its permissions or pass another file")
     except UnicodeDecodeError:
-        raise UserError(f"--config: {path} is not UTF-8 text; pass a run YAML")
+        raise UserError.on(CONFIG, f"{path} is not UTF-8 text; pass a run YAML")
     except (yaml.YAMLError, ValueError) as exc:  # ValueError: a bad date, a huge number
         first = str(exc).splitlines()[0] if str(exc) else "invalid YAML"
-        raise UserError(f"--config: {path} is not valid YAML ({first})")
+        raise UserError.on(CONFIG, f"{path} is not valid YAML ({first})")
     except RecursionError:
-        raise UserError(f"--config: {path} is nested too deeply to be a run config") from None
-    _check_tree(data, f"--config: {path}")
+        raise UserError.on(CONFIG, f"{path} is nested too deeply to be a run config") from None
+    _check_tree(data, CONFIG, f"{path}: ")
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"--config: {path} must hold a mapping of sections at the top level")
+        raise UserError.on(CONFIG, f"{path} must hold a mapping of sections at the top level")
     return data

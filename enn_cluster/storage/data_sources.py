@@ -43,15 +43,15 @@ def open_npy_stream(source: str, key: Optional[str], field: str = "data.x_key/y_
         zf = zipfile.ZipFile(handle)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError):
         handle.close()
-        raise UserError(f"{field}: {source} is not a readable .npz file; save it with "
-                        "np.savez") from None
+        raise UserError.on(field, f"{source} is not a readable .npz file; save it with "
+                                  "np.savez") from None
     name = key if key.endswith(".npy") else key + ".npy"
     if name not in zf.namelist():
         held = ", ".join(repr(n[:-4]) for n in zf.namelist()[:20] if n.endswith(".npy"))
         zf.close()
         handle.close()
-        raise UserError(f"{field}: {source} has no array {key!r} (data.x_key/y_key); "
-                        f"it holds {held or 'none'}")
+        raise UserError.on(field, f"{source} has no array {key!r} (data.x_key/y_key); "
+                                  f"it holds {held or 'none'}")
     member = zf.open(name)
     return member, [member, zf, handle], zf.getinfo(name).file_size
 
@@ -68,7 +68,8 @@ def check_source(field: str, path: Optional[str]) -> None:
 
     no_credentials_in_url(field, path)
     if not (path.endswith(".npy") or path.endswith(".npz")):
-        raise UserError(f"{field}: {path!r} must be a .npy or .npz file (local path or fsspec URL)")
+        raise UserError.on(field, f"{path!r} must be a .npy or .npz file (local path or "
+                                  "fsspec URL)")
     fix = "fix the path or use 'synthetic'" if field == "data.train_path" else "fix the path"
     if "://" not in path and "::" not in path:  # a plain path: no fsspec import
         check_regular_file(field, os.path.expanduser(path), fix)
@@ -79,9 +80,10 @@ def check_source(field: str, path: Optional[str]) -> None:
         fs, _, paths = fsspec.get_fs_token_paths(path)
         exists = fs.exists(paths[0])
     except (ValueError, ImportError, OSError) as exc:
-        raise UserError(f"{field}: cannot open {path!r} ({exc}); check the URL and its fsspec extra")
+        raise UserError.on(field, f"cannot open {path!r} ({exc}); check the URL and its "
+                                  "fsspec extra")
     if not exists:
-        raise UserError(f"{field}: {path} does not exist; {fix}")
+        raise UserError.on(field, f"{path} does not exist; {fix}")
 
 
 def check_data_sources(data: DataConfig) -> None:
@@ -134,5 +136,5 @@ def _inspect(field: str, source: str, key: Optional[str]) -> tuple:
             for c in closers:
                 c.close()
     except OSError as exc:
-        raise UserError(f"{field}: cannot read {source} ({exc.strerror or exc}); "
-                        "check the path and its permissions") from None
+        raise UserError.on(field, f"cannot read {source} ({exc.strerror or exc}); "
+                                  "check the path and its permissions") from None

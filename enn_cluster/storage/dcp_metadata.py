@@ -16,6 +16,7 @@ import pickle
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -98,7 +99,8 @@ def tensor_names(step_path: Path, prefix: str = "") -> set:
     read through the allow-list; UserError naming the step when it cannot be read."""
     problem = metadata_problem(step_path)
     if problem is not None:
-        raise UserError(f"{Path(step_path).name}: {problem}; this checkpoint cannot be read "
-                        "(verify it with enn-submit verify, or give another --step)")
+        raise UserError("{name}: {problem}", name=Path(step_path).name, problem=problem,
+                        fix="this checkpoint cannot be read (verify it with enn-submit verify, "
+                            "or give another {step})", step=INPUTS["step"])
     described = load_metadata(Path(step_path) / ".metadata").state_dict_metadata
     return {k.removeprefix(prefix) for k in described if k.startswith(prefix)}

@@ -27,27 +27,28 @@ def check_layout(field: str, source: str, shape, fortran: bool, dtype, data_byte
     """The header of an input array, judged without reading its data: rows returned. Pure.
     `data_bytes`: what the file holds after the header, where known."""
     if not isinstance(shape, tuple) or not shape:
-        raise UserError(f"{field}: {source} holds a single value, not rows of features; "
-                        "save a 2-D array (rows x features)")
+        raise UserError.on(field, f"{source} holds a single value, not rows of features; "
+                                  "save a 2-D array (rows x features)")
     if any(not isinstance(d, int) or d < 0 for d in shape):
-        raise UserError(f"{field}: {source} has an invalid shape in its header; re-save it with np.save")
+        raise UserError.on(field, f"{source} has an invalid shape in its header; re-save it "
+                                  "with np.save")
     if shape[0] == 0:
-        raise UserError(f"{field}: {source} has no rows; give a file with data")
+        raise UserError.on(field, f"{source} has no rows; give a file with data")
     if 0 in shape[1:]:
-        raise UserError(f"{field}: {source} has shape {shape}: a row with no values; give "
-                        "at least one feature per row")
+        raise UserError.on(field, f"{source} has shape {shape}: a row with no values; give "
+                                  "at least one feature per row")
     if dtype.kind not in NUMERIC_KINDS:
         what = {"c": "complex (its imaginary part would be lost)", "O": "Python objects",
                 "U": "strings", "S": "bytes", "V": "records"}.get(dtype.kind, str(dtype))
-        raise UserError(f"{field}: {source} holds {what}; convert it to a float or integer "
-                        "array (e.g. x.astype('float32')) and save it again")
+        raise UserError.on(field, f"{source} holds {what}; convert it to a float or integer "
+                                  "array (e.g. x.astype('float32')) and save it again")
     if fortran:
-        raise UserError(f"{field}: {source} is Fortran-ordered; save it with "
-                        "np.save(path, np.ascontiguousarray(x))")
+        raise UserError.on(field, f"{source} is Fortran-ordered; save it with "
+                                  "np.save(path, np.ascontiguousarray(x))")
     need = math.prod(shape) * dtype.itemsize
     if data_bytes is not None and data_bytes != need:
-        raise UserError(f"{field}: {source} is truncated or damaged (its header promises {need} "
-                        f"bytes of data, the file holds {data_bytes}); save it again")
+        raise UserError.on(field, f"{source} is truncated or damaged (its header promises {need} "
+                                  f"bytes of data, the file holds {data_bytes}); save it again")
     return shape[0]
 
 
@@ -56,5 +57,5 @@ def read_header(fh, field: str, source: str):
     try:
         return read_npy_header(fh)
     except (ValueError, TypeError, SyntaxError, EOFError, OSError):
-        raise UserError(f"{field}: {source} is not a readable .npy file (bad or truncated "
-                        "header); save it with np.save") from None
+        raise UserError.on(field, f"{source} is not a readable .npy file (bad or truncated "
+                                  "header); save it with np.save") from None

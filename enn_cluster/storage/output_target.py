@@ -34,32 +34,33 @@ def check_local_target(flag: str, path: str, overwrite: bool, run_dir=None,
     target = Path(os.path.abspath(os.path.expanduser(path)))
     longest = max(len(part.encode("utf-8", "surrogateescape")) for part in target.parts)
     if longest > MAX_NAME_BYTES or len(str(target).encode("utf-8", "surrogateescape")) > 4000:
-        raise UserError(f"{flag}: {path[:80]}... is too long a path (a name of {longest} bytes; "
-                        f"keep each name under {MAX_NAME_BYTES} bytes)")
+        raise UserError.on(flag, f"{path[:80]}... is too long a path (a name of {longest} bytes; "
+                                 f"keep each name under {MAX_NAME_BYTES} bytes)")
     real = Path(os.path.realpath(target))
     if run_dir is not None:
         _not_the_runs(flag, path, real, Path(os.path.realpath(run_dir)), own)
     if any(str(p) == root or str(p).startswith(root + "/") for p in (target, real)
            for root in PSEUDO_FS):
-        raise UserError(f"{flag}: {path} is under {'/'.join(real.parts[:2]) or '/'} (a kernel "
-                        "file system); write to a directory of your own")
+        raise UserError.on(flag, f"{path} is under {'/'.join(real.parts[:2]) or '/'} (a kernel "
+                                 "file system); write to a directory of your own")
     if os.path.lexists(target):
         st = os.stat(target) if os.path.exists(target) else os.lstat(target)
         if stat.S_ISDIR(st.st_mode):
-            raise UserError(f"{flag}: {path} is a directory; name a file in it")
+            raise UserError.on(flag, f"{path} is a directory; name a file in it")
         if not stat.S_ISREG(st.st_mode):
-            raise UserError(f"{flag}: {path} is not a regular file (a device, pipe or dangling "
-                            "link); name a regular file")
+            raise UserError.on(flag, f"{path} is not a regular file (a device, pipe or dangling "
+                                     "link); name a regular file")
         if not overwrite:
-            raise UserError(f"{flag}: {path} exists; choose another path or pass --overwrite")
+            raise UserError.on(flag, f"{path} exists", fix="choose another path or pass "
+                               "--overwrite", api_fix="choose another path")
     parent = target.parent
     while not os.path.lexists(parent) and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise UserError(f"{flag}: {parent} is not a directory, so {path} cannot be made; "
-                        "choose another path")
+        raise UserError.on(flag, f"{parent} is not a directory, so {path} cannot be made; "
+                                 "choose another path")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{flag}: {parent} is not writable; choose another path")
+        raise UserError.on(flag, f"{parent} is not writable; choose another path")
 
 
 def _not_the_runs(flag: str, path: str, real: Path, run: Path, own: tuple) -> None:
@@ -71,8 +72,8 @@ def _not_the_runs(flag: str, path: str, real: Path, run: Path, own: tuple) -> No
     if rel.parts and len(rel.parts) == 1 and (rel.name in own or (
             rel.name not in RUN_CONTROL_NAMES and not os.path.lexists(real))):
         return
-    raise UserError(f"{flag}: {path} is a file of the run {run} (or inside one of its "
-                    "folders); write the output outside the run directory")
+    raise UserError.on(flag, f"{path} is a file of the run {run} (or inside one of its "
+                             "folders); write the output outside the run directory")
 
 
 def missing_parents(path: Path) -> list[Path]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 from enn_cluster.storage.checksum import file_checksum
 from enn_cluster.storage.prediction_collapse import collapsed_outputs
@@ -41,8 +42,9 @@ def read_record(path: Path) -> dict:
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         record = None
     if not isinstance(record, dict):
-        raise UserError(f"{path.name}: {path} is not a JSON object (damaged or hand-edited); "
-                        f"start the prediction again under another --name")
+        raise UserError("{name}: {path} is not a JSON object (damaged or hand-edited)",
+                        name=path.name, path=path, other=INPUTS["name"],
+                        fix="start the prediction again under another {other}")
     return record
 
 
@@ -66,8 +68,9 @@ class ChunkSpec:
 
 
 def check_name(name: str) -> str:
+    """`name`, a prediction's folder name; ValueError (the text after the input's name)."""
     if not _NAME_RE.match(name or ""):
-        raise ValueError(f"--name: {name!r} must be letters, digits, '.', '_' or '-' "
+        raise ValueError(f"{name!r} must be letters, digits, '.', '_' or '-' "
                          "(at most 128, not starting with a dot or dash)")
     return name
 

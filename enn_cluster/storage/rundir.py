@@ -18,7 +18,8 @@ import yaml
 from enn_cluster.config.loading import config_from_dict, dump_config, without_retired_keys
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.yaml_file import PlainLoader
-from enn_cluster.errors import UserError
+from enn_cluster.config.inputs import INPUTS
+from enn_cluster.errors import Said, UserError
 from enn_cluster.storage import layout
 from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.output_target import missing_parents, remove_empty
@@ -145,12 +146,15 @@ class RunDir:
         try:
             run = cls(Path(path).expanduser().resolve())
         except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long
-            raise UserError(f"RUN_DIR: {str(path)[:200]!r} cannot be looked up "
-                            f"({getattr(exc, 'strerror', None) or exc}); give the path of "
-                            "a run directory") from None
+            raise UserError("{shown!r} cannot be looked up ({why})", field=INPUTS["run_dir"],
+                            value=path, shown=str(path)[:200],
+                            why=getattr(exc, 'strerror', None) or exc,
+                            fix="give the path of a run directory") from None
         if not run.has_config:
-            raise UserError(f"RUN_DIR: {run.path} is not a run directory (no config.yaml); "
-                            "give a directory made by enn-submit train or prepare")
+            raise UserError("{value} is not a run directory (no config.yaml)",
+                            field=INPUTS["run_dir"], value=run.path,
+                            fix="give a directory made by enn-submit train or prepare",
+                            api_fix="give a directory made by train() or enn-submit")
         return run
 
     def load_config(self) -> RunConfig:
@@ -216,8 +220,11 @@ def create_run_dir(cfg: RunConfig, populate=None) -> RunDir:
     """
     run = run_dir_for(cfg)
     if run.path.exists():
-        raise UserError(f"run_name: {run.path} already exists; use "
-                        f"'enn-submit resume {run.path}' or pick another --set run_name=...")
+        raise UserError("{path} already exists", field="run_name", path=run.path,
+                        fix="use 'enn-submit resume {path}' or pick another {name}",
+                        name=Said(INPUTS["set"], "run_name=..."),
+                        api_fix="pick another run_dir (or run_name), or resume it with "
+                                "'enn-submit resume {path}'")
     tmp = RunDir(run.path.with_name(f".{run.path.name}.creating-{os.getpid()}"))
     made = missing_parents(run.path)  # runs_root and its parents this call creates
     with run_umask(), sigterm_unwinds():

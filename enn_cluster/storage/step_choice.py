@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 from enn_cluster.storage.checksum import algorithm_of
 from enn_cluster.storage.commits import (
@@ -91,18 +92,22 @@ def choose_step(root: Path, step: Optional[int] = None) -> tuple[int, Optional[s
     run = Path(root).parent
     committed = committed_steps(root)
     if not committed:
-        raise UserError(resume_refusal(root) or f"RUN_DIR: {run} has no complete checkpoint "
-                        "yet; train or resume it first")
+        refusal = resume_refusal(root)
+        raise UserError(refusal) if refusal else UserError(
+            "{value} has no complete checkpoint yet", field=INPUTS["run_dir"], value=run,
+            fix="train or resume it first")
     if step is not None and step not in committed:
-        raise UserError(f"--step: step-{step} is not a complete checkpoint of {run}; "
-                        f"choose one of {', '.join(map(str, committed))}")
+        raise UserError("step-{value} is not a complete checkpoint of {run}",
+                        field=INPUTS["step"], value=step, run=run,
+                        fix="choose one of {steps}", steps=", ".join(map(str, committed)))
     used, skipped = usable_step(root, step)
     if used is None:
         failed = [s for s in skipped if s in committed]
         first = skipped[failed[0]][0]
-        raise UserError(f"--step: {', '.join(f'step-{s}' for s in failed)} "
-                        f"{'fails' if len(failed) == 1 else 'fail'} verification ({first}); "
-                        f"see 'enn-submit verify {run}' and choose another --step")
+        raise UserError("{failed} {fail} verification ({first})", field=INPUTS["step"],
+                        value=step, failed=", ".join(f"step-{s}" for s in failed),
+                        fail="fails" if len(failed) == 1 else "fail", first=first,
+                        fix="see 'enn-submit verify {run}' and choose another {field}", run=run)
     return used, fallback_line(used, skipped)
 
 

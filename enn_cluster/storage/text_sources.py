@@ -54,21 +54,21 @@ def check_text_file(key: str, path: str, data: DataConfig) -> None:
     from enn_cluster.config.checks import check_regular_file
 
     if path == "synthetic" or not path.endswith(TEXT_SUFFIXES):
-        raise UserError(f"{key}: {path!r} must be a .parquet or .jsonl file of text for a "
-                        "causal_lm model; convert it or fix the path")
+        raise UserError.on(key, f"{path!r} must be a .parquet or .jsonl file of text for a "
+                                "causal_lm model; convert it or fix the path")
     if "://" in path or "::" in path:
-        raise UserError(f"{key}: {path} is a URL; text for a causal_lm model is read from a "
-                        "local (or shared) filesystem path: copy it there")
+        raise UserError.on(key, f"{path} is a URL; text for a causal_lm model is read from a "
+                                "local (or shared) filesystem path: copy it there")
     check_regular_file(key, os.path.expanduser(path), "fix the path")
     if os.path.getsize(os.path.expanduser(path)) == 0:
-        raise UserError(f"{key}: {path} is empty; give a file with at least one document")
+        raise UserError.on(key, f"{path} is empty; give a file with at least one document")
     if path.endswith(".parquet"):
         _parquet_columns(key, path, data)
     else:
         for _ in _jsonl_rows(key, path, data, first_only=True):
             return
-        raise UserError(f"{key}: {path} is empty (no JSON lines); give a file with at least "
-                        "one document")
+        raise UserError.on(key, f"{path} is empty (no JSON lines); give a file with at least "
+                                "one document")
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,12 +98,12 @@ def _parquet_file(key: str, path: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"{key}: reading {path} needs pyarrow; {LLM_EXTRA}") from None
+        raise UserError.on(key, f"reading {path} needs pyarrow; {LLM_EXTRA}") from None
     try:
         return pq.ParquetFile(os.path.expanduser(path))
     except Exception as exc:  # pyarrow's ArrowInvalid and friends: say which file, in one line
-        raise UserError(f"{key}: {path} is not a readable parquet file ({str(exc)[:200]}); "
-                        "write it with pyarrow or pandas.to_parquet") from None
+        raise UserError.on(key, f"{path} is not a readable parquet file ({str(exc)[:200]}); "
+                                "write it with pyarrow or pandas.to_parquet") from None
 
 
 def _parquet_columns(key: str, path: str, data: DataConfig) -> list[str]:
@@ -112,7 +112,7 @@ def _parquet_columns(key: str, path: str, data: DataConfig) -> list[str]:
 
     pf = _parquet_file(key, path)
     if pf.metadata.num_rows == 0:
-        raise UserError(f"{key}: {path} is empty (0 rows); give a file with at least one document")
+        raise UserError.on(key, f"{path} is empty (0 rows); give a file with at least one document")
     schema = pf.schema_arrow
     columns = [data.text_field] + ([data.prompt_field] if data.prompt_field else [])
     for field_key, name in zip(("data.text_field", "data.prompt_field"), columns):
@@ -153,8 +153,8 @@ def _read_batches(key: str, path: str, columns: list[str], batch: int):
         try:
             record_batch = next(batches, None)
         except (OSError, pa.ArrowException) as exc:
-            raise UserError(f"{key}: {path} cannot be read ({str(exc)[:200]}); write it "
-                            "again") from None
+            raise UserError.on(key, f"{path} cannot be read ({str(exc)[:200]}); write it "
+                                    "again") from None
         if record_batch is None:
             return
         yield record_batch
@@ -175,31 +175,31 @@ def _jsonl_rows(key: str, path: str, data: DataConfig,
                 if not line:
                     return
                 if len(line) > MAX_LINE_CHARS:
-                    raise UserError(f"{key}: {path} line {number} is longer than "
-                                    f"{MAX_LINE_CHARS} characters (one document per line, "
-                                    "each at most that long); split the document or fix "
-                                    "the file") from None
+                    raise UserError.on(key, f"{path} line {number} is longer than "
+                                            f"{MAX_LINE_CHARS} characters (one document per line, "
+                                            "each at most that long); split the document or fix "
+                                            "the file") from None
                 if not line.strip():
                     continue
                 yield _jsonl_record(key, path, number, line, data)
                 if first_only:
                     return
         except UnicodeDecodeError:
-            raise UserError(f"{key}: {path} is not UTF-8 text; save it as UTF-8") from None
+            raise UserError.on(key, f"{path} is not UTF-8 text; save it as UTF-8") from None
 
 
 def _jsonl_record(key: str, path: str, number: int, line: str, data: DataConfig) -> tuple[str, str]:
     try:
         record = json.loads(line)
     except ValueError:
-        raise UserError(f"{key}: {path} line {number} is not valid JSON; write one JSON "
-                        "object per line") from None
+        raise UserError.on(key, f"{path} line {number} is not valid JSON; write one JSON "
+                                "object per line") from None
     except RecursionError:
-        raise UserError(f"{key}: {path} line {number} nests JSON deeper than a reader "
-                        "allows; write one flat object per line") from None
+        raise UserError.on(key, f"{path} line {number} nests JSON deeper than a reader "
+                                "allows; write one flat object per line") from None
     if not isinstance(record, dict):
-        raise UserError(f"{key}: {path} line {number} is a JSON {type(record).__name__}, not "
-                        f"an object; write one object per line, e.g. {{\"{data.text_field}\": \"...\"}}")
+        raise UserError.on(key, f"{path} line {number} is a JSON {type(record).__name__}, not "
+                                f"an object; write one object per line, e.g. {{\"{data.text_field}\": \"...\"}}")
     text = record.get(data.text_field)
     if data.text_field not in record:
         held = ", ".join(list(record)[:20]) or "none"

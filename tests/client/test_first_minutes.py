@@ -130,18 +130,6 @@ for call in calls:
     assert "RUN_DIR" not in done.stdout and "--" not in done.stdout, done.stdout
 
 
-def test_cli_words_become_the_api_arguments_in_a_message():
-    from enn_cluster.client.api_words import PREDICT_WORDS, TRAIN_WORDS, reworded
-
-    message = ("--container: no image given (flag or site config); pass --container IMAGE, "
-               "or --container none to run without Pyxis")
-    assert reworded(message, TRAIN_WORDS) == (
-        'cluster["container"]: no image given (flag or site config); pass '
-        'cluster["container"]=IMAGE, or cluster["container"]="none" to run without Pyxis')
-    assert reworded("--input: has no rows; see --procs-per-node-x and RUN_DIRS",
-                    PREDICT_WORDS) == "X: has no rows; see --procs-per-node-x and RUN_DIRS"
-
-
 @pytest.mark.slow
 def test_status_follow_shows_a_starting_launch_and_follows_it(tmp_path):
     """Between a launcher taking the run lock and its workers' first `start` record,

@@ -247,11 +247,11 @@ def _ping(name: str) -> subprocess.CompletedProcess:
 
 
 def test_what_scontrol_ping_says_decides():
-    assert "no sbatch on PATH" in slurm_problem(False, None)
+    assert "no sbatch on PATH" in str(slurm_problem(False, None))
     assert slurm_problem(True, _ping("ping_up.txt")) is None
-    assert "Slurm is not configured on this machine" in slurm_problem(
-        True, _ping("ping_unconfigured.txt"))
-    down = slurm_problem(True, _ping("ping_controller_down.txt"))
+    assert "Slurm is not configured on this machine" in str(slurm_problem(
+        True, _ping("ping_unconfigured.txt")))
+    down = str(slurm_problem(True, _ping("ping_controller_down.txt")))
     assert "controller does not answer" in down and "is DOWN" in down
     odd = subprocess.CompletedProcess([], 1, "", "scontrol: error: something else")
     assert slurm_problem(True, odd) is None and slurm_problem(True, None) is None  # sbatch says

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from enn_cluster.client.api import _check_cluster, _plan, _slurm_request
-from enn_cluster.client.api_words import CLUSTER_WORDS
 from enn_cluster.client.cli import build_parser
 from enn_cluster.client.cli_ops import plan_from_flags
 from enn_cluster.cluster import site
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.config.launch_options import API_KEYS, LIST, OPTIONS
 from enn_cluster.config.loading import config_from_dict
 from enn_cluster.errors import UserError
@@ -92,7 +92,8 @@ def test_every_front_end_of_an_option_takes_it_and_the_job_gets_the_same_value(o
     if option.flag:
         got["flag"] = cli(_cli_words(option, value))
         if option.api:  # the API's errors name its key where the CLI's name the flag
-            assert CLUSTER_WORDS[option.flag] == f'cluster["{option.api}"]'
+            assert INPUTS[option.name].named("api") == f'cluster["{option.api}"]'
+            assert INPUTS[option.name].named("cli") == option.flag
     if option.api:
         got["cluster="] = api({option.api: value})
     if option.site:
@@ -241,10 +242,10 @@ from contextlib import redirect_stderr
 from io import StringIO
 from pathlib import Path
 from enn_cluster.client.api import _check_cluster, _plan, _slurm_request
-from enn_cluster.client.api_words import CLUSTER_WORDS
 from enn_cluster.client.cli import build_parser
 from enn_cluster.client.cli_ops import plan_from_flags
 from enn_cluster.cluster import site
+from enn_cluster.config.inputs import INPUTS
 from enn_cluster.config.loading import config_from_dict
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import run_dir_for
@@ -253,7 +254,8 @@ from helpers import small_config
 tmp = Path(sys.argv[1])
 cfg = config_from_dict(small_config(tmp, "row"))
 run_dir = run_dir_for(cfg).path
-out = {"package": enn_cluster.__file__, "words": CLUSTER_WORDS.get("--container-workdir"),
+out = {"package": enn_cluster.__file__, "words": INPUTS["container_workdir"].named("api")
+       if "container_workdir" in INPUTS else None,
        "default": site.DEFAULTS.get("container_workdir", "absent")}
 try:
     with redirect_stderr(StringIO()):

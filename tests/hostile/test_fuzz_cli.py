@@ -21,7 +21,7 @@ from enn_cluster.cluster import job_spec
 from enn_cluster.config.loading import config_from_dict
 from enn_cluster.errors import UserError
 from enn_cluster.cluster.job_spec import JobSpec
-from fuzz_support import ANY, ARGV_SAFE, FLOATS, HOSTILE, PIECES, PROCS, shellcheck
+from fuzz_support import ANY, ARGV_SAFE, FLOATS, HOSTILE, PIECES, PROCS, RENDER_FLAGS, shellcheck
 from helpers import ROOT, small_config
 
 # -- real enn-submit processes: refused before torch, nothing written ------------------------
@@ -86,24 +86,6 @@ def workdir(tmp_path_factory):
         (cwd / "run.yaml").write_text(yaml.safe_dump(cfg))
         return cwd
     return make
-
-
-def _flag(name, values):
-    return st.tuples(st.just(name), values).map(list)
-
-
-RENDER_FLAGS = st.lists(st.one_of(
-    _flag("--job-name", ARGV_SAFE | st.sampled_from(["enn-x", "ü.v1"])),
-    _flag("--mount", ARGV_SAFE | st.sampled_from(["/data:/data:ro", "/a:/b:rw"])),
-    _flag("--container", st.sampled_from(["none", "/img/enn.sqsh", "nvcr.io#nvidia/pytorch:24.05"])
-          | ARGV_SAFE),
-    _flag("--set", st.tuples(st.sampled_from(["run_name=", "runs_root=/tmp/", "training.lr=",
-                                              "model.kwargs.k="]), ARGV_SAFE).map("".join)),
-    _flag("--partition", ARGV_SAFE), _flag("--time", ARGV_SAFE | st.sampled_from(["30", "2-00"])),
-    _flag("--nodes", ARGV_SAFE | st.sampled_from(["2", "1-3", "0", "-1"])),
-    _flag("--python", ARGV_SAFE), _flag("--signal-grace", ARGV_SAFE | st.sampled_from(["0", "30"])),
-    st.just(["--admin"]),
-), max_size=4).map(lambda pairs: [a for pair in pairs for a in pair])
 
 
 @PROCS
