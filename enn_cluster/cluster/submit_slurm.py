@@ -62,8 +62,9 @@ def default_image(site_cache: Optional[str]) -> Path:
     try:
         return image_for(dockerfile, ".", image_cache_dir(site_cache))
     except UserError as exc:
-        raise UserError("{why} (or pass {field} IMAGE / none)", field=INPUTS["container"],
-                        why=str(exc)) from None
+        raise UserError("{why} (or pass {image} or {bare})", field=INPUTS["container"],
+                        why=str(exc), image=Said(INPUTS["container"], "IMAGE"),
+                        bare=BARE) from None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class Input:
 
     def named(self, front: str) -> str:
         """Its name in `front` (errors.FRONT_ENDS)."""
-        return {"cli": self.cli, "api": self.api, "site": self.site}[self.spoken(front)]
+        return self._column(self.spoken(front))
 
     def item(self, index: int) -> "Input":
         """One item of a list input: `--container-mounts[0]`, `cluster["mounts"][0]`."""
@@ -39,7 +39,10 @@ class Input:
 
     def spoken(self, front: str) -> str:
         """The front end whose words name it where `front`'s have none: the CLI's."""
-        return front if {"cli": self.cli, "api": self.api, "site": self.site}[front] else "cli"
+        return front if self._column(front) else "cli"
+
+    def _column(self, front: str) -> Optional[str]:
+        return {"cli": self.cli, "api": self.api, "site": self.site}[front]
 
     def said(self, front: str, value, name: str) -> str:
         """It with the value given, as `front` writes it (`name`: its name there)."""

@@ -199,7 +199,8 @@ def _jsonl_record(key: str, path: str, number: int, line: str, data: DataConfig)
                                 "allows; write one flat object per line") from None
     if not isinstance(record, dict):
         raise UserError.on(key, f"{path} line {number} is a JSON {type(record).__name__}, not "
-                                f"an object; write one object per line, e.g. {{\"{data.text_field}\": \"...\"}}")
+                                "an object; write one object per line, e.g. "
+                                f"{{\"{data.text_field}\": \"...\"}}")
     text = record.get(data.text_field)
     if data.text_field not in record:
         held = ", ".join(list(record)[:20]) or "none"

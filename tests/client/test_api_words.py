@@ -71,7 +71,7 @@ def _train(tmp_path: Path, cluster=None, config=None):
     ("partition", "gpu;rm", 'cluster["partition"]: ', "--partition: "),
     ("time", "1h", "cluster[\"time\"]: '1h' is not a time", "--time: '1h' is not a time"),
     ("container", "docker://x", 'cluster["container"]: ', "--container-image: "),
-])
+], ids=["nodes", "gpus_per_node", "partition", "time", "container"])
 def test_a_bad_launch_option_is_named_by_its_key_and_by_its_flag(
         slurm_here, key, value, api_says, cli_says):
     """The same bad value through `cluster=` and through the flag: each front end's line

@@ -83,3 +83,21 @@ def test_an_sbatch_that_fails_without_a_word_is_one_line(tmp_path):
     assert mark.exists() and res.returncode == 2, res.stderr
     (line,) = res.stderr.strip().splitlines()
     assert line.endswith("sbatch refused the job: no message"), res.stderr
+
+
+def test_the_counts_that_split_the_batch_are_said_in_the_api_s_words():
+    """The refusal's fix names `cluster["nodes"]` and the procs per node with its value
+    from the API, the flags from the CLI."""
+    import pytest
+
+    from enn_cluster.config.loading import config_from_dict
+    from enn_cluster.config.schedule import plan_batch
+    from enn_cluster.errors import UserError
+
+    cfg = config_from_dict({"training": {"global_batch_size": 6}})
+    with pytest.raises(UserError) as caught:
+        plan_batch(cfg.training, 4, procs_per_node=2)
+    cli_line, api = str(caught.value), caught.value.rendered("api")
+    assert "launch with --nodes 1, 3 at --procs-per-node 2" in cli_line, cli_line
+    assert 'launch with cluster["nodes"] one of 1, 3 and cluster["procs_per_node"]=2' in api
+    assert "training={'global_batch_size': N}" in api and "--" not in api, api

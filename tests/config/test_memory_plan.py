@@ -273,3 +273,19 @@ def test_a_weights_directory_plan_cannot_build_is_one_line(tmp_path, config_json
     with pytest.raises(UserError, match=f"^model.name: '?hf:{tmp_path}'?:? ") as err:
         model_shape(cfg)
     assert why in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_refusal_names_each_fix_in_the_api_s_keyword_sections():
+    """The same refusal from the API: each --set fix is the keyword section train() takes
+    (the error's API rendering), and no flag is left in it."""
+    from enn_cluster.config.memory_plan import memory_refusal
+
+    base = config_from_dict({"model": {"name": "hf:/x"}, "data": {"max_length": 16}})
+    big = _shape(params=40 * 10**9, largest_unit=10**8, largest_layer=10**8)
+    refused = memory_refusal(base, big, 1, 8)
+    assert str(refused) == refusal(base, big, 1, 8)
+    api = refused.rendered("api")
+    assert "lora={'r': 16} (" in api and "--set" not in api, api
+    assert "training={'per_device_train_batch_size': 1} training={'global_batch_size': 256} (" \
+        in api, api
+    assert memory_refusal(base, _shape(), 1, 8) is None
