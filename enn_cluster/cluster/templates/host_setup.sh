@@ -130,11 +130,12 @@ trap enn_request_stop USR2
 # ranks on the other nodes fail within seconds, but srun waits for the dead node's tasks
 # until the controller declares it down (SlurmdTimeout, often 300 s). So a watcher looks
 # every quarter second whether the step's tasks on this node are gone while srun still
-# waits; then a short probe step asks every node of the step at once. If some do not answer and at least
-# ENN_MIN_NODES do, srun is abandoned and the same command starts again, a new step on the
-# nodes that answer (same job: same MASTER_PORT and lock; the rendezvous keys carry the step
-# id, so no rank of the old step joins). The workers resume from the newest complete
-# checkpoint at the new world size and record the loss (RUN_DIR/requeue/relaunch-JOB_ID).
+# waits; then a short probe step asks every node of the step at once. If some do not
+# answer and at least ENN_MIN_NODES do, srun is abandoned and the same command starts
+# again, a new step on the nodes that answer (same job: same MASTER_PORT and lock; the
+# rendezvous keys carry the step id, so no rank of the old step joins). The workers resume
+# from the newest complete checkpoint at the new world size and record the loss
+# (RUN_DIR/requeue/relaunch-JOB_ID).
 # Fewer than ENN_MIN_NODES: srun is abandoned as failed and the EXIT trap decides as above.
 enn_name_ok() { [[ "$1" =~ ^[A-Za-z0-9._-]{1,64}$ ]]; }
 enn_step_tasks_here() {  # tasks of a step other than the batch one on this node, or no answer
