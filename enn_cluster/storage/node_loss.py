@@ -5,7 +5,8 @@ and the workers leave it in RUN_DIR/requeue/ for the workers, `status` and `doct
   step's tasks on its node had ended, srun still waited); gone once the probe answered.
 - ``relaunch-JOB``: ``key=value`` lines from the probe that found nodes missing: ``lost``
   and ``nodes`` (comma-separated host names); epoch seconds: ``ended`` (the step's tasks on
-  the shell's node were first seen gone), ``detected`` (the probe answered), ``launched``;
+  the shell's node were first seen gone), ``probed`` (the probe began, once they were seen
+  gone twice; absent in records of before it), ``detected`` (the probe decided), ``launched``;
   ``relaunch`` (its count in this attempt), ``world`` (the new step's task count; absent in
   records of before it). Rank 0 of the relaunched step records it once in metrics.jsonl and
   jobs.jsonl, with the step it resumed from and the new world size; until then `status`
@@ -70,10 +71,11 @@ def parse_relaunch(text: str) -> Optional[dict]:
     if lost is None or nodes is None or not all(_NUMBER.match(t) for t in times) \
             or not count.isdigit() or len(count) > 6:
         return None
-    world = fields.get("world", "")
+    world, probed = fields.get("world", ""), fields.get("probed", "")
     return {"lost": lost, "nodes": nodes, "ended": float(times[0]), "detected": float(times[1]),
             "launched": float(times[2]), "relaunch": int(count),
-            "world": int(world) if world.isdigit() and len(world) <= 9 else None}
+            "world": int(world) if world.isdigit() and len(world) <= 9 else None,
+            "probed": float(probed) if _NUMBER.match(probed) else None}
 
 
 def read_relaunch(run_path: Path, job_id: str) -> Optional[dict]:
@@ -126,7 +128,8 @@ def record_relaunch(run, metrics, job_id: str, relaunch: int, world_size: int,
         return None
     fields = {"job_id": job_id, "relaunch": relaunch, "lost": rec["lost"],
               "nodes": rec["nodes"], "ended": rec["ended"], "detected": rec["detected"],
-              "launched": rec["launched"], "world_size": world_size, "step": step}
+              "launched": rec["launched"], "world_size": world_size, "step": step,
+              **({"probed": rec["probed"]} if rec["probed"] is not None else {})}
     metrics.write("node_lost", **fields)
     run.record_job(JobRecord(kind=RELAUNCH, job_id=job_id, relaunch=relaunch,
                              lost=tuple(rec["lost"]), hosts=tuple(rec["nodes"]),

@@ -17,9 +17,17 @@ def worker_entry(run_dir: str, task: str, name: Optional[str], step: Optional[in
     requeue trap), so it leaves through sys.exit rather than a return value."""
     import atexit
 
-    from enn_cluster.worker.entry import exit_now, run_entry
+    from enn_cluster.worker.entry import EXIT_FAILED, exit_now, run_entry
 
-    code = run_entry(run_dir, task, name, step, submitted)
+    try:
+        code = run_entry(run_dir, task, name, step, submitted)
+    except Exception:
+        # a peer died, a collective timed out: submitit records the error and raises it;
+        # then leave as `python -m enn_cluster.worker` does, without the finalisation of a
+        # process holding torch (seconds on a busy node), which the tasks' end waits for,
+        # and with it the relaunch on the nodes left after a lost node (host_setup.sh)
+        atexit.register(exit_now, EXIT_FAILED)
+        raise
     # submitit writes the task's result, then the interpreter finalises: leave before the
     # C++ static destructors, where a native thread still winding down aborts the task
     # ("terminate called without an active exception") and fails a finished job.

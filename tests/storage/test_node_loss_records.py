@@ -34,8 +34,11 @@ def _write(run, name: str, text: str) -> None:
 def test_a_relaunch_record_is_read_with_every_field_checked(tmp_path):
     assert node_loss.parse_relaunch(GOOD) == {
         "lost": ["n3"], "nodes": ["n1", "n2"], "ended": 1795634000.5,
-        "detected": 1795634012.25, "launched": 1795634012.3, "relaunch": 1, "world": None}
+        "detected": 1795634012.25, "launched": 1795634012.3, "relaunch": 1, "world": None,
+        "probed": None}
     assert node_loss.parse_relaunch(GOOD + "world=4\n")["world"] == 4
+    assert node_loss.parse_relaunch(GOOD + "probed=1795634001.5\n")["probed"] == 1795634001.5
+    assert node_loss.parse_relaunch(GOOD + "probed=$(x)\n")["probed"] is None
     assert node_loss.parse_relaunch(GOOD + "world=four\n")["world"] is None  # older shells: none
     for bad in (GOOD.replace("n3", "$(reboot)"), GOOD.replace("nodes=n1,n2\n", ""),
                 GOOD.replace("1795634012.25", "soon"), GOOD.replace("relaunch=1", "relaunch=-1"),

@@ -129,12 +129,13 @@ trap enn_request_stop USR2
 # Lose a node, keep training (--nodes MIN-MAX: ENN_MIN_NODES set, sbatch --no-kill): the
 # ranks on the other nodes fail within seconds, but srun waits for the dead node's tasks
 # until the controller declares it down (SlurmdTimeout, often 300 s). So a watcher looks
-# every second whether the step's tasks on this node are gone while srun still waits; then a
-# short probe step asks every node of the step. If some do not answer and at least
-# ENN_MIN_NODES do, srun is abandoned and the same command starts again, a new step on the
-# nodes that answer (same job: same MASTER_PORT and lock; the rendezvous keys carry the step
-# id, so no rank of the old step joins). The workers resume from the newest complete
-# checkpoint at the new world size and record the loss (RUN_DIR/requeue/relaunch-JOB_ID).
+# every quarter second whether the step's tasks on this node are gone while srun still
+# waits; then a short probe step asks every node of the step at once. If some do not
+# answer and at least ENN_MIN_NODES do, srun is abandoned and the same command starts
+# again, a new step on the nodes that answer (same job: same MASTER_PORT and lock; the
+# rendezvous keys carry the step id, so no rank of the old step joins). The workers resume
+# from the newest complete checkpoint at the new world size and record the loss
+# (RUN_DIR/requeue/relaunch-JOB_ID).
 # Fewer than ENN_MIN_NODES: srun is abandoned as failed and the EXIT trap decides as above.
 enn_name_ok() { [[ "$1" =~ ^[A-Za-z0-9._-]{1,64}$ ]]; }
 enn_step_tasks_here() {  # tasks of a step other than the batch one on this node, or no answer
@@ -142,41 +143,88 @@ enn_step_tasks_here() {  # tasks of a step other than the batch one on this node
   out=$(scontrol listpids "$SLURM_JOB_ID" 2>/dev/null) || return 0
   awk 'NR > 1 && $3 ~ /^[0-9]+$/ && $4 ~ /^[0-9]+$/ {found = 1} END {exit !found}' <<< "$out"
 }
-enn_probe_nodes() {  # the nodes of "$@" that run a trivial step within ENN_PROBE_S, one a line
-  # (timeout runs the srun program, not the function above)
-  local node pids=() names=() i
-  for node in "$@"; do
-    timeout "${ENN_PROBE_S:-15}" srun --overlap --mem=0 --nodes=1 --ntasks=1 --ntasks-per-node=1 \
-      --nodelist="$node" --quiet --output=/dev/null --error=/dev/null true &
-    pids+=("$!") names+=("$node")
+# The probe decides once the answers stop coming, not when the dead node's srun times out:
+# once $1 nodes have answered, this shell's own among them, it waits for more as long again
+# as the answers took (at least 1 s; each later answer starts that wait anew), and ENN_PROBE_S
+# in all at most. A slow controller slows every answer, the own node's too, so the wait
+# grows with it and a live node is not taken for lost; the own node silent: no decision.
+enn_probe_grace_ms() {  # $1: ms from the probe's start to the newest answer -> ms to wait on
+  local took=$((10#$1))
+  echo "$(( took > 1000 ? took : 1000 ))"
+}
+enn_probe_nodes() {  # $1 how many must answer, $2 this shell's node ("": none), the nodes
+  # after: those that answer, one a line (timeout runs the srun program, not the function)
+  local need=$1 self=$2 limit=15 dir node i pids=() start now last=0 count seen=0 mine running
+  shift 2
+  if enn_digits "${ENN_PROBE_S:-}"; then limit=$((10#$ENN_PROBE_S)); fi
+  dir=$(mktemp -d) || return 0
+  start=$(date +%s%3N)
+  for i in $(seq 1 "$#"); do
+    node=${!i}
+    ( timeout "$limit" srun --overlap --mem=0 --nodes=1 --ntasks=1 --ntasks-per-node=1 \
+        --nodelist="$node" --quiet --output=/dev/null --error=/dev/null true &
+      probe=$!
+      trap 'kill "$probe" 2>/dev/null; exit 1' TERM
+      if wait "$probe"; then : > "$dir/$i"; fi ) </dev/null >/dev/null 2>&1 &
+    pids+=("$!")
   done
-  for i in "${!pids[@]}"; do
-    if wait "${pids[$i]}"; then echo "${names[$i]}"; fi
+  while :; do
+    sleep 0.1
+    now=$(( $(date +%s%3N) - start ))
+    count=0 mine=""
+    for i in $(seq 1 "$#"); do
+      [ -e "$dir/$i" ] || continue
+      count=$((count + 1))
+      [ "${!i}" != "$self" ] || mine=1
+    done
+    [ "$count" -le "$seen" ] || { seen=$count last=$now; }
+    if [ "$count" -ge "$#" ] || [ "$now" -ge "$((limit * 1000))" ]; then break; fi
+    running=""
+    for i in "${pids[@]}"; do
+      if kill -0 "$i" 2>/dev/null; then running=1; break; fi
+    done
+    [ -n "$running" ] || break  # every probe has ended
+    if [ "$count" -ge "$need" ] && { [ -z "$self" ] || [ -n "$mine" ]; } \
+        && [ "$now" -ge "$((last + $(enn_probe_grace_ms "$last")))" ]; then
+      break
+    fi
   done
+  kill "${pids[@]}" 2>/dev/null || true  # the probes still waiting, their srun with them
+  wait "${pids[@]}" 2>/dev/null || true
+  for i in $(seq 1 "$#"); do
+    if [ -e "$dir/$i" ]; then echo "${!i}"; fi
+  done
+  rm -rf -- "$dir"
 }
 enn_watch_step() {  # $1 srun's pid, $2 the decision file; the nodes in enn_nodes
-  local seen=0 gone=0 ended="" alive lost node
+  # Every quarter second (a local question to slurmd, not the controller): the tasks gone
+  # twice in a row is only a reason to ask; the probe decides, so a slow step (its tasks
+  # still here) or a step ending everywhere (every node answers) is never a loss.
+  local seen=0 gone=0 ended="" alive lost node probed
   while kill -0 "$1" 2>/dev/null; do
-    sleep 1
+    sleep 0.25
     if enn_step_tasks_here; then seen=1 gone=0 ended=""; continue; fi
     [ "$seen" = 1 ] && gone=$((gone + 1)) && ended="${ended:-$(date +%s.%N)}"
     [ "$gone" -ge 2 ] || continue  # gone twice: srun waits on another node
     mkdir -p -- "$ENN_RUN_DIR/@REQUEUE@" && date +%s > "$ENN_RUN_DIR/@REQUEUE@/@MARK_PROBING@$SLURM_JOB_ID"
     echo "enn: the step's tasks on $(hostname) ended but srun waits: probing ${enn_nodes[*]}" >&2
-    alive=$(enn_probe_nodes "${enn_nodes[@]}" | sort | paste -sd, -)
+    probed=$(date +%s.%N)
+    alive=$(enn_probe_nodes "$((10#$ENN_MIN_NODES))" "${SLURMD_NODENAME:-}" "${enn_nodes[@]}" \
+      | sort | paste -sd, -)
     lost=""
     for node in "${enn_nodes[@]}"; do
       case ",$alive," in *",$node,"*) ;; *) lost="${lost:+$lost,}$node" ;; esac
     done
     rm -f -- "$ENN_RUN_DIR/@REQUEUE@/@MARK_PROBING@$SLURM_JOB_ID"
-    if [ -z "$lost" ]; then gone=-10; continue; fi  # every node answers: not a lost node
+    if [ -z "$lost" ]; then gone=-40; continue; fi  # every node answers: not a lost node
     if [ -n "${SLURMD_NODENAME:-}" ] && [[ ",$lost," == *",$SLURMD_NODENAME,"* ]]; then
       # this shell's own node did not answer: the probe (the controller) is what is slow
       echo "enn: the probe did not reach $SLURMD_NODENAME itself; not deciding on it" >&2
-      gone=-10
+      gone=-40
       continue
     fi
-    printf 'lost=%s\nnodes=%s\nended=%s\ndetected=%s\n' "$lost" "$alive" "$ended" "$(date +%s.%N)" > "$2"
+    printf 'lost=%s\nnodes=%s\nended=%s\nprobed=%s\ndetected=%s\n' "$lost" "$alive" "$ended" \
+      "$probed" "$(date +%s.%N)" > "$2"
     kill -KILL "$1" 2>/dev/null
     return 0
   done
