@@ -47,6 +47,9 @@ def conversation_error(value, need_assistant: bool = True) -> Optional[str]:
         if not isinstance(message["content"], str):
             return (f"message {number}'s content holds {type(message['content']).__name__}, "
                     "not text; fix the row")
+    if value[0]["role"] == "assistant":  # nothing before it to render its start from
+        return ("starts with an assistant message; start it with a system or user message: "
+                "fix the row")
     if need_assistant and not any(m["role"] == "assistant" for m in value):
         return "has no assistant message (nothing to learn); add one or drop the row"
     return None

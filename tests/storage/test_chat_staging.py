@@ -197,6 +197,9 @@ BAD = {  # name: (rows or a writer, extra data keys, what the one line says)
     "a message without content": (GOOD + [[{"role": "user"}]], {},
                                   ['message 1 is not an object with "role" and "content"']),
     "empty list": ([[]], {}, ["c.jsonl line 1: 'messages' is an empty list"]),
+    "an assistant turn first": (GOOD + [[{"role": "assistant", "content": "a"},
+                                         {"role": "user", "content": "b"}]], {},
+                                ["c.jsonl line 4: 'messages' starts with an assistant message"]),
     "null parquet row": (lambda t: write_chats(t / "c.parquet", GOOD + [None]), {},
                          ["c.parquet row 3: 'messages' is missing (null)"]),
     "parquet column of text": (
