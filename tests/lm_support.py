@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from enn_cluster.client.llm_assets import corpus, write_texts, write_tiny_model
-from helpers import with_sections
+from helpers import cli, with_sections, write_config
 
 
 PRECISIONS = ("fp32", "bf16")  # every LM test class runs both (pytest params)
@@ -26,6 +26,82 @@ def tiny_model(root: Path, arch: str = "llama", precision: str = "fp32", **shape
             shape = {"dtype": "bfloat16", "reserved": RESERVED_IDS, **shape}
         write_tiny_model(path, arch, **shape)
     return path
+
+
+# Chat templates as real models write them, each with `{% generation %}` markers around what
+# transformers' assistant mask (the oracle) learns; `unmarked` strips them, as Qwen2.5's and
+# Llama-3's own templates have none.
+CHAT_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
+                 "<|eot_id|>")
+QWEN_TEMPLATE = (  # Qwen2.5's, without tools: a default system turn, ChatML's newline after
+    r"""{%- if messages[0]['role'] == 'system' %}"""
+    r"""{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"""
+    r"""{%- else %}{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"""
+    r"""{%- endif %}{%- for message in messages %}"""
+    r"""{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"""
+    r"""{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"""
+    r"""{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}"""
+    r"""{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\n' }}"""
+    r"""{%- endif %}{%- endfor %}"""
+    r"""{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}""")
+LLAMA3_TEMPLATE = (  # Llama-3-Instruct's: BOS once, headers, content trimmed, <|eot_id|>
+    r"""{% for message in messages %}"""
+    r"""{% set head = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' %}"""
+    r"""{% if loop.index0 == 0 %}{% set head = bos_token + head %}{% endif %}{{ head }}"""
+    r"""{% if message['role'] == 'assistant' %}{% generation %}"""
+    r"""{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"""
+    r"""{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"""
+    r"""{% if add_generation_prompt %}"""
+    r"""{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}""")
+CHAT_TEMPLATES = {"qwen2.5": QWEN_TEMPLATE, "llama-3": LLAMA3_TEMPLATE}
+
+
+def unmarked(template: str) -> str:
+    return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def chat_model(root: Path, precision: str = "fp32") -> Path:
+    """tiny_model with the chat special tokens in its vocabulary and Qwen2.5's template
+    (unmarked) in its tokenizer."""
+    return tiny_model(root, precision=precision, chat_specials=CHAT_SPECIALS,
+                      chat_template=unmarked(QWEN_TEMPLATE))
+
+
+def with_template(model_dir: Path, dest: Path, template: str | None) -> Path:
+    """The model's tokenizer files in `dest`, with `template` (None: none) as its
+    chat_template.jinja."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, dest / name)
+    if template is not None:
+        (dest / "chat_template.jinja").write_text(template)
+    return dest
+
+
+def chats(n: int, seed: int = 0) -> list[list[dict]]:
+    """Deterministic conversations: a system turn or not, then 1 to 3 user/assistant pairs."""
+    import random
+
+    rng, words = random.Random(seed), corpus(6 * n + 6, seed)
+    out = []
+    for i in range(n):
+        turns = [{"role": "system", "content": words.pop()}] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 3)):
+            turns += [{"role": "user", "content": words.pop()},
+                      {"role": "assistant", "content": words.pop()}]
+        out.append(turns)
+    return out
+
+
+def oracle_chat(marked_dir: Path, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """transformers' own ids and assistant mask of a conversation, from a tokenizer whose
+    template has `{% generation %}` markers."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(marked_dir), local_files_only=True)
+    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
 
 
 def bf16_training(precision: str) -> dict:
@@ -85,6 +161,35 @@ def lm_config(tmp: Path, model_dir: Path, name: str, rows: int = 64, length: int
     return with_sections(cfg, over)
 
 
+def stage_text(tmp: Path, cfg: dict) -> tuple[dict, Path]:
+    """The run config `cfg`'s text staged into tmp/staged: (manifest, that directory)."""
+    from enn_cluster.config.loading import config_from_dict
+    from enn_cluster.storage.staging import stage_run_data
+
+    run_cfg = config_from_dict(cfg)
+    out = tmp / "staged"
+    out.mkdir()
+    return stage_run_data(run_cfg.data, run_cfg.model, out, text=True), out
+
+
+def prepare_text(tmp: Path, cfg: dict, env=None):
+    """`enn-submit prepare` of `cfg` on one CPU rank (the real CLI: staging included)."""
+    path = write_config(tmp / "lm.yaml", **cfg)
+    return cli("prepare", "--config", path, "--nodes", "1", "--procs-per-node", "1",
+               "--gpus-per-node", "0", timeout=120, env=env)
+
+
+def assert_refused_before_any_run(res, tmp: Path, needles: list[str]) -> None:
+    """A prepare that said one line (exit 2) holding every needle, and made no run."""
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("enn-submit: error: "), res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    runs = tmp / "runs"
+    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
+
+
 def reference_losses(model_dir: Path, ids: np.ndarray, steps: int, batch: int, lr: float,
                      warmup_ratio: float, seed: int, lora: dict | None = None,
                      precision: str = "fp32", grad_clip: float = 1.0,
@@ -137,4 +242,6 @@ def reference_losses(model_dir: Path, ids: np.ndarray, steps: int, batch: int, l
 
 __all__ = ["tiny_model", "copy_model", "packed_tokens", "token_files", "lm_config",
            "write_texts", "corpus", "PRECISIONS", "bf16_training", "checkpoint_dtypes",
-           "reference_losses"]
+           "reference_losses", "chat_model", "with_template", "chats", "oracle_chat",
+           "CHAT_TEMPLATES", "unmarked", "stage_text", "prepare_text",
+           "assert_refused_before_any_run"]

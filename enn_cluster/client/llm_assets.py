@@ -33,39 +33,47 @@ def corpus(n_docs: int, seed: int = 0) -> list[str]:
 
 
 def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512,
-                    reserved: int = 0) -> None:
+                    reserved: int = 0, chat_specials: tuple = (),
+                    chat_template: str | None = None) -> None:
     """A byte-level BPE tokenizer trained on `texts`, saved as a transformers fast tokenizer
-    (tokenizer.json + tokenizer_config.json), with <pad>, <s> and </s>. `reserved` unused
-    special tokens come first, so every real id is at least that large: a real vocabulary
-    (128k-151k) has ids far above 256, the last integer bf16 holds exactly."""
+    (tokenizer.json + tokenizer_config.json), with <pad>, <s> and </s> (and `chat_specials`,
+    e.g. <|im_start|>, with `chat_template`). `reserved` unused special tokens come first,
+    so every real id is at least that large: a real vocabulary (128k-151k) has ids far above
+    256, the last integer bf16 holds exactly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = [f"<reserved_{i}>" for i in range(reserved)] + ["<pad>", "<s>", "</s>"]
+    specials = [f"<reserved_{i}>" for i in range(reserved)] + ["<pad>", "<s>", "</s>",
+                                                                *chat_specials]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size + reserved, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>")
+    if chat_template:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
 
 
 def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0,
                      texts: list[str] | None = None, vocab_size: int = 512,
-                     dtype: str = "float32", reserved: int = 0, **shape_over) -> Path:
+                     dtype: str = "float32", reserved: int = 0, chat_specials: tuple = (),
+                     chat_template: str | None = None, **shape_over) -> Path:
     """A random causal LM of the `arch` shape (`shape_over` changes any of it) plus its
     tokenizer (`vocab_size` tokens after `reserved` unused ones) in `out_dir`, saved as
     safetensors by `save_pretrained` in `dtype` (its config.json says so, as every real
-    Llama-3 and Qwen2.5 says bfloat16); returns `out_dir`."""
+    Llama-3 and Qwen2.5 says bfloat16), the tokenizer with `chat_specials` and
+    `chat_template` when given; returns `out_dir`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out_dir, texts or corpus(400, seed), vocab_size, reserved)
+    write_tokenizer(out_dir, texts or corpus(400, seed), vocab_size, reserved, chat_specials,
+                    chat_template)
     tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
     shape = {**ARCHS[arch], **shape_over}
     config = AutoConfig.for_model(shape.pop("model_type"), vocab_size=len(tok),

@@ -109,7 +109,7 @@ def check_prediction_inputs(run: RunDir, cfg, source: Any) -> None:
     check_control_files(run)
     check_model(cfg)
     if isinstance(source, str) and _is_text(cfg, source):
-        check_text_file(INPUT, source, cfg.data)
+        check_text_file(INPUT, source, cfg.data, need_assistant=False)
     elif isinstance(source, str):
         check_source(INPUT, source)
 
@@ -140,7 +140,7 @@ def prepare_prediction(run: RunDir, source: Any = None, *, name: Optional[str] =
                         field=INPUT, name=name, where=run.predictions)
     text = _is_text(cfg, source)
     if text:
-        check_text_file(INPUT, str(source), cfg.data)
+        check_text_file(INPUT, str(source), cfg.data, need_assistant=False)
     else:
         _check_input_array(source, cfg.data.x_key)
     if existing is not None and step is None:

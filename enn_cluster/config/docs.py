@@ -78,6 +78,12 @@ DESCRIPTIONS = {
                        "`data.train_path`/`data.eval_path` that holds the text.",
     "data.prompt_field": "Causal LM: a column whose text comes before `data.text_field` and "
                          "is masked out of the loss (prompt/response pairs); empty: none.",
+    "data.messages_field": "Causal LM: a column (key) holding a chat, a list of "
+                           "`{\"role\", \"content\"}` messages (system, user, assistant), "
+                           "rendered by the tokenizer's own `chat_template`; only the "
+                           "assistant turns are learned (their text and the end-of-turn token "
+                           "after it). Not with `data.prompt_field`, nor a `data.text_field` "
+                           "other than its default; empty: none.",
     "data.max_length": "Causal LM: tokens per staged row (2 .. 1048576).",
     "data.packing": "Causal LM: pack many documents per row (no padding), or, when false, "
                     "one document per row, truncated or padded with pads masked out of the "

@@ -122,21 +122,34 @@ class DataConfig:
     normalize_targets: bool = False
     text_field: str = "text"  # causal_lm: the column (parquet) or key (jsonl) holding text
     prompt_field: str = ""  # causal_lm: a column whose tokens come first and are not learned
+    messages_field: str = ""  # causal_lm: a column of chat messages; assistant turns learned
     max_length: int = 1024  # causal_lm: tokens per staged row
     packing: bool = True  # causal_lm: many documents per row; false: one per row, padded
     tokenizer: str = ""  # causal_lm: tokenizer directory; "": the model's weights directory
     allow_nonfinite: bool = False  # stage NaN/inf values as they are (refused otherwise)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
+    def _check_messages_alone(self) -> None:
+        """A chat row is its messages alone: a prompt or text column beside them would be
+        ignored, so naming one is refused (text_field counts once moved off its default)."""
+        if not self.messages_field:
+            return
+        for key, default in (("prompt_field", ""), ("text_field", "text")):
+            if getattr(self, key) != default:
+                raise UserError(f"data.messages_field: {self.messages_field!r} is set with "
+                                f"data.{key} {getattr(self, key)!r}; a chat row is its "
+                                f"messages alone: remove data.{key} (or data.messages_field)")
+
     def validate(self) -> None:
         if not 2 <= self.max_length <= MAX_TEXT_LENGTH:
             raise UserError(f"data.max_length: {self.max_length!r} must be between 2 and "
                             f"{MAX_TEXT_LENGTH} tokens, e.g. 1024")
-        for key in ("text_field", "prompt_field"):
+        for key in ("text_field", "prompt_field", "messages_field"):
             if "\n" in getattr(self, key) or "\0" in getattr(self, key):
                 raise UserError(f"data.{key}: must be a column name on one line")
         if not self.text_field:
             raise UserError("data.text_field: is empty; name the column holding text, e.g. text")
+        self._check_messages_alone()
         for key in ("train_path", "train_targets_path", "eval_path", "eval_targets_path"):
             no_credentials_in_url(f"data.{key}", getattr(self, key))
         if not 0.0 <= self.eval_fraction < 1.0:

@@ -44,13 +44,20 @@ def text_files(data: DataConfig) -> list[tuple[str, str]]:
 
 def check_text_sources(data: DataConfig, model: ModelConfig) -> None:
     """Everything staging needs, checked before the run directory exists: each text file
-    (its type, its text and prompt fields on the first document) and the tokenizer."""
+    (its type, its text and prompt fields, or its messages, on the first document) and the
+    tokenizer (with a chat template for chat rows)."""
     for key, path in text_files(data):
         check_text_file(key, path, data)
-    load_tokenizer(data, model)
+    path, tok = load_tokenizer(data, model)
+    if data.messages_field:
+        from enn_cluster.storage.chat_tokens import require_chat_template
+
+        require_chat_template(tok, path)
 
 
-def check_text_file(key: str, path: str, data: DataConfig) -> None:
+def check_text_file(key: str, path: str, data: DataConfig, need_assistant: bool = True) -> None:
+    """One file's type and its first document; `need_assistant`: a chat row must hold an
+    assistant turn (training) or may end before one (prediction)."""
     from enn_cluster.config.checks import check_regular_file
 
     if path == "synthetic" or not path.endswith(TEXT_SUFFIXES):
@@ -63,9 +70,11 @@ def check_text_file(key: str, path: str, data: DataConfig) -> None:
     if os.path.getsize(os.path.expanduser(path)) == 0:
         raise UserError.on(key, f"{path} is empty; give a file with at least one document")
     if path.endswith(".parquet"):
-        _parquet_columns(key, path, data)
+        (_messages_column if data.messages_field else _parquet_columns)(key, path, data)
     else:
-        for _ in _jsonl_rows(key, path, data, first_only=True):
+        rows = (_jsonl_conversations(key, path, data, need_assistant, first_only=True)
+                if data.messages_field else _jsonl_rows(key, path, data, first_only=True))
+        for _ in rows:
             return
         raise UserError.on(key, f"{path} is empty (no JSON lines); give a file with at least "
                                 "one document")
@@ -160,12 +169,82 @@ def _read_batches(key: str, path: str, columns: list[str], batch: int):
         yield record_batch
 
 
+# ---------------------------------------------------------------------------------------
+# Chat rows: a column of messages (data.messages_field)
+
+
+def iter_conversations(key: str, path: str, data: DataConfig, batch: int,
+                       need_assistant: bool = True) -> Iterator[tuple[list, list]]:
+    """(conversations, where each row is) in batches of up to `batch` rows, in file order,
+    each row checked (`chat_tokens.check_conversation`)."""
+    rows = (_parquet_conversations(key, path, data, batch, need_assistant)
+            if path.endswith(".parquet") else _jsonl_conversations(key, path, data,
+                                                                   need_assistant))
+    while True:
+        chunk = list(itertools.islice(rows, batch))
+        if not chunk:
+            return
+        yield [c for c, _ in chunk], [w for _, w in chunk]
+
+
+def _messages_column(key: str, path: str, data: DataConfig) -> list[str]:
+    import pyarrow as pa
+
+    pf = _parquet_file(key, path)
+    if pf.metadata.num_rows == 0:
+        raise UserError.on(key, f"{path} is empty (0 rows); give a file with at least one chat")
+    schema, name = pf.schema_arrow, data.messages_field
+    if name not in schema.names:
+        held = ", ".join(schema.names[:20]) or "none"
+        raise UserError(f"data.messages_field: {path} has no column {name!r} (its columns: "
+                        f"{held}); set data.messages_field to the column holding the messages")
+    kind = schema.field(name).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        raise UserError(f"data.messages_field: column {name!r} of {path} holds {kind}, not a "
+                        "list of messages; set data.messages_field to a list column")
+    return [name]
+
+
+def _parquet_conversations(key: str, path: str, data: DataConfig, batch: int,
+                           need_assistant: bool) -> Iterator[tuple[list, str]]:
+    from enn_cluster.storage.chat_tokens import check_conversation
+
+    done, field = 0, data.messages_field
+    for record_batch in _read_batches(key, path, _messages_column(key, path, data), batch):
+        for value in record_batch.column(0).to_pylist():
+            where = f"{path} row {done}"
+            yield check_conversation(value, field, where, need_assistant), where
+            done += 1
+
+
+def _jsonl_conversations(key: str, path: str, data: DataConfig, need_assistant: bool,
+                         first_only: bool = False) -> Iterator[tuple[list, str]]:
+    from enn_cluster.storage.chat_tokens import check_conversation
+
+    field = data.messages_field
+    for number, record in _jsonl_objects(key, path, data, first_only):
+        if field not in record:
+            held = ", ".join(list(record)[:20]) or "none"
+            raise UserError(f"data.messages_field: {path} line {number} has no key {field!r} "
+                            f"(its keys: {held}); set data.messages_field to the key holding "
+                            "the messages")
+        where = f"{path} line {number}"
+        yield check_conversation(record[field], field, where, need_assistant), where
+
+
 MAX_LINE_CHARS = 64 << 20  # a .jsonl line (one document) is read whole: at most this long
 
 
 def _jsonl_rows(key: str, path: str, data: DataConfig,
                 first_only: bool = False) -> Iterator[tuple[str, str]]:
-    """(text, prompt) of each non-blank line, each line checked. A line is read up to
+    """(text, prompt) of each non-blank line, each line checked."""
+    for number, record in _jsonl_objects(key, path, data, first_only):
+        yield _text_of(path, number, record, data)
+
+
+def _jsonl_objects(key: str, path: str, data: DataConfig,
+                   first_only: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of each non-blank line. A line is read up to
     MAX_LINE_CHARS (a 10 GB file with no newline is refused, not read into memory); a
     leading UTF-8 byte-order mark is skipped (as pandas and datasets do)."""
     with open(os.path.expanduser(path), encoding="utf-8-sig") as fh:
@@ -181,14 +260,14 @@ def _jsonl_rows(key: str, path: str, data: DataConfig,
                                             "the file") from None
                 if not line.strip():
                     continue
-                yield _jsonl_record(key, path, number, line, data)
+                yield number, _jsonl_object(key, path, number, line, data)
                 if first_only:
                     return
         except UnicodeDecodeError:
             raise UserError.on(key, f"{path} is not UTF-8 text; save it as UTF-8") from None
 
 
-def _jsonl_record(key: str, path: str, number: int, line: str, data: DataConfig) -> tuple[str, str]:
+def _jsonl_object(key: str, path: str, number: int, line: str, data: DataConfig) -> dict:
     try:
         record = json.loads(line)
     except ValueError:
@@ -200,7 +279,12 @@ def _jsonl_record(key: str, path: str, number: int, line: str, data: DataConfig)
     if not isinstance(record, dict):
         raise UserError.on(key, f"{path} line {number} is a JSON {type(record).__name__}, not "
                                 "an object; write one object per line, e.g. "
-                                f"{{\"{data.text_field}\": \"...\"}}")
+                                + (f'{{"{data.messages_field}": [...]}}' if data.messages_field
+                                   else f'{{"{data.text_field}": "..."}}'))
+    return record
+
+
+def _text_of(path: str, number: int, record: dict, data: DataConfig) -> tuple[str, str]:
     text = record.get(data.text_field)
     if data.text_field not in record:
         held = ", ".join(list(record)[:20]) or "none"

@@ -1,10 +1,11 @@
 """Tokenize a text corpus once, at staging, into token memmaps for a causal LM.
 
 RUN/data/train_x.npy holds int32 token ids [rows, max_length]; train_y.npy the labels: the
-same ids, with -100 wherever the loss ignores the token (pads, prompt tokens). No shift:
-the model shifts. A document's ids are its prompt's (with the tokenizer's default special
-tokens, e.g. BOS) then its text's (without them; with them when there is no prompt), then
-EOS. Packing on: documents run on across rows of exactly max_length; the tail shorter than
+same ids, with -100 wherever the loss ignores the token (pads, prompt tokens, a chat's
+system and user turns and role headers). No shift: the model shifts. A document's ids are
+its prompt's (with the tokenizer's default special tokens, e.g. BOS) then its text's
+(without them; with them when there is no prompt), then EOS; a chat's are its template's
+rendering, as `apply_chat_template` tokenizes it (`storage.chat_tokens`). Packing on: documents run on across rows of exactly max_length; the tail shorter than
 a row is dropped (counted). Packing off: one document per row, truncated to max_length
 (counted), EOS kept if it fits, right-padded with the pad id (the tokenizer's, else EOS).
 
@@ -29,8 +30,10 @@ import numpy as np
 
 from enn_cluster.config.run_config import DataConfig, ModelConfig
 from enn_cluster.errors import UserError
+from enn_cluster.storage.chat_tokens import ChatEncoder
 from enn_cluster.storage.memmap_writer import held_out_rows, write_manifest, write_memmap
 from enn_cluster.storage.text_sources import (
+    iter_conversations,
     iter_documents,
     load_tokenizer,
     text_files,
@@ -89,6 +92,18 @@ def document_tokens(layout: Layout, prompt_ids: Optional[list], text_ids: list):
     return ids, labels, prompt_lens + text_lens
 
 
+def chat_documents(docs: list, masks: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One batch of chats (ids and learned masks, as `chat_tokens.ChatEncoder` gives them)
+    as a flat token stream, its labels (IGNORE where not learned) and per-chat lengths; no
+    EOS is added: the template writes each turn's end."""
+    lengths = np.fromiter(map(len, docs), np.int64, len(docs))
+    ids = np.fromiter(itertools.chain.from_iterable(docs), TOKEN_DTYPE, int(lengths.sum()))
+    labels = ids.copy()
+    if masks:
+        labels[~np.concatenate(masks)] = IGNORE
+    return ids, labels, lengths
+
+
 def padded_rows(layout: Layout, ids: np.ndarray, labels: np.ndarray,
                 lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Packing off: one row per document, truncated to max_length (EOS too when it does not
@@ -122,27 +137,42 @@ class _Encoder:
     def _ids(self, texts: list[str], special: bool) -> list:
         return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=special)]
 
+    def plain(self, texts: list[str]) -> list:
+        """Rendered chats: the template wrote every special token they hold."""
+        return self._ids(texts, False)
+
+
+def _batches(key: str, path: str, data: DataConfig, layout: Layout, encoder: _Encoder,
+             chats: Optional[ChatEncoder], batch: int):
+    """(raw batches of the file, the function that lays one out as (ids, labels, lengths))."""
+    if chats is not None:
+        return (iter_conversations(key, path, data, batch),
+                lambda rows: chat_documents(*chats(*rows)))
+    return (iter_documents(key, path, data, batch),
+            lambda docs: document_tokens(layout, *encoder(*docs)))
+
 
 def _tokenize_file(key: str, path: str, data: DataConfig, layout: Layout, encoder: _Encoder,
-                   streams: tuple[Path, Path]) -> TextCounts:
+                   chats: Optional[ChatEncoder], streams: tuple[Path, Path]) -> TextCounts:
     """Pass one: every document encoded and appended, laid out, to the two token streams
     (ids, labels); the next batch is read and encoded while this one is laid out."""
     counts = TextCounts()
     batch = BATCH_DOCS if layout.packing else \
         max(1, min(BATCH_DOCS, PADDED_BATCH_BYTES // (2 * TOKEN_DTYPE.itemsize * layout.max_length)))
-    batches = iter_documents(key, path, data, batch)
+    batches, lay_out = _batches(key, path, data, layout, encoder, chats, batch)
     with open(streams[0], "wb") as fx, open(streams[1], "wb") as fy, \
             ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
-        nxt = pool.submit(_encode_next, batches, encoder)
+        nxt = pool.submit(_encode_next, batches, lay_out)
         while True:
             encoded = nxt.result()
             if encoded is None:
                 break
-            nxt = pool.submit(_encode_next, batches, encoder)
-            ids, labels, lengths = document_tokens(layout, *encoded)
+            nxt = pool.submit(_encode_next, batches, lay_out)
+            ids, labels, lengths = encoded
             counts.documents += len(lengths)
             if not layout.packing:
-                counts.truncated_documents += int((lengths - 1 > layout.max_length).sum())
+                ended = 0 if chats is not None else 1  # the EOS staging adds may be cut
+                counts.truncated_documents += int((lengths - ended > layout.max_length).sum())
                 counts.tokens += int(np.minimum(lengths, layout.max_length).sum())
                 ids, labels = padded_rows(layout, ids, labels, lengths)
             else:
@@ -158,9 +188,9 @@ def _tokenize_file(key: str, path: str, data: DataConfig, layout: Layout, encode
     return counts
 
 
-def _encode_next(batches, encoder: _Encoder):
+def _encode_next(batches, lay_out):
     batch = next(batches, None)
-    return None if batch is None else encoder(*batch)
+    return None if batch is None else lay_out(batch)
 
 
 def _stream_to_memmap(stream: Path, dest: Path, rows: int, width: int, source: str,
@@ -190,12 +220,12 @@ def _stream_to_memmap(stream: Path, dest: Path, rows: int, width: int, source: s
 
 
 def _stage_split(key: str, path: str, split: str, data: DataConfig, layout: Layout,
-                 encoder: _Encoder, data_dir: Path, progress: Optional[TextIO]) -> tuple:
+                 encoders: tuple, data_dir: Path, progress: Optional[TextIO]) -> tuple:
     """One file (train or eval) tokenized into {split}_x.npy and {split}_y.npy."""
     streams = (data_dir / f".{split}_x.tokens-{os.getpid()}",
                data_dir / f".{split}_y.tokens-{os.getpid()}")
     try:
-        counts = _tokenize_file(key, path, data, layout, encoder, streams)
+        counts = _tokenize_file(key, path, data, layout, *encoders, streams)
         if counts.rows == 0:
             raise UserError(f"data.max_length: {path} holds {counts.dropped_tokens} tokens, "
                             f"fewer than one row of {layout.max_length}; lower data.max_length "
@@ -218,11 +248,13 @@ def stage_text_data(data: DataConfig, model: ModelConfig, data_dir: Path,
     layout = Layout(data.max_length, data.packing, eos,
                     eos if tok.pad_token_id is None else int(tok.pad_token_id))
     encoder = _Encoder(tok)
+    encoders = (encoder, ChatEncoder(tok, tok_dir, encoder.plain) if data.messages_field
+                else None)
     entries: dict = {}
     counts: dict = {}
     for key, path in text_files(data):
         split = "train" if key == "data.train_path" else "eval"
-        split_entries, counts[split] = _stage_split(key, path, split, data, layout, encoder,
+        split_entries, counts[split] = _stage_split(key, path, split, data, layout, encoders,
                                                     data_dir, progress)
         entries.update(split_entries)
     manifest = {"entries": entries,
@@ -233,7 +265,8 @@ def stage_text_data(data: DataConfig, model: ModelConfig, data_dir: Path,
         "documents": train.documents, "tokens": train.tokens, "rows": train.rows,
         "packing": data.packing, "max_length": data.max_length, "pad_token_id": layout.pad_id,
         "eos_token_id": eos, "bos_token_id": tok.bos_token_id, "text_field": data.text_field,
-        "prompt_field": data.prompt_field, "truncated_documents": train.truncated_documents,
+        "prompt_field": data.prompt_field, "messages_field": data.messages_field,
+        "truncated_documents": train.truncated_documents,
         "dropped_tokens": train.dropped_tokens,
     }
     if "eval" in counts:
@@ -244,14 +277,21 @@ def stage_text_data(data: DataConfig, model: ModelConfig, data_dir: Path,
 
 def text_rows(key: str, path: str, data: DataConfig, model: ModelConfig) -> np.ndarray:
     """Prediction input from text: one row per document (its prompt, then its text, as staged
-    for training but with no EOS appended), truncated to data.max_length and right-padded
-    with -1 (int32), in file order."""
-    _, tok = load_tokenizer(data, model)
-    encoder, rows = _Encoder(tok), []
-    for texts, prompts in iter_documents(key, path, data, BATCH_DOCS):
-        prompt_ids, text_ids = encoder(texts, prompts)
-        for i, ids in enumerate(text_ids):
-            rows.append(((prompt_ids[i] if prompt_ids else []) + ids)[:data.max_length])
+    for training but with no EOS appended; a chat rendered by its template, with the
+    generation prompt when it does not end with an assistant turn), truncated to
+    data.max_length and right-padded with -1 (int32), in file order."""
+    tok_dir, tok = load_tokenizer(data, model)
+    encoder = _Encoder(tok)
+    if data.messages_field:
+        chats = ChatEncoder(tok, tok_dir, encoder.plain)
+        rows = [ids[:data.max_length]
+                for batch in iter_conversations(key, path, data, BATCH_DOCS, need_assistant=False)
+                for ids in chats.prompts(*batch)]
+    else:
+        rows = [((prompt_ids[i] if prompt_ids else []) + ids)[:data.max_length]
+                for batch in iter_documents(key, path, data, BATCH_DOCS)
+                for prompt_ids, text_ids in [encoder(*batch)]
+                for i, ids in enumerate(text_ids)]
     out = np.full((len(rows), data.max_length), -1, dtype=TOKEN_DTYPE)
     for i, ids in enumerate(rows):
         out[i, :len(ids)] = ids

@@ -306,3 +306,25 @@ def test_enn_variables_in_the_admin_docs_exist_and_the_template_table_is_complet
     assert table - read == set(), f"admin.md's variable table lists {sorted(table - read)}, " \
         "which the templates do not read"
     assert "ENN_MIN_NODES" in table
+
+
+def test_the_quickstart_chat_example_is_a_valid_row_and_config():
+    """docs/quickstart.md's chat row is one our checks accept (every message a known role
+    with text, an assistant turn to learn) and its data section is a valid config; the
+    row is staged and its mask checked in tests/storage/test_chat_staging.py."""
+    import json
+
+    import yaml
+
+    from enn_cluster.config.loading import config_from_dict
+    from enn_cluster.storage.chat_tokens import check_conversation
+
+    text = (DOCS / "quickstart.md").read_text(encoding="utf-8")
+    (row,) = re.findall(r"```json\n(\{\"messages\".*?)\n```", text, re.S)
+    (section,) = re.findall(r"```yaml\n(data:\n  messages_field.*?)```", text, re.S)
+    data = yaml.safe_load(section)["data"]
+    field = data["messages_field"]
+    messages = check_conversation(json.loads(row)[field], field, "the quickstart's row")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant"]
+    cfg = config_from_dict({"model": {"name": "hf:/weights"}, "data": data})
+    assert cfg.data.messages_field == field and cfg.data.packing is True

@@ -14,13 +14,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
 
 from enn_cluster.client import llm_assets  # noqa: E402
-from enn_cluster.config.loading import config_from_dict  # noqa: E402
 from enn_cluster.storage import text_staging  # noqa: E402
-from enn_cluster.storage.staging import stage_run_data  # noqa: E402
 from enn_cluster.storage.text_sources import tokenizer_hash  # noqa: E402
 from enn_cluster.storage.text_staging import IGNORE, Layout, document_tokens, padded_rows  # noqa: E402
-from helpers import cli, write_config  # noqa: E402
 from lm_support import PRECISIONS, tiny_model  # noqa: E402
+from lm_support import assert_refused_before_any_run  # noqa: E402
+from lm_support import prepare_text as prepare, stage_text as stage  # noqa: E402
 
 TEXTS = llm_assets.corpus(120, seed=5)
 PROMPTS = [f"question {i}: what runs next" if i % 3 else "" for i in range(len(TEXTS))]
@@ -82,13 +81,6 @@ def lm_config(tmp_path, model_dir, train, **data) -> dict:
             "model": {"name": f"hf:{model_dir}"},
             "data": {"train_path": str(train), "max_length": 32, **data},
             "training": {"per_device_train_batch_size": 2}}
-
-
-def stage(tmp_path, cfg: dict) -> tuple[dict, Path]:
-    run_cfg = config_from_dict(cfg)
-    out = tmp_path / "staged"
-    out.mkdir()
-    return stage_run_data(run_cfg.data, run_cfg.model, out, text=True), out
 
 
 def staged(out: Path, split: str = "train"):
@@ -216,12 +208,6 @@ def test_tokenizer_hash_is_the_files_identity(tmp_path, model_dir):
 # The real CLI: a run made once, bad input refused before it exists, resume never re-stages
 
 
-def prepare(tmp_path, cfg: dict, env=None):
-    path = write_config(tmp_path / "lm.yaml", **cfg)
-    return cli("prepare", "--config", path, "--nodes", "1", "--procs-per-node", "1",
-               "--gpus-per-node", "0", timeout=120, env=env)
-
-
 def test_prepare_stages_once_and_resume_never_tokenizes_again(tmp_path, model_dir):
     from enn_cluster.client.launch_plan import plan_shape
     from enn_cluster.config.launch_shape import LaunchShape
@@ -322,13 +308,7 @@ def test_bad_text_input_is_one_line_exit_2_and_no_run(tmp_path, users_model_dir,
         (tmp_path / "empty").mkdir()
         extra = dict(extra, tokenizer=str(tmp_path / "empty"))
     res = prepare(tmp_path, lm_config(tmp_path, users_model_dir, source, **extra))
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("enn-submit: error: "), res.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    runs = tmp_path / "runs"
-    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
+    assert_refused_before_any_run(res, tmp_path, needles)
 
 
 def test_a_cached_model_name_is_found_offline_and_a_missing_one_refused(tmp_path, users_model_dir):

@@ -1,0 +1,147 @@
+"""Chat data for a causal LM: each row's messages checked, rendered by the tokenizer's own
+chat template, and masked so that only the assistant turns are learned.
+
+Real templates (Qwen2.5, Llama-3) carry no `{% generation %}` markers, so the assistant spans
+are found without them: a conversation is rendered whole, and, for each assistant turn, once
+up to it with the generation prompt (where a model starts to write) and once through it.
+Each rendering must be a prefix of the whole in tokens; a template that renders earlier
+turns otherwise once a later one exists is refused, since no span of it could be trusted. A
+turn's learned tokens run from the end of the first rendering to the last special token of
+the second (its end of turn: `<|im_end|>`, `<|eot_id|>`); what the template writes after
+that (ChatML's newline) is layout a model never generates, and is not learned. A turn with
+no special token is learned to its end.
+
+Rendering is transformers' own (`apply_chat_template`, its sandboxed jinja); the tokens are
+the fast tokenizer's batched encoding of the rendered text without added special tokens, as
+`apply_chat_template(tokenize=True)` makes them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from enn_cluster.errors import UserError
+
+ROLES = ("system", "user", "assistant")
+KEY = "data.messages_field"
+
+
+def conversation_error(value, need_assistant: bool = True) -> Optional[str]:
+    """What is wrong with one row's messages (a phrase that follows the field's name), or
+    None when it is a list of {"role", "content"} messages of known roles with text."""
+    if value is None:
+        return "is missing (null); drop or fill the row"
+    if not isinstance(value, list):
+        return (f"holds {type(value).__name__}, not a list of messages; give "
+                '[{"role": "user", "content": "..."}, ...]')
+    if not value:
+        return "is an empty list; give at least a user and an assistant message"
+    for number, message in enumerate(value, 1):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return f'message {number} is not an object with "role" and "content"; fix the row'
+        if message["role"] not in ROLES:
+            return (f"message {number} has role {message['role']!r}; the roles are "
+                    f"{', '.join(ROLES)}: fix the row")
+        if not isinstance(message["content"], str):
+            return (f"message {number}'s content holds {type(message['content']).__name__}, "
+                    "not text; fix the row")
+    if value[0]["role"] == "assistant":  # nothing before it to render its start from
+        return ("starts with an assistant message; start it with a system or user message: "
+                "fix the row")
+    if need_assistant and not any(m["role"] == "assistant" for m in value):
+        return "has no assistant message (nothing to learn); add one or drop the row"
+    return None
+
+
+def check_conversation(value, field: str, where: str, need_assistant: bool = True) -> list:
+    """The row's messages as [{"role", "content"}] (other keys dropped), or one line naming
+    the row (`where`: "FILE line N" or "FILE row N") and the field."""
+    error = conversation_error(value, need_assistant)
+    if error:
+        raise UserError(f"{KEY}: {where}: {field!r} {error}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def assistant_mask(full: list, turns: list, specials: frozenset) -> Optional[np.ndarray]:
+    """Which tokens of `full` (a conversation's ids) are learned, given each assistant turn
+    as (ids rendered up to it with the generation prompt, ids rendered through it); None
+    when a rendering is not a prefix of `full`."""
+    mask = np.zeros(len(full), bool)
+    for before, through in turns:
+        if len(before) > len(through) or full[:len(through)] != through \
+                or through[:len(before)] != before:
+            return None
+        end = len(through)
+        while end > len(before) and through[end - 1] not in specials:
+            end -= 1
+        mask[len(before):end if end > len(before) else len(through)] = True
+    return mask
+
+
+def require_chat_template(tok, tokenizer_dir: Path) -> None:
+    if not tok.chat_template:
+        raise UserError(f"{KEY}: the tokenizer in {tokenizer_dir} has no chat_template "
+                        "(tokenizer_config.json or chat_template.jinja); set data.tokenizer "
+                        "to a chat model's tokenizer, or give text with data.text_field")
+
+
+def special_ids(tok) -> frozenset:
+    """Every special token of the tokenizer: its named ones and every added special token
+    (Llama-3 lists <|eot_id|> only among the added ones)."""
+    added = {i for i, t in tok.added_tokens_decoder.items() if getattr(t, "special", False)}
+    return frozenset(added | set(tok.all_special_ids))
+
+
+class ChatEncoder:
+    """Conversations to (ids, learned mask) per row, in batches; `encode` is the fast
+    tokenizer's batched encoding without added special tokens."""
+
+    def __init__(self, tok, tokenizer_dir: Path, encode: Callable[[list], list]) -> None:
+        require_chat_template(tok, tokenizer_dir)
+        self.tok, self.dir, self.encode = tok, tokenizer_dir, encode
+        self.specials = special_ids(tok)
+
+    def render(self, messages: list, generation_prompt: bool, where: str) -> str:
+        try:
+            return self.tok.apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=generation_prompt)
+        except Exception as exc:  # the template's raise_exception, jinja errors: one line
+            raise UserError(f"{KEY}: {where}: the chat template in {self.dir} refuses the "
+                            f"conversation ({type(exc).__name__}: {str(exc)[:200]}); fix the "
+                            "row") from None
+
+    def __call__(self, conversations: list, wheres: list) -> tuple[list, list]:
+        """(ids, learned mask) of each conversation: one batched encode of every rendering."""
+        texts, plan = [], []
+        for messages, where in zip(conversations, wheres):
+            first = len(texts)
+            texts.append(self.render(messages, False, where))
+            for i, message in enumerate(messages):
+                if message["role"] == "assistant":
+                    texts.append(self.render(messages[:i], True, where))
+                    texts.append(self.render(messages[:i + 1], False, where))
+            plan.append((first, len(texts), where))
+        encoded = self.encode(texts)
+        docs, masks = [], []
+        for first, end, where in plan:
+            full = encoded[first]
+            mask = assistant_mask(full, list(zip(encoded[first + 1:end:2],
+                                                 encoded[first + 2:end:2])), self.specials)
+            if mask is None:
+                raise UserError(f"{KEY}: {where}: the chat template in {self.dir} renders the "
+                                "conversation up to an assistant turn as other than the start "
+                                "of the whole (in tokens), so its assistant tokens cannot be "
+                                "told apart; use a template that renders each turn alike "
+                                "whatever follows, or give text with data.prompt_field")
+            docs.append(full)
+            masks.append(mask)
+        return docs, masks
+
+    def prompts(self, conversations: list, wheres: list) -> list:
+        """Prediction input: each conversation rendered as it stands, with the generation
+        prompt when it does not end with an assistant turn (what a model answers next)."""
+        texts = [self.render(m, m[-1]["role"] != "assistant", w)
+                 for m, w in zip(conversations, wheres)]
+        return self.encode(texts)
