@@ -79,9 +79,10 @@ DESCRIPTIONS = {
     "data.prompt_field": "Causal LM: a column whose text comes before `data.text_field` and "
                          "is masked out of the loss (prompt/response pairs); empty: none.",
     "data.max_length": "Causal LM: tokens per staged row (2 .. 1048576).",
-    "data.packing": "Causal LM: pack many documents per row (no padding), or, when false, "
-                    "one document per row, truncated or padded with pads masked out of the "
-                    "loss.",
+    "data.packing": "Causal LM: pack many documents per row (no padding; in training each "
+                    "attends only to itself, positions restarting after each EOS), or, "
+                    "when false, one document per row, truncated or padded with pads masked "
+                    "out of the loss.",
     "data.tokenizer": "Causal LM: directory of the tokenizer files; empty: the model's "
                       "weights directory.",
     "lora.r": "Adapter rank; 0 (the default) fine-tunes every weight, > 0 trains LoRA "
