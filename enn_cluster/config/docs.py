@@ -169,6 +169,11 @@ DESCRIPTIONS = {
                                 "the step's control-lane all-reduce. 0: no time-based saves.",
     "checkpoint.writer_threads": "Writer threads per rank, each writing its own file of the "
                                  "rank's shard; 0: 4 on GPU, 1 on CPU.",
+    "checkpoint.lustre_stripe_count": "When the run directory is on Lustre (its `lfs` tool "
+                                      "at hand where the run is made): the stripe count set "
+                                      "on `checkpoints/`, so that each shard file spreads "
+                                      "over that many OSTs; -1 every OST, 0 leaves the "
+                                      "filesystem's default (docs/admin.md).",
     "checkpoint.keep_last": "Committed checkpoints to keep (> 0); older ones, and torn ones "
                             "older than the newest committed, are deleted.",
     "checkpoint.async_save": "Write periodic checkpoints in the background: a thread copies "

@@ -36,6 +36,7 @@ from enn_cluster.errors import UserError
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
 MAX_WAIT_S = 7 * 24 * 3600.0  # timeouts beyond a week overflow gloo/alarm and mean a typo
 MAX_WRITER_THREADS = 16  # DCP writes one file per thread and rank
+MAX_STRIPE_COUNT = 2000  # Lustre's own limit on a file's stripes
 GPU_LOG_EVERY_STEPS = 10  # logging.every_steps 0 on GPU (torchtitan's log_freq)
 GPU_WRITER_THREADS = 4
 MAX_NAME_BYTES = 200  # run_name: a path component, with room for '.NAME.creating-PID'
@@ -214,9 +215,14 @@ class CheckpointConfig:
     async_save: str = "auto"  # auto (GPU only) | true | false
     writer_threads: int = 0  # DCP writer threads (files) per rank; 0: 4 on GPU, 1 on CPU
     barrier_timeout_s: float = 0.0  # checkpoint/control-lane barriers; 0: parallel.timeout_s
+    lustre_stripe_count: int = 4  # checkpoints/ on Lustre: OSTs per file; -1 all, 0 as is
 
     def validate(self) -> None:
         _non_negative("checkpoint.every_steps", self.every_steps)
+        if not -1 <= self.lustre_stripe_count <= MAX_STRIPE_COUNT:
+            raise UserError(f"checkpoint.lustre_stripe_count: {self.lustre_stripe_count!r} must "
+                            f"be -1 (every OST), 0 (the filesystem's default) or 1 to "
+                            f"{MAX_STRIPE_COUNT}")
         if not 0 <= self.every_minutes <= MAX_WAIT_S / 60:
             raise UserError(f"checkpoint.every_minutes: {self.every_minutes!r} must be >= 0 "
                             "(0: no time-based checkpoints) and at most a week")
