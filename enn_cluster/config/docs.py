@@ -204,9 +204,13 @@ DESCRIPTIONS = {
                                      "(TCPStore and process-group setup), in seconds. On a "
                                      "restart every node unpacks the image again and nodes "
                                      "can start minutes apart: keep this well above that skew.",
-    "parallel.activation_checkpointing": "Recompute activations in the backward pass: `none`, "
-                                         "`selective` (every other block) or `full` (every "
-                                         "block); less memory, about a third more compute.",
+    "parallel.activation_checkpointing": "Recompute activations in the backward pass: `none`; "
+                                         "`selective`, per op as torchtitan does (every "
+                                         "block keeps its attention and every other matmul "
+                                         "output, recomputes the cheap ops: about a third of "
+                                         "the memory for a few % more compute); "
+                                         "`every_other` block whole; or `full` (every block: "
+                                         "least memory, about a third more compute).",
     "parallel.watchdog_s": "A rank that starts no step, collective or evaluation batch "
                            "for this long logs where each lane was, dumps every thread's "
                            "stack and exits 70 (retried like a failure); 0: "
