@@ -7,7 +7,8 @@ rows (train_x: input ids, train_y: labels) read through a memmap in the same ord
 trainer (one seeded permutation per epoch, rank-major micro-batches within a step). The
 same work per step as the trainer, written the way a careful loop would be (see
 bare_loop.py): gradient accumulation with HSDP's cross-replica all-reduce only on the last
-micro-batch, transformers' own masked causal-LM loss, the gradient norm in one
+micro-batch, packed documents kept apart as TRL's padding-free collator does (positions
+restarting after each EOS), transformers' own masked causal-LM loss, the gradient norm in one
 all-reduce then the clip, fused AdamW, the loss read every step, GC frozen over the
 pre-training heap and run every 100 steps. Rank 0 returns the time at the end of each step.
 """
@@ -46,7 +47,26 @@ def setup(model_dir: str, data_dir: str, replicate: int, shard: int, lr: float,
     return x, y, model, opt
 
 
-def step(model, opt, x, y, micro_rows: list) -> float:
+def document_end(data_dir: str):
+    """The EOS that ends each packed document (None: rows are not packed text)."""
+    import json
+
+    with open(os.path.join(data_dir, "manifest.json")) as fh:
+        text = json.load(fh).get("text") or {}
+    return text.get("eos_token_id") if text.get("packing") else None
+
+
+def positions(ids, eos):
+    """Position ids restarting after each EOS (transformers masks packed sequences by them)."""
+    import torch
+
+    index = torch.arange(ids.shape[1]).expand_as(ids)
+    after = torch.zeros_like(ids, dtype=torch.bool)
+    after[:, 1:] = ids[:, :-1] == eos
+    return index - torch.where(after, index, 0).cummax(dim=1).values
+
+
+def step(model, opt, x, y, micro_rows: list, eos=None) -> float:
     """One optimizer step over this rank's micro-batches (`micro_rows`)."""
     import numpy as np
     import torch
@@ -58,7 +78,8 @@ def step(model, opt, x, y, micro_rows: list) -> float:
         model.set_requires_all_reduce(k == accum - 1)  # HSDP: replicas meet on the last one
         ids = torch.from_numpy(np.ascontiguousarray(x[rows])).long()
         labels = torch.from_numpy(np.ascontiguousarray(y[rows])).long()
-        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        pos = None if eos is None else positions(ids, eos)
+        loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
         (loss / accum).backward()
         loss_sum += loss.detach().double()
     model.set_requires_all_reduce(True)
@@ -78,6 +99,8 @@ def train(model_dir: str, data_dir: str, replicate: int, shard: int, micro: int,
 
     x, y, model, opt = setup(model_dir, data_dir, replicate, shard, lr, bf16)
     rank, world = dist.get_rank(), dist.get_world_size()
+    eos = document_end(data_dir)
     return timed_loop(len(x), micro * accum * world, steps, seed, lambda perm, pos: step(
         model, opt, x, y, [perm[pos + (k * world + rank) * micro:
-                                pos + (k * world + rank + 1) * micro] for k in range(accum)]))
+                                pos + (k * world + rank + 1) * micro] for k in range(accum)],
+        eos))

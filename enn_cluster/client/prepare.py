@@ -20,6 +20,7 @@ from enn_cluster.cluster.slurm import lock_liveness
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.storage.data_sources import check_data_sources
 from enn_cluster.storage.job_record import JobRecord
+from enn_cluster.storage.lustre import stripe_new_directory
 from enn_cluster.storage.text_sources import check_text_sources
 from enn_cluster.storage.rundir import RunDir, create_run_dir, run_umask, update_config
 from enn_cluster.storage.run_lock import acquire_lock, lock_owner, release_lock
@@ -57,6 +58,9 @@ def prepare_run_and_config(plan: LaunchPlan, arrays: Optional[dict] = None,
         check_data_sources(cfg.data)
 
     def populate(run: RunDir) -> None:
+        striped = stripe_new_directory(run.checkpoints, cfg.checkpoint.lustre_stripe_count)
+        if striped:
+            print(striped, file=sys.stderr)
         manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays, progress=sys.stderr,
                                   text=text)
         batch_plans(cfg, plan.shape, plan.meshes,

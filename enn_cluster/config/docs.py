@@ -85,9 +85,10 @@ DESCRIPTIONS = {
                            "after it). Not with `data.prompt_field`, nor a `data.text_field` "
                            "other than its default; empty: none.",
     "data.max_length": "Causal LM: tokens per staged row (2 .. 1048576).",
-    "data.packing": "Causal LM: pack many documents per row (no padding), or, when false, "
-                    "one document per row, truncated or padded with pads masked out of the "
-                    "loss.",
+    "data.packing": "Causal LM: pack many documents per row (no padding; in training each "
+                    "attends only to itself, positions restarting after each EOS), or, "
+                    "when false, one document per row, truncated or padded with pads masked "
+                    "out of the loss.",
     "data.tokenizer": "Causal LM: directory of the tokenizer files; empty: the model's "
                       "weights directory.",
     "lora.r": "Adapter rank; 0 (the default) fine-tunes every weight, > 0 trains LoRA "
@@ -174,6 +175,11 @@ DESCRIPTIONS = {
                                 "the step's control-lane all-reduce. 0: no time-based saves.",
     "checkpoint.writer_threads": "Writer threads per rank, each writing its own file of the "
                                  "rank's shard; 0: 4 on GPU, 1 on CPU.",
+    "checkpoint.lustre_stripe_count": "When the run directory is on Lustre (its `lfs` tool "
+                                      "at hand where the run is made): the stripe count set "
+                                      "on `checkpoints/`, so that each shard file spreads "
+                                      "over that many OSTs; -1 every OST, 0 leaves the "
+                                      "filesystem's default (docs/admin.md).",
     "checkpoint.keep_last": "Committed checkpoints to keep (> 0); older ones, and torn ones "
                             "older than the newest committed, are deleted.",
     "checkpoint.async_save": "Write periodic checkpoints in the background: a thread copies "
@@ -204,9 +210,13 @@ DESCRIPTIONS = {
                                      "(TCPStore and process-group setup), in seconds. On a "
                                      "restart every node unpacks the image again and nodes "
                                      "can start minutes apart: keep this well above that skew.",
-    "parallel.activation_checkpointing": "Recompute activations in the backward pass: `none`, "
-                                         "`selective` (every other block) or `full` (every "
-                                         "block); less memory, about a third more compute.",
+    "parallel.activation_checkpointing": "Recompute activations in the backward pass: `none`; "
+                                         "`selective`, per op as torchtitan does (every "
+                                         "block keeps its attention and every other matmul "
+                                         "output, recomputes the cheap ops: about a third of "
+                                         "the memory for a few % more compute); "
+                                         "`every_other` block whole; or `full` (every block: "
+                                         "least memory, about a third more compute).",
     "parallel.watchdog_s": "A rank that starts no step, collective or evaluation batch "
                            "for this long logs where each lane was, dumps every thread's "
                            "stack and exits 70 (retried like a failure); 0: "

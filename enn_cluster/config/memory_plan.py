@@ -23,7 +23,11 @@ the world, DDP: 1; `plan_mesh` decides it as the run will):
   keeps four wide tensors and no dropout mask, (17 h + 8 i) x s x b: 45 x s x h x b for
   Llama-3 (i = 3.5 h), where autograd saves 49 in transformers' Llama (its RMSNorm works in
   fp32); a checkpointed layer keeps only its input, 2 x s x h x b, and one layer at a time
-  recomputes its activations during backward; `selective` checkpoints every other layer;
+  recomputes its activations during backward; `every_other` checkpoints every other layer;
+  `selective` (per op) keeps in each layer its input, the attention's output and every
+  other matmul's output (q, v, gate, down of q k v o gate up down: 5 h + i elements a
+  token in a gated layer, 4 h + i in a GPT one, taking k and v as wide as q), the rest
+  recomputed one layer at a time;
   plus the logits of a language model, tokens x vocab x 10 bytes (bf16 logits, their fp32
   copy and fp32 log-softmax for the loss): s x b tokens for a model whose loss needs its
   whole logits, one chunk of the loss (models/causal_lm.py, a few thousand tokens with a
@@ -40,7 +44,7 @@ from typing import Optional
 
 from enn_cluster.config.inputs import INPUTS
 from enn_cluster.config.lm_config import takes_lora
-from enn_cluster.config.run_config import RunConfig, plan_mesh
+from enn_cluster.config.run_config import CHECKPOINTING_MODES, RunConfig, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch
 from enn_cluster.errors import Said, UserError
 
@@ -119,13 +123,24 @@ def layer_bytes_per_token(model: ModelShape) -> float:
 
 
 def activation_bytes(layers: int, per_token: float, tokens: float, hidden: int,
-                     mode: str) -> float:
+                     mode: str, selective_per_token: float = 0.0) -> float:
     """Saved activations of `layers` layers of `per_token` bytes per token for `tokens`
-    tokens (s x b; doubled in fp32); a checkpointed layer keeps its input of `hidden`."""
-    full, kept = per_token * tokens, CKPT_BYTES_PER_LAYER * hidden * tokens
-    checkpointed = {"none": 0, "selective": layers // 2, "full": layers}[mode]
-    recompute = full if checkpointed else 0.0  # one layer's activations rebuilt at a time
+    tokens (s x b; doubled in fp32); a checkpointed layer keeps its input of `hidden`,
+    or under `selective` the `selective_per_token` bytes its op policy saves."""
+    full = per_token * tokens
+    kept = (selective_per_token if mode == "selective" else CKPT_BYTES_PER_LAYER * hidden) \
+        * tokens
+    checkpointed = {"none": 0, "selective": layers, "every_other": layers // 2,
+                    "full": layers}[mode]
+    # one layer's activations rebuilt at a time (under `selective`, what it did not keep)
+    recompute = 0.0 if not checkpointed else full - kept if mode == "selective" else full
     return (layers - checkpointed) * full + checkpointed * kept + recompute
+
+
+def selective_bytes_per_token(model: ModelShape) -> float:
+    """Bytes one layer keeps per token in bf16 under per-op selective checkpointing."""
+    h, i = model.hidden, model.intermediate or 4 * model.hidden
+    return 2 * (5 * h + i) if model.gated else 2 * (4 * h + i)
 
 
 def usable_bytes(gpu_mem_gb: float) -> float:
@@ -153,8 +168,8 @@ def memory_plan(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: in
                                                                  model.loss_chunk_tokens)
     logits = alive * model.vocab * LOGIT_BYTES
     acts = {mode: activation_bytes(model.layers, layer_bytes_per_token(model), tokens,
-                                   model.hidden, mode) + logits
-            for mode in ("none", "selective", "full")}
+                                   model.hidden, mode, selective_bytes_per_token(model)) + logits
+            for mode in CHECKPOINTING_MODES}
     return MemoryPlan(params=stored / shard + gathered, grads=trainable * 4 / shard,
                       optimizer=trainable * 8 / shard,
                       activations=acts[cfg.parallel.activation_checkpointing],

@@ -36,6 +36,9 @@ from enn_cluster.errors import UserError
 MAX_SYNTHETIC_VALUES = 2**30  # float32 values generated in memory (4 GiB)
 MAX_WAIT_S = 7 * 24 * 3600.0  # timeouts beyond a week overflow gloo/alarm and mean a typo
 MAX_WRITER_THREADS = 16  # DCP writes one file per thread and rank
+MAX_STRIPE_COUNT = 2000  # Lustre's own limit on a file's stripes
+# parallel.activation_checkpointing, least memory saved first (worker/parallel.py applies them)
+CHECKPOINTING_MODES = ("none", "selective", "every_other", "full")
 GPU_LOG_EVERY_STEPS = 10  # logging.every_steps 0 on GPU (torchtitan's log_freq)
 GPU_WRITER_THREADS = 4
 MAX_NAME_BYTES = 200  # run_name: a path component, with room for '.NAME.creating-PID'
@@ -227,9 +230,14 @@ class CheckpointConfig:
     async_save: str = "auto"  # auto (GPU only) | true | false
     writer_threads: int = 0  # DCP writer threads (files) per rank; 0: 4 on GPU, 1 on CPU
     barrier_timeout_s: float = 0.0  # checkpoint/control-lane barriers; 0: parallel.timeout_s
+    lustre_stripe_count: int = 4  # checkpoints/ on Lustre: OSTs per file; -1 all, 0 as is
 
     def validate(self) -> None:
         _non_negative("checkpoint.every_steps", self.every_steps)
+        if not -1 <= self.lustre_stripe_count <= MAX_STRIPE_COUNT:
+            raise UserError(f"checkpoint.lustre_stripe_count: {self.lustre_stripe_count!r} must "
+                            f"be -1 (every OST), 0 (the filesystem's default) or 1 to "
+                            f"{MAX_STRIPE_COUNT}")
         if not 0 <= self.every_minutes <= MAX_WAIT_S / 60:
             raise UserError(f"checkpoint.every_minutes: {self.every_minutes!r} must be >= 0 "
                             "(0: no time-based checkpoints) and at most a week")
@@ -265,7 +273,8 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"  # gradient reductions under bf16 mixed precision: fp32 | bf16
     rendezvous_timeout_s: float = 900.0  # all ranks must meet within this (image unpack skew)
     watchdog_s: float = 0.0  # no progress for this long ends the rank; 0: timeout_s + 60
-    activation_checkpointing: str = "none"  # none | selective (every other block) | full
+    # none | selective (per op: matmul outputs kept) | every_other (block) | full
+    activation_checkpointing: str = "none"
 
     @property
     def watchdog_limit_s(self) -> float:
@@ -276,7 +285,7 @@ class ParallelConfig:
         _choice("parallel.strategy", self.strategy, ("hsdp", "fsdp", "ddp"))
         _choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         _choice("parallel.activation_checkpointing", self.activation_checkpointing,
-                ("none", "selective", "full"))
+                CHECKPOINTING_MODES)
         _bounded("parallel.nodes", self.nodes, MAX_NODES)
         _bounded("parallel.procs_per_node", self.procs_per_node, MAX_PROCS_PER_NODE)
         _non_negative("parallel.replicate", self.replicate)

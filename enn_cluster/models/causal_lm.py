@@ -100,19 +100,28 @@ class CausalLM(nn.Module):
 
     input_dtype = torch.long  # token ids: never a float (models.input_dtype)
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, document_end: Optional[int] = None) -> None:
         super().__init__()
         self.lm = lm
+        # rows of packed documents, each ended by this id (CausalLMKind.bind_data): a
+        # document's tokens see only its own, positions restarting at each (None: a row
+        # is one sequence)
+        self.document_end = document_end
 
     def forward(self, input_ids: torch.Tensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The logits; with `labels`, the loss (chunked where `loss_in_forward`)."""
-        if labels is None:
-            return self.lm(input_ids=input_ids.long(), use_cache=False).logits
-        if not self.loss_in_forward:
-            return self.loss(self.forward(input_ids), labels)
+        """The logits; with `labels`, the loss (chunked where `loss_in_forward`). With
+        labels (training, eval) a packed row's documents are kept apart."""
+        ids = input_ids.long()
+        positions = None
+        if labels is not None and self.document_end is not None:
+            positions = packed_positions(ids, self.document_end)
+        if labels is None or not self.loss_in_forward:
+            logits = self.lm(input_ids=ids, position_ids=positions, use_cache=False).logits
+            return logits if labels is None else self.loss(logits, labels)
         base = self.base()
-        hidden = base.get_decoder()(input_ids=input_ids.long(), use_cache=False).last_hidden_state
+        hidden = base.get_decoder()(input_ids=ids, position_ids=positions,
+                                    use_cache=False).last_hidden_state
         head = base.get_output_embeddings()
         return chunked_loss(hidden, head, labels, loss_chunk_tokens(head.out_features))
 
@@ -150,6 +159,18 @@ class CausalLM(nn.Module):
     @property
     def has_lora(self) -> bool:
         return hasattr(self.lm, "peft_config")
+
+
+def packed_positions(ids: torch.Tensor, document_end: int) -> torch.Tensor:
+    """Position ids of rows of packed documents: counting from 0 at the row's start and
+    after every `document_end`. transformers reads positions that restart as packed
+    sequences when no attention mask is given (masking_utils.find_packed_sequence_indices)
+    and lets a token attend only within its own, as TRL's padding-free collator relies on."""
+    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[..., 1:] = ids[..., :-1] == document_end
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - last_start
 
 
 def loss_chunk_tokens(vocab: int) -> int:
@@ -305,6 +326,16 @@ class CausalLMKind(ModelKind):
         """On the current default device, weights random (meta in the workers): the caller
         loads the base weights."""
         return CausalLM(bare_lm(cfg.model.name))
+
+    def bind_data(self, model: CausalLM, manifest: dict) -> None:
+        """Text staged with packing: the EOS that ends each document, so that documents
+        sharing a row do not attend to one another. Not for chats (a chat template may end
+        every turn with EOS, and a turn must see the ones before it), nor token arrays given
+        by the user (rows of one sequence each)."""
+        text = manifest.get("text") or {}
+        if text.get("packing") and not text.get("messages_field") \
+                and text.get("eos_token_id") is not None:
+            model.document_end = int(text["eos_token_id"])
 
     def weights_dir(self, cfg: RunConfig) -> Optional[Path]:
         return weights_dir(cfg.model.name)

@@ -7,6 +7,7 @@ A kind answers, for a run's config:
 - `read_dirs`: what the workers read besides the run directory (mounted read-only in the
   container);
 - `build`: the model, on the current default device (the workers build on meta);
+- `bind_data`: what the staged data's manifest tells the built model (packed documents);
 - `weights_dir`: the files its base weights are read from into the sharded model (None:
   initialised by meta_init's rules or its own `init_weights`, or read from a checkpoint);
 - `output_shape`, `predict`, `generation`, `predicts_sharded`, `compares_fp32`: what a
@@ -64,6 +65,10 @@ class ModelKind:
     def build(self, cfg: RunConfig, input_shape: tuple, n_outputs: int):
         """The model on the current default device (weights random or empty)."""
         raise NotImplementedError
+
+    def bind_data(self, model, manifest: dict) -> None:
+        """Tell the built model what the staged data's manifest says it must know to train
+        on them (a causal LM: where packed documents end); nothing by default."""
 
     def weights_dir(self, cfg: RunConfig) -> Optional[Path]:
         """The directory whose files hold the base weights (None: no such files)."""

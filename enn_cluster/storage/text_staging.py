@@ -1,13 +1,16 @@
 """Tokenize a text corpus once, at staging, into token memmaps for a causal LM.
 
 RUN/data/train_x.npy holds int32 token ids [rows, max_length]; train_y.npy the labels: the
-same ids, with -100 wherever the loss ignores the token (pads, prompt tokens, a chat's
-system and user turns and role headers). No shift: the model shifts. A document's ids are
-its prompt's (with the tokenizer's default special tokens, e.g. BOS) then its text's
-(without them; with them when there is no prompt), then EOS; a chat's are its template's
-rendering, as `apply_chat_template` tokenizes it (`storage.chat_tokens`). Packing on: documents run on across rows of exactly max_length; the tail shorter than
-a row is dropped (counted). Packing off: one document per row, truncated to max_length
-(counted), EOS kept if it fits, right-padded with the pad id (the tokenizer's, else EOS).
+same ids, with -100 wherever the loss ignores the token (pads, prompt tokens, a document's
+first token, a chat's system and user turns and role headers). No shift: the model shifts.
+A document's ids are its prompt's (with the tokenizer's default special tokens, e.g. BOS)
+then its text's (without them; with them when there is no prompt), then EOS; a chat's are
+its template's rendering, as `apply_chat_template` tokenizes it (`storage.chat_tokens`).
+Packing on: documents run on across rows of exactly max_length; the tail shorter than a row
+is dropped (counted); in training a text document attends only to itself (positions
+restart after each EOS: causal_lm.packed_positions; chats, whose turns may end in EOS, are
+not split so). Packing off: one document per row, truncated to max_length (counted), EOS
+kept if it fits, right-padded with the pad id (the tokenizer's, else EOS).
 
 Documents stream from the file in batches (`storage.text_sources`); each batch is encoded
 by the fast tokenizer's Rust backend on every core of the host (encode_batch_fast), the
@@ -68,7 +71,9 @@ class Layout:
 
 def document_tokens(layout: Layout, prompt_ids: Optional[list], text_ids: list):
     """One batch of documents as a flat token stream and its labels: each document is its
-    prompt's ids, its text's ids and EOS; labels are the ids, IGNORE on prompt tokens.
+    prompt's ids, its text's ids and EOS; labels are the ids, IGNORE on prompt tokens and
+    on each document's first token (packed, it would be learned from the previous one's
+    EOS, which it cannot see).
     Returns (ids, labels, per-document lengths), int32/int64 numpy arrays. The id lists
     given are consumed (extended in place)."""
     n = len(text_ids)
@@ -89,7 +94,9 @@ def document_tokens(layout: Layout, prompt_ids: Optional[list], text_ids: list):
         segments[0::2], segments[1::2] = prompt_lens, text_lens
         learned = np.repeat(np.tile(np.array([False, True]), n), segments)
         labels[~learned] = IGNORE
-    return ids, labels, prompt_lens + text_lens
+    lengths = prompt_lens + text_lens
+    labels[np.cumsum(lengths) - lengths] = IGNORE  # nothing before it in its document
+    return ids, labels, lengths
 
 
 def chat_documents(docs: list, masks: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -63,6 +63,7 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
         model = build_run_model(cfg, shape, n_out)
         check_whole_build(cfg.model.name, model, lanes.device)  # no meta build: the real one
         model = model.to(lanes.device)
+    kind_of(cfg).bind_data(model, manifest)
     plan = plan_mesh(cfg.parallel, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, lanes.device)
     bf16 = use_bf16(cfg, lanes.device)

@@ -61,13 +61,46 @@ def set_master_dtypes(model: nn.Module, use_bf16: bool) -> None:
 
 def checkpointed_blocks(blocks: list[nn.Module], mode: str) -> list[nn.Module]:
     """The blocks whose activations are recomputed in the backward pass (pure): none, every
-    other one (`selective`: about half the activation memory for a sixth more compute) or
-    all (`full`)."""
-    if mode == "full":
+    other one (`every_other`: about half the activation memory for a sixth more compute),
+    or all (`full`; `selective`, whose blocks' parts keep what its op policy saves)."""
+    if mode in ("full", "selective"):
         return list(blocks)
-    if mode == "selective":
+    if mode == "every_other":
         return list(blocks[::2])
     return []
+
+
+def _saved_ops() -> tuple[frozenset, frozenset]:
+    """(matmuls, other ops) whose outputs `selective` keeps: torchtitan's list (attention,
+    float8's scaled matmul and amax, FSDP's reduce-scatter), the CPU attention included."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_mm", "max")
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    if hasattr(torch.ops, "_c10d_functional"):
+        ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default}), frozenset(ops)
+
+
+def selective_contexts():
+    """A checkpoint's context_fn for `selective` (torch's selective activation
+    checkpointing): keep the attention's output and every other matmul's, recompute the
+    rest (norms, activations, rotary, elementwise). The matmuls are counted per call, in
+    the forward and again in the recompute, so both keep the same ones."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    matmuls, kept = _saved_ops()
+    seen = {False: 0, True: 0}  # matmuls met in the forward, in the recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in matmuls:
+            seen[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if seen[ctx.is_recompute] % 2 \
+                else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def prepare_blocks(blocks: list[nn.Module], checkpointing: str = "none",
@@ -79,7 +112,14 @@ def prepare_blocks(blocks: list[nn.Module], checkpointing: str = "none",
         from torch.distributed._composable import checkpoint
 
         for block in checkpointed_blocks(blocks, checkpointing):
-            checkpoint(block)
+            if checkpointing != "selective":
+                checkpoint(block)
+                continue
+            # per op, each part of the block (attention, MLP, norms) on its own: FSDP's
+            # hooks on the block then run outside every checkpointed region, which
+            # selective checkpointing needs (its recompute must replay the forward's ops)
+            for part in block.children():
+                checkpoint(part, context_fn=selective_contexts)
     if compile_blocks:
         for block in blocks:
             block.compile()

@@ -180,7 +180,14 @@ def test_the_arithmetic_per_strategy_and_checkpointing():
     assert fp32.activations - logits == 2 * (hsdp.activations - logits)
     chunked = memory_plan(base, _shape(loss_chunk_tokens=8), 2, 4)  # 8 of 32 tokens' logits
     assert chunked.activations == hsdp.activations - logits + 8 * 10 * 10
-    assert activation_bytes(4, 34.0, 1.0, 1, "selective") == 2 * 34 + 2 * 2 + 34
+    # every other of 4 layers keeps its input of 2 bytes, and one is rebuilt at a time
+    assert activation_bytes(4, 34.0, 1.0, 1, "every_other") == 2 * 34 + 2 * 2 + 34
+    # per op: every layer keeps what the policy saves (here 12 of 34), one layer's rest rebuilt
+    assert activation_bytes(4, 34.0, 1.0, 1, "selective", 12.0) == 4 * 12 + (34 - 12)
+    none, sel, other, full = (memory_plan(replace(base, parallel=replace(
+        base.parallel, activation_checkpointing=m)), shape, 2, 4).activations
+        for m in ("none", "selective", "every_other", "full"))
+    assert none > sel and full < sel
     assert usable_bytes(80) == pytest.approx(71 * GB)
     assert hsdp.fits and not memory_plan(base, _shape(params=10**12), 2, 4).fits
 

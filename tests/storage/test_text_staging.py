@@ -63,7 +63,8 @@ def hf_tokenizer(path: Path):
 
 def expected_documents(tok, texts, prompts=None):
     """Each document as the HF tokenizer encodes it: prompt (default special tokens), text
-    (none when there is a prompt field), EOS; and which of its tokens are learned."""
+    (none when there is a prompt field), EOS; and which of its tokens are learned (never the
+    first: nothing before it in its document predicts it)."""
     docs = []
     for i, text in enumerate(texts):
         if prompts is None:
@@ -72,7 +73,7 @@ def expected_documents(tok, texts, prompts=None):
             head = tok(prompts[i])["input_ids"]
             ids, n_prompt = head + tok(text, add_special_tokens=False)["input_ids"], len(head)
         ids = ids + [tok.eos_token_id]
-        docs.append((ids, [False] * n_prompt + [True] * (len(ids) - n_prompt)))
+        docs.append((ids, [False] * max(n_prompt, 1) + [True] * (len(ids) - max(n_prompt, 1))))
     return docs
 
 
@@ -95,14 +96,15 @@ def test_layout_by_hand():
     layout = Layout(max_length=4, packing=False, eos_id=2, pad_id=0)
     ids, labels, lengths = document_tokens(layout, [[5], []], [[7, 8], [9, 9, 9, 9]])
     assert ids.tolist() == [5, 7, 8, 2, 9, 9, 9, 9, 2]
-    assert labels.tolist() == [IGNORE, 7, 8, 2, 9, 9, 9, 9, 2]
+    # a document's first token is not learned: nothing of its own comes before it
+    assert labels.tolist() == [IGNORE, 7, 8, 2, IGNORE, 9, 9, 9, 2]
     assert lengths.tolist() == [4, 5]
     x, y = padded_rows(layout, ids, labels, lengths)
     assert x.tolist() == [[5, 7, 8, 2], [9, 9, 9, 9]]  # no room for EOS: truncated
-    assert y.tolist() == [[IGNORE, 7, 8, 2], [9, 9, 9, 9]]
+    assert y.tolist() == [[IGNORE, 7, 8, 2], [IGNORE, 9, 9, 9]]
     x, y = padded_rows(Layout(6, False, 2, 0), ids, labels, lengths)
     assert x.tolist() == [[5, 7, 8, 2, 0, 0], [9, 9, 9, 9, 2, 0]]
-    assert y.tolist() == [[IGNORE, 7, 8, 2, IGNORE, IGNORE], [9, 9, 9, 9, 2, IGNORE]]
+    assert y.tolist() == [[IGNORE, 7, 8, 2, IGNORE, IGNORE], [IGNORE, 9, 9, 9, 2, IGNORE]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -114,12 +116,16 @@ def test_packed_rows_are_the_tokenizers_encoding(tmp_path, model_dir, suffix, mo
     monkeypatch.setattr(text_staging, "BATCH_DOCS", 7)  # many batches, each encoded ahead
     train = llm_assets.write_texts(tmp_path / f"train{suffix}", TEXTS)
     manifest, out = stage(tmp_path, lm_config(tmp_path, model_dir, train))
-    stream = [t for ids, _ in expected_documents(hf_tokenizer(model_dir), TEXTS) for t in ids]
+    docs = expected_documents(hf_tokenizer(model_dir), TEXTS)
+    stream = [t for ids, _ in docs for t in ids]
+    learned = [m for _, mask in docs for m in mask]
     rows = len(stream) // 32
     x, y = staged(out)
     assert x.dtype == y.dtype == np.int32 and x.shape == (rows, 32)
     assert x.reshape(-1).tolist() == stream[:rows * 32]
-    assert np.array_equal(x, y)  # no prompt: every token is learned, no pads
+    # no prompt, no pads: every token is learned but each document's first
+    assert y.reshape(-1).tolist() == [t if m else IGNORE for t, m in zip(stream, learned)][:rows * 32]
+    assert (y == IGNORE).sum() == sum(not m for m in learned[:rows * 32]) > 1
     text = manifest["text"]
     assert text["documents"] == len(TEXTS) and text["rows"] == rows
     assert text["tokens"] == rows * 32 and text["dropped_tokens"] == len(stream) - rows * 32
@@ -187,7 +193,8 @@ def test_eval_file_staged_beside_train(tmp_path, model_dir):
     tok = hf_tokenizer(model_dir)
     assert x.shape == (40, 32) and manifest["text"]["eval"]["documents"] == 40
     first = expected_documents(tok, TEXTS[:1])[0][0][:32]
-    assert x[0, :len(first)].tolist() == first and y[0, :len(first)].tolist() == first
+    assert x[0, :len(first)].tolist() == first
+    assert y[0, :len(first)].tolist() == [IGNORE] + first[1:]
     assert manifest["train_rows"] == [0, len(TEXTS)] and manifest["eval_rows"] is None
     assert manifest["entries"]["eval_x"]["source"] == str(evals)
 
