@@ -21,7 +21,8 @@ TRAIN_WORDS = {**CLUSTER_WORDS, "RUN_DIR": "run_dir", "--set": "the keyword sect
 PREDICT_WORDS = {**CLUSTER_WORDS, "RUN_DIR": "run_or_dir", "--input": "X", "--step": "step",
                  "--name": "name", "--out": "out", "--chunk-rows": "chunk_rows",
                  "--batch-size": "batch_size", "--raw": "raw"}
-EXPORT_WORDS = {"RUN_DIR": "run_or_dir", "--out": "out", "--step": "step", "--format": "format"}
+EXPORT_WORDS = {"RUN_DIR": "run_or_dir", "--out": "out", "--step": "step", "--format": "format",
+                "--dtype": "dtype", "--max-shard-mb": "max_shard_mb"}
 RUN_WORDS = {"RUN_DIR": "Run.open(path)", "--step": "step"}
 
 # a CLI name, optionally with the placeholder or literal value the message shows after it

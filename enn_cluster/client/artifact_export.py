@@ -76,10 +76,12 @@ def export_problem(model, input_shape: tuple, model_name: str) -> Optional[str]:
 
 
 def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
-               said: Optional[list] = None) -> Path:
+               said: Optional[list] = None, dtype: Optional[str] = None,
+               max_shard_mb: Optional[float] = None) -> Path:
     """Write the artifact directory `out`; returns its path. Nothing is left on error. The
     line naming newer steps passed over (step_choice.fallback_line) goes into `said` for
-    the caller to print last, else out as a RuntimeWarning once the export is written."""
+    the caller to print last, else out as a RuntimeWarning once the export is written.
+    `dtype` and `max_shard_mb` shape `--format hf` (the base's dtype, 5,000 MB shards)."""
     from enn_cluster.client.prepare import check_model
     from enn_cluster.storage.staging import read_manifest
     from enn_cluster.storage.step_choice import choose_step
@@ -87,13 +89,14 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
     run = RunDir.existing(run_dir)
     if fmt not in FORMATS:
         raise UserError(f"--format: {fmt!r} is not a format; use one of {', '.join(FORMATS)}")
+    shard_bytes = check_hf_options(fmt, dtype, max_shard_mb)
     out = Path(out).resolve()
     if out.exists():
         raise UserError(f"--out: {out} exists; give a new directory")
     step, fallback = choose_step(run.checkpoints, step)
     cfg, manifest = run.load_config(), read_manifest(run.data_dir)
     check_model(cfg)  # the weights folder (an LM's) as prepare checked it
-    written = _export(run, cfg, manifest, step, out, fmt)
+    written = _export(run, cfg, manifest, step, out, fmt, (dtype, shard_bytes))
     if fallback and said is not None:
         said.append(fallback)
     elif fallback:
@@ -101,13 +104,30 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
     return written
 
 
-def _export(run: RunDir, cfg, manifest: dict, step: int, out: Path, fmt: str) -> Path:
+def check_hf_options(fmt: str, dtype: Optional[str], max_shard_mb: Optional[float]) -> Optional[int]:
+    """--dtype and --max-shard-mb, which only --format hf takes; the shard size in bytes."""
+    from enn_cluster.client.hf_stream import DTYPES
+
+    for flag, given in (("--dtype", dtype), ("--max-shard-mb", max_shard_mb)):
+        if given is not None and fmt != "hf":
+            raise UserError(f"{flag}: applies to --format hf only (this export is --format "
+                            f"{fmt}); leave it out")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype: {dtype!r} is not a dtype to write; use one of "
+                        f"{', '.join(DTYPES)} (default: the base weights' own)")
+    if max_shard_mb is not None and not max_shard_mb > 0:
+        raise UserError(f"--max-shard-mb: {max_shard_mb} is not a size; give megabytes > 0")
+    return None if max_shard_mb is None else max(1, int(max_shard_mb * 1e6))
+
+
+def _export(run: RunDir, cfg, manifest: dict, step: int, out: Path, fmt: str,
+            hf_options: tuple = (None, None)) -> Path:
     import torch
 
     from enn_cluster.client.run_handle import Run
 
     if fmt in LM_FORMATS:
-        return _export_lm(run, cfg, step, out, fmt, manifest)
+        return _export_lm(run, cfg, step, out, fmt, manifest, hf_options)
     with warnings.catch_warnings():  # DCP's note that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         model = Run(run.path).load_model(step, raw=True)  # export.json holds the scaler
@@ -124,7 +144,8 @@ def _export(run: RunDir, cfg, manifest: dict, step: int, out: Path, fmt: str) ->
     return _write_artifact(out, fill, run, step, fmt, input_shape, manifest)
 
 
-def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict) -> Path:
+def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict,
+               hf_options: tuple) -> Path:
     """A causal LM as a Hugging Face directory (or peft adapter)."""
     from enn_cluster.client.lm_artifacts import write_hf
 
@@ -134,7 +155,8 @@ def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict)
         raise UserError(f"--format: {fmt} is for Hugging Face causal LMs (model.name: hf:DIR); "
                         f"{cfg.model.name} exports with --format torch or export")
     return _write_artifact(out, lambda tmp: write_hf(cfg, store.step_dir(run.checkpoints, step),
-                                                     tmp, fmt, manifest.get("text")),
+                                                     tmp, fmt, manifest.get("text"),
+                                                     *hf_options),
                            run, step, fmt, tuple(manifest["entries"]["train_x"]["shape"][1:]),
                            manifest)
 
