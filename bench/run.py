@@ -1,8 +1,8 @@
 """`python -m bench.run [--quick] [--only NAME[,NAME]]`: run benchmarks, print and write the table.
 
 Names: checkpoint, async, staging, text_staging, collect, overhead, lm_overhead, prefetch,
-predict, metadata, recovery, control, submit, cli, hf_export, gpu (the default set) and scale
-(only when named, and never with --quick). Results go to bench/results.json and bench/results.md
+predict, metadata, recovery, control, submit, cli, gpu (the default set), and scale and
+hf_export (only when named; scale never with --quick). Results go to bench/results.json and bench/results.md
 (or --out DIR); a selection that includes scale writes results-scale.json/.md instead, so
 the long scale run never overwrites the default set's results. Exit code 1 when a benchmark failed to run; a missed target is not an error.
 """
@@ -25,8 +25,8 @@ from .measure import BenchContext, Result
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ("checkpoint", "async", "staging", "text_staging", "collect", "overhead",
            "lm_overhead", "prefetch", "predict", "metadata", "recovery", "control", "submit",
-           "cli", "hf_export", "gpu")
-ALL = DEFAULT + ("scale",)
+           "cli", "gpu")
+ALL = DEFAULT + ("scale", "hf_export")
 
 
 def _run_checkpoint(ctx: BenchContext, names: list[str]) -> list[Result]:

@@ -128,6 +128,17 @@ def plan_entries(model: nn.Module, specs: dict, base: dict, dtype: str) -> list[
     return out
 
 
+def check_held(model, held: set, lora: bool, step_dir: Path) -> None:
+    """The checkpoint's model tensors (`held`, names less "model.") are this model's: all
+    of them its own, every one it trains among them."""
+    have = held & set(model.state_dict(keep_vars=True))
+    trained = {n for n, _ in model.named_parameters() if not lora or is_adapter(n)}
+    if not have or len(have) != len(held) or not trained <= held:
+        raise UserError(f"--step: {step_dir} holds {len(held)} model tensors, {len(have)} of "
+                        f"which this model has, and lacks {len(trained - held)} it trains; it "
+                        "was not written by this run's model")
+
+
 class CheckpointReader:
     """The checkpoint's tensors, loaded a group at a time (the group of the tensor asked
     for), each handed out once: at most one group is held."""
@@ -164,7 +175,6 @@ def load_adapters(model: nn.Module, step_dir: Path, specs: dict) -> None:
 def write_streamed(cfg, step_dir: Path, out: Path, dtype: Optional[str] = None,
                    shard_bytes: int = SHARD_BYTES) -> str:
     """The model's safetensors, index and config.json into `out`; returns the dtype written."""
-    from enn_cluster.client.lm_artifacts import check_held
     from enn_cluster.storage.base_weights import check_step_base
 
     weights = weights_dir(cfg.model.name)

@@ -14,6 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.client import hf_stream
+from enn_cluster.client.hf_stream import check_held
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.config.hf_name import weights_dir
@@ -58,27 +60,12 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
     return model.eval()
 
 
-def check_held(model, held: set, lora: bool, step_dir: Path) -> None:
-    """The checkpoint's model tensors (`held`, names less "model.") are this model's: all
-    of them its own, every one it trains among them."""
-    from enn_cluster.models.causal_lm import is_adapter
-
-    have = held & set(model.state_dict(keep_vars=True))
-    trained = {n for n, _ in model.named_parameters() if not lora or is_adapter(n)}
-    if not have or len(have) != len(held) or not trained <= held:
-        raise UserError(f"--step: {step_dir} holds {len(held)} model tensors, {len(have)} of "
-                        f"which this model has, and lacks {len(trained - held)} it trains; it "
-                        "was not written by this run's model")
-
-
 def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str,
              staged_text: Optional[dict] = None, dtype: Optional[str] = None,
              shard_bytes: Optional[int] = None) -> None:
     """Write `fmt` ("hf", streamed in `dtype`, the base's by default, in shards of at most
     `shard_bytes`; or "peft") into the new directory `out`."""
     from transformers import AutoTokenizer
-
-    from enn_cluster.client import hf_stream
 
     if fmt == "peft" and not cfg.lora.enabled:
         raise UserError("--format: peft writes LoRA adapters, and this run fine-tuned every "
