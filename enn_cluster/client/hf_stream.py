@@ -141,7 +141,8 @@ def check_held(model, held: set, lora: bool, step_dir: Path) -> None:
 
 class CheckpointReader:
     """The checkpoint's tensors, loaded a group at a time (the group of the tensor asked
-    for), each handed out once: at most one group is held."""
+    for), each handed out once and then dropped: taken in the order the groups were cut,
+    at most one group is held (with a tensor larger than a group, in its own)."""
 
     def __init__(self, step_dir: Path, specs: dict, groups: list[list[str]]) -> None:
         self.step_dir, self.specs, self.groups = step_dir, specs, groups
@@ -149,8 +150,6 @@ class CheckpointReader:
         self.held: dict = {}
 
     def take(self, key: str) -> torch.Tensor:
-        """Taken in the order the groups were cut: a group is read once, when its first
-        tensor is asked for (a tensor larger than a group has one of its own)."""
         if key not in self.held:
             state = {k: torch.empty(self.specs[k][0], dtype=self.specs[k][1])
                      for k in self.groups[self.group_of[key]]}

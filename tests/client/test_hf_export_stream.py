@@ -166,3 +166,21 @@ def test_a_bad_dtype_or_shard_size_is_one_line(runs, args, field):
     if args[-1] == "int8":
         assert "bfloat16, float16, float32" in lines[0], lines[0]
     assert not (runs["tmp"] / "bad").exists()
+
+
+def test_peft_adapters_are_written_in_the_dtype_peft_gives_them(runs):
+    """--format peft is unchanged: the adapters alone, in the dtype peft itself makes them
+    over this base loaded in its own dtype (fp32: peft upcasts adapters over a bf16 base)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = runs["tmp"] / "lora-peft"
+    if not out.exists():
+        res = cli("export", runs["lora"], "--out", out, "--format", "peft")
+        assert res.returncode == 0, res.stderr[-3000:]
+    base = AutoModelForCausalLM.from_pretrained(str(runs["base"]), dtype=runs["dtype"])
+    theirs = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    want = {p.dtype for n, p in theirs.named_parameters() if ".lora_" in n}
+    assert len(want) == 1
+    written = _written(out)
+    assert written and {t.dtype for t in written.values()} == want
