@@ -6,9 +6,11 @@ dict, loadable with `torch.load(..., weights_only=True)`), with `--format export
 `model.pt2` (a `torch.export` program with a dynamic batch dimension, weights inside),
 and `export.json` (run, step, input shape, the target scaler to apply to outputs, each
 file's size and checksum). It is written under a temporary name and renamed, so a
-failed export leaves nothing. safetensors is not used: a tensor-only `torch.save` read
-with `weights_only=True` runs no pickled code either, and `model.pt2` is the
-framework-neutral form.
+failed export leaves nothing. safetensors is not used for these: a tensor-only
+`torch.save` read with `weights_only=True` runs no pickled code either, and `model.pt2` is
+the framework-neutral form. A causal LM's `--format hf` is the Hugging Face directory
+(safetensors shards, streamed in the base's dtype by client/hf_stream.py, `--dtype` and
+`--max-shard-mb` to choose); `--format peft` its adapters.
 """
 from __future__ import annotations
 
