@@ -30,6 +30,7 @@ COSTS = {
     "control": (350.0, 0.0),  # 64 .. 1,024 simulated ranks, 3 repeats each
     "submit": (120.0, 0.0),  # a 3-node dev Slurm cluster (root only), 3 pairs, a node loss
     "cli": (3.0, 1.0),
+    "hf_export": (120.0, 60.0),  # named only; two 1-step trainings, per repeat 4 exports of 182 MB
     "gpu": (0.0, 0.0),  # skipped without CUDA; on a GPU machine it runs alone (--only gpu)
     "scale": (600.0, 0.0),
 }

@@ -1,8 +1,8 @@
 """`python -m bench.run [--quick] [--only NAME[,NAME]]`: run benchmarks, print and write the table.
 
 Names: checkpoint, async, staging, text_staging, collect, overhead, lm_overhead, prefetch,
-predict, metadata, recovery, control, submit, cli, gpu (the default set) and scale
-(only when named, and never with --quick). Results go to bench/results.json and bench/results.md
+predict, metadata, recovery, control, submit, cli, gpu (the default set), and scale and
+hf_export (only when named; scale never with --quick). Results go to bench/results.json and bench/results.md
 (or --out DIR); a selection that includes scale writes results-scale.json/.md instead, so
 the long scale run never overwrites the default set's results. Exit code 1 when a benchmark failed to run; a missed target is not an error.
 """
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ("checkpoint", "async", "staging", "text_staging", "collect", "overhead",
            "lm_overhead", "prefetch", "predict", "metadata", "recovery", "control", "submit",
            "cli", "gpu")
-ALL = DEFAULT + ("scale",)
+ALL = DEFAULT + ("scale", "hf_export")
 
 
 def _run_checkpoint(ctx: BenchContext, names: list[str]) -> list[Result]:
@@ -57,7 +57,8 @@ RUNNERS = [(("checkpoint", "async"), _run_checkpoint), (("staging",), _module("s
            (("prefetch",), _module("prefetch")), (("predict",), _module("predict")),
            (("metadata",), _module("metadata_ops")), (("recovery",), _module("recovery")),
            (("control",), _module("control_plane")), (("submit",), _module("submit_latency")),
-           (("cli",), _module("cli_latency")), (("gpu",), _module("gpu")),
+           (("cli",), _module("cli_latency")), (("hf_export",), _module("hf_export")),
+           (("gpu",), _module("gpu")),
            (("scale",), _module("scale"))]
 
 

@@ -263,12 +263,15 @@ def predict(run_or_dir, X, *, step: Optional[int] = None, cluster: Optional[dict
 
 
 @speaks_api()
-def export(run_or_dir, out, *, step: Optional[int] = None, format: str = "torch") -> Path:
+def export(run_or_dir, out, *, step: Optional[int] = None, format: str = "torch",
+           dtype: Optional[str] = None, max_shard_mb: Optional[float] = None) -> Path:
     """`enn-submit export`: the checkpoint as `model.pt` (full state dict), with
-    `format="export"` also a torch.export program `model.pt2`; returns the directory.
+    `format="export"` also a torch.export program `model.pt2`; a causal LM's `format="hf"`
+    is streamed in `dtype` (the base's by default); returns the directory.
 
         >>> enn_cluster.export(run, "artifact", format="export")  # doctest: +SKIP
     """
     from enn_cluster.client.artifact_export import export_run
 
-    return export_run(getattr(run_or_dir, "path", run_or_dir), out, step=step, fmt=format)
+    return export_run(getattr(run_or_dir, "path", run_or_dir), out, step=step, fmt=format,
+                      dtype=dtype, max_shard_mb=max_shard_mb)

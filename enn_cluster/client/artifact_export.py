@@ -6,9 +6,11 @@ dict, loadable with `torch.load(..., weights_only=True)`), with `--format export
 `model.pt2` (a `torch.export` program with a dynamic batch dimension, weights inside),
 and `export.json` (run, step, input shape, the target scaler to apply to outputs, each
 file's size and checksum). It is written under a temporary name and renamed, so a
-failed export leaves nothing. safetensors is not used: a tensor-only `torch.save` read
-with `weights_only=True` runs no pickled code either, and `model.pt2` is the
-framework-neutral form.
+failed export leaves nothing. safetensors is not used for these: a tensor-only
+`torch.save` read with `weights_only=True` runs no pickled code either, and `model.pt2` is
+the framework-neutral form. A causal LM's `--format hf` is the Hugging Face directory
+(safetensors shards, streamed in the base's dtype by client/hf_stream.py, `--dtype` and
+`--max-shard-mb` to choose); `--format peft` its adapters.
 """
 from __future__ import annotations
 
@@ -79,10 +81,12 @@ def export_problem(model, input_shape: tuple, model_name: str) -> Optional[str]:
 
 
 def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
-               said: Optional[list] = None) -> Path:
+               said: Optional[list] = None, dtype: Optional[str] = None,
+               max_shard_mb: Optional[float] = None) -> Path:
     """Write the artifact directory `out`; returns its path. Nothing is left on error. The
     line naming newer steps passed over (step_choice.fallback_line) goes into `said` for
-    the caller to print last, else out as a RuntimeWarning once the export is written."""
+    the caller to print last, else out as a RuntimeWarning once the export is written.
+    `dtype` and `max_shard_mb` shape `--format hf` (the base's dtype, 5,000 MB shards)."""
     from enn_cluster.client.prepare import check_model
     from enn_cluster.storage.staging import read_manifest
     from enn_cluster.storage.step_choice import choose_step
@@ -91,6 +95,7 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
     if fmt not in FORMATS:
         raise UserError("{value!r} is not a format", field=FORMAT, value=fmt,
                         fix="use one of {formats}", formats=", ".join(FORMATS))
+    shard_bytes = check_hf_options(fmt, dtype, max_shard_mb)
     out = Path(out).resolve()
     if out.exists():
         raise UserError("{value} exists", field=INPUTS["out"], value=out,
@@ -98,7 +103,7 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
     step, fallback = choose_step(run.checkpoints, step)
     cfg, manifest = run.load_config(), read_manifest(run.data_dir)
     check_model(cfg)  # the weights folder (an LM's) as prepare checked it
-    written = _export(run, cfg, manifest, step, out, fmt)
+    written = _export(run, cfg, manifest, step, out, fmt, (dtype, shard_bytes))
     if fallback and said is not None:
         said.append(fallback)
     elif fallback:
@@ -106,13 +111,32 @@ def export_run(run_dir, out, *, step: Optional[int] = None, fmt: str = "torch",
     return written
 
 
-def _export(run: RunDir, cfg, manifest: dict, step: int, out: Path, fmt: str) -> Path:
+def check_hf_options(fmt: str, dtype: Optional[str], max_shard_mb: Optional[float]) -> Optional[int]:
+    """--dtype and --max-shard-mb, which only --format hf takes; the shard size in bytes."""
+    from enn_cluster.client.hf_stream import DTYPES
+
+    for name, given in (("dtype", dtype), ("max_shard_mb", max_shard_mb)):
+        if given is not None and fmt != "hf":
+            raise UserError("applies to {hf} only (this export is {this})", field=INPUTS[name],
+                            hf=Said(FORMAT, "hf"), this=Said(FORMAT, fmt), fix="leave it out")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError("{value!r} is not a dtype to write", field=INPUTS["dtype"], value=dtype,
+                        fix="use one of {dtypes} (default: the base weights' own)",
+                        dtypes=", ".join(DTYPES))
+    if max_shard_mb is not None and not max_shard_mb > 0:
+        raise UserError("{value} is not a size", field=INPUTS["max_shard_mb"], value=max_shard_mb,
+                        fix="give megabytes > 0")
+    return None if max_shard_mb is None else max(1, int(max_shard_mb * 1e6))
+
+
+def _export(run: RunDir, cfg, manifest: dict, step: int, out: Path, fmt: str,
+            hf_options: tuple = (None, None)) -> Path:
     import torch
 
     from enn_cluster.client.run_handle import Run
 
     if fmt in LM_FORMATS:
-        return _export_lm(run, cfg, step, out, fmt, manifest)
+        return _export_lm(run, cfg, step, out, fmt, manifest, hf_options)
     with warnings.catch_warnings():  # DCP's note that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         model = Run(run.path).load_model(step, raw=True)  # export.json holds the scaler
@@ -129,7 +153,8 @@ def _export(run: RunDir, cfg, manifest: dict, step: int, out: Path, fmt: str) ->
     return _write_artifact(out, fill, run, step, fmt, input_shape, manifest)
 
 
-def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict) -> Path:
+def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict,
+               hf_options: tuple) -> Path:
     """A causal LM as a Hugging Face directory (or peft adapter)."""
     from enn_cluster.client.lm_artifacts import write_hf
 
@@ -140,7 +165,8 @@ def _export_lm(run: RunDir, cfg, step: int, out: Path, fmt: str, manifest: dict)
                         field=FORMAT, value=fmt, name=cfg.model.name, torch=Said(FORMAT, "torch"),
                         fix="{name} exports with {torch} or export")
     return _write_artifact(out, lambda tmp: write_hf(cfg, store.step_dir(run.checkpoints, step),
-                                                     tmp, fmt, manifest.get("text")),
+                                                     tmp, fmt, manifest.get("text"),
+                                                     *hf_options),
                            run, step, fmt, tuple(manifest["entries"]["train_x"]["shape"][1:]),
                            manifest)
 

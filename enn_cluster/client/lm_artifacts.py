@@ -4,8 +4,9 @@
   `from_pretrained`), the checkpoint's tensors on top (every weight of a full fine-tune, the
   adapters of a LoRA run, whose base must be the one it trained on).
 - `--format hf`: a directory `AutoModelForCausalLM.from_pretrained` loads (LoRA merged), with
-  the tokenizer; `--format peft`: the adapters alone, for `PeftModel.from_pretrained` over the
-  base. Both are written by the libraries' own `save_pretrained`.
+  the tokenizer, streamed tensor by tensor in the base's dtype (client/hf_stream.py: the
+  whole model is never built); `--format peft`: the adapters alone, for
+  `PeftModel.from_pretrained` over the base, written by peft's own `save_pretrained`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.client import hf_stream
+from enn_cluster.client.hf_stream import check_held
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import Said, UserError
@@ -33,7 +36,7 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
 
     hf_logging.disable_progress_bar()  # one line per command, not a bar per load
 
-    from enn_cluster.models.causal_lm import is_adapter, with_lora
+    from enn_cluster.models.causal_lm import with_lora
 
     path = weights_dir(cfg.model.name)
     try:
@@ -47,13 +50,8 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
         lm = with_lora(lm, cfg.lora)
     model = CausalLM(lm)
     held = tensor_names(step_dir, "model.")  # through the allow-list, never plain pickle
+    check_held(model, held, cfg.lora.enabled, step_dir)
     state = {k: v for k, v in model.state_dict().items() if k in held}
-    trained = {n for n, _ in model.named_parameters() if not cfg.lora.enabled or is_adapter(n)}
-    if not state or len(state) != len(held) or not trained <= held:
-        raise UserError("{value} holds {held} model tensors, {had} of which this model has, "
-                        "and lacks {lacks} it trains; it was not written by this run's model",
-                        field=INPUTS["step"], value=step_dir, held=len(held), had=len(state),
-                        lacks=len(trained - held))
     with warnings.catch_warnings():  # DCP's note that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_load({"model": state}, step_dir)
@@ -64,8 +62,10 @@ def load_lm(cfg: RunConfig, step_dir: Path, merge: bool = True) -> CausalLM:
 
 
 def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str,
-             staged_text: Optional[dict] = None) -> None:
-    """Write `fmt` ("hf" or "peft") into the new directory `out`."""
+             staged_text: Optional[dict] = None, dtype: Optional[str] = None,
+             shard_bytes: Optional[int] = None) -> None:
+    """Write `fmt` ("hf", streamed in `dtype`, the base's by default, in shards of at most
+    `shard_bytes`; or "peft") into the new directory `out`."""
     from transformers import AutoTokenizer
 
     if fmt == "peft" and not cfg.lora.enabled:
@@ -73,8 +73,10 @@ def write_hf(cfg: RunConfig, step_dir: Path, out: Path, fmt: str,
                         "(lora.r: 0)", field=INPUTS["format"], value=fmt,
                         fix="use {hf}", hf=Said(INPUTS["format"], "hf"))
     check_same_tokenizer(staged_text, cfg.data, cfg.model)  # exported beside the model
-    model = load_lm(cfg, step_dir, merge=fmt == "hf")
-    model.lm.save_pretrained(str(out))
+    if fmt == "hf":
+        hf_stream.write_streamed(cfg, step_dir, out, dtype, shard_bytes or hf_stream.SHARD_BYTES)
+    else:  # the adapters (small) in fp32, as peft keeps them over any base
+        load_lm(cfg, step_dir, merge=False).lm.save_pretrained(str(out))
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir(cfg.data, cfg.model)[1]),
                                         local_files_only=True, trust_remote_code=False)
     tok.save_pretrained(str(out))

@@ -90,6 +90,8 @@ OTHER_INPUTS = (
     Input("name", "--name", "name"),
     Input("out", "--out", "out"),
     Input("format", "--format", "format"),
+    Input("dtype", "--dtype", "dtype"),
+    Input("max_shard_mb", "--max-shard-mb", "max_shard_mb"),
     Input("chunk_rows", "--chunk-rows", "chunk_rows"),
     Input("batch_size", "--batch-size", "batch_size"),
     Input("raw", "--raw", "raw"),

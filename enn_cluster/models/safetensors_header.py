@@ -5,7 +5,8 @@ The folder is user input: a header length past the file or past safetensors' own
 header that is not JSON, or an entry that is not a tensor is one line naming the file; no
 tensor data is read. `shapes` is what `model.name`'s check compares with the model its
 config.json describes, so a tensor of the wrong shape is refused at `prepare`, by name,
-instead of as a multi-line size mismatch on every rank.
+instead of as a multi-line size mismatch on every rank. `encode_header` is the writing
+side, for a file whose tensors are written one at a time after it (`export --format hf`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,25 @@ from pathlib import Path
 from enn_cluster.errors import UserError
 
 HEADER_LIMIT = 100_000_000  # safetensors' own bound on a header (its MAX_HEADER_SIZE)
+# torch dtype name -> safetensors' dtype code
+CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+         "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+         "bool": "BOOL"}
+
+
+def encode_header(entries: list[tuple[str, str, tuple, int]]) -> bytes:
+    """The header (length + JSON) of a safetensors file whose tensors, given as (name,
+    torch dtype name, shape, bytes), follow it back to back in this order: what lets a
+    writer stream them without holding the file. Padded to 8 bytes, as safetensors does."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": CODES[dtype], "shape": list(shape),
+                        "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def read_header(path: Path, field: str = "model.name") -> dict:

@@ -94,13 +94,25 @@ def metadata_problem(step_path: Path) -> Optional[str]:
     return None
 
 
-def tensor_names(step_path: Path, prefix: str = "") -> set:
-    """The names (less `prefix`) of the entries this checkpoint's `.metadata` describes,
-    read through the allow-list; UserError naming the step when it cannot be read."""
+def _described(step_path: Path) -> dict:
+    """{entry name: its DCP metadata}; UserError naming the step when it cannot be read."""
     problem = metadata_problem(step_path)
     if problem is not None:
         raise UserError("{name}: {problem}", name=Path(step_path).name, problem=problem,
                         fix="this checkpoint cannot be read (verify it with enn-submit verify, "
                             "or give another {step})", step=INPUTS["step"])
-    described = load_metadata(Path(step_path) / ".metadata").state_dict_metadata
-    return {k.removeprefix(prefix) for k in described if k.startswith(prefix)}
+    return load_metadata(Path(step_path) / ".metadata").state_dict_metadata
+
+
+def tensor_names(step_path: Path, prefix: str = "") -> set:
+    """The names (less `prefix`) of the entries this checkpoint's `.metadata` describes,
+    read through the allow-list; UserError naming the step when it cannot be read."""
+    return {k.removeprefix(prefix) for k in _described(step_path) if k.startswith(prefix)}
+
+
+def tensor_specs(step_path: Path, prefix: str = "") -> dict:
+    """{name less `prefix`: (shape, dtype)} of the tensors under `prefix` (what a reader
+    allocates to load some of them, before reading any)."""
+    return {k.removeprefix(prefix): (tuple(m.size), m.properties.dtype)
+            for k, m in _described(step_path).items()
+            if k.startswith(prefix) and hasattr(m, "properties")}
