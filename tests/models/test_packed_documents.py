@@ -140,3 +140,23 @@ def test_training_on_packed_text_keeps_documents_apart(tmp_path, precision):
     assert math.isclose(first, total / count, rel_tol=tol), (first, total / count)
     if precision == "fp32":  # the run did keep the documents apart
         assert not math.isclose(first, crossed, rel_tol=10 * tol), (first, crossed)
+
+
+def test_only_packed_plain_text_is_split_at_its_eos():
+    """A chat template may end every turn with EOS (Qwen2.5's <|im_end|>, Llama-3's
+    <|eot_id|>): a turn must still see the ones before it, so chats are not split; nor are
+    token arrays a user gives (no text section), nor rows of one padded document each."""
+    from torch import nn
+
+    from enn_cluster.models.causal_lm import CAUSAL_LM
+
+    def bound(manifest):
+        model = CausalLM(nn.Identity())
+        CAUSAL_LM.bind_data(model, manifest)
+        return model.document_end
+
+    text = {"packing": True, "eos_token_id": 7}
+    assert bound({"text": text}) == 7
+    assert bound({"text": {**text, "messages_field": "messages"}}) is None
+    assert bound({"text": {**text, "packing": False}}) is None
+    assert bound({}) is None
