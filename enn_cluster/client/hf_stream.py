@@ -37,6 +37,7 @@ from enn_cluster.storage.dcp_metadata import tensor_specs
 DTYPES = ("bfloat16", "float16", "float32")  # what --dtype writes
 SHARD_BYTES = 5 * 10**9  # huggingface_hub's default max shard size ("5GB")
 _FLOATS = {CODES[d]: d for d in ("float64", "float32", "float16", "bfloat16")}
+_DTYPE_OF = {code: name for name, code in CODES.items()}  # safetensors code -> torch name
 _LORA_BASE = ".base_layer.weight"
 
 
@@ -51,7 +52,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
 def pack(sizes: list[int], budget: int) -> list[list[int]]:
@@ -79,14 +80,14 @@ def shard_files(count: int) -> list[str]:
     return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
 
 
-def base_dtype(weights: Path) -> str:
+def base_dtype(weights: Path, base: Optional[dict] = None) -> str:
     """The dtype the weights folder holds: config.json's, else the safetensors' floating
-    tensors' (most bytes), else float32."""
+    tensors' (most bytes), else float32. `base`: its `base_tensors`, when already read."""
     said = str(getattr(hf_config(weights), "dtype", None) or "").removeprefix("torch.")
     if said in DTYPES:
         return said
     count: dict = {}
-    for _name, (_file, code, shape) in base_tensors(weights).items():
+    for _name, (_file, code, shape) in (base if base is not None else base_tensors(weights)).items():
         if code in _FLOATS:
             count[_FLOATS[code]] = count.get(_FLOATS[code], 0) + math.prod(shape)
     return max(count, key=count.get) if count else "float32"
@@ -123,7 +124,7 @@ def plan_entries(model: nn.Module, specs: dict, base: dict, dtype: str) -> list[
                             "save_pretrained wrote")
         floating = specs[source][1].is_floating_point if source else base[hf][1] in _FLOATS
         own = str(specs[source][1]).removeprefix("torch.") if source else \
-            {v: k for k, v in CODES.items()}.get(base[hf][1], "float32")
+            _DTYPE_OF.get(base[hf][1], "float32")
         lora = name.removesuffix(_LORA_BASE) if name.endswith(_LORA_BASE) else ""
         out.append(Entry(hf, dtype if floating else own, tuple(tensor.shape), source, lora))
     return out
@@ -179,7 +180,8 @@ def write_streamed(cfg, step_dir: Path, out: Path, dtype: Optional[str] = None,
     from enn_cluster.storage.base_weights import check_step_base
 
     weights = weights_dir(cfg.model.name)
-    dtype = dtype or base_dtype(weights)
+    base = base_tensors(weights)  # every header read once
+    dtype = dtype or base_dtype(weights, base)
     with torch.device("meta"):
         model = kind_of(cfg).build(cfg)
     specs = tensor_specs(step_dir, "model.")
@@ -187,7 +189,6 @@ def write_streamed(cfg, step_dir: Path, out: Path, dtype: Optional[str] = None,
     if cfg.lora.enabled:
         check_step_base(step_dir, weights)
         load_adapters(model, step_dir, specs)
-    base = base_tensors(weights)
     entries = plan_entries(model, specs, base, dtype)
     shards = [[entries[i] for i in run] for run in pack([e.nbytes for e in entries], shard_bytes)]
     held = [e.source for shard in shards for e in shard if e.source]  # in the order written
@@ -197,7 +198,7 @@ def write_streamed(cfg, step_dir: Path, out: Path, dtype: Optional[str] = None,
     def value(e: Entry) -> torch.Tensor:
         if e.source:
             t = reader.take(e.source)
-        else:
+        else:  # each time opened and closed: a file kept mapped stays in the RSS as it is read
             from safetensors import safe_open
 
             with safe_open(str(base[e.name][0]), framework="pt") as fh:

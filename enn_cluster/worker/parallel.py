@@ -5,6 +5,7 @@ slow inter-node links carry one all-reduce of shards instead of all-gathers of w
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import torch
@@ -70,6 +71,7 @@ def checkpointed_blocks(blocks: list[nn.Module], mode: str) -> list[nn.Module]:
     return []
 
 
+@functools.cache
 def _saved_ops() -> tuple[frozenset, frozenset]:
     """(matmuls, other ops) whose outputs `selective` keeps: torchtitan's list (attention,
     float8's scaled matmul and amax, FSDP's reduce-scatter), the CPU attention included."""
