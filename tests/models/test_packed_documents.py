@@ -160,3 +160,42 @@ def test_only_packed_plain_text_is_split_at_its_eos():
     assert bound({"text": {**text, "messages_field": "messages"}}) is None
     assert bound({"text": {**text, "packing": False}}) is None
     assert bound({}) is None
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_packed_text_paused_at_world_2_resumed_at_1_matches_the_uninterrupted_run(tmp_path,
+                                                                                  precision):
+    """The documents stay apart after a resume at another world size: every step's LR and
+    loss as the uninterrupted run's, the checkpoint's trained tensors fp32."""
+    from lm_support import checkpoint_dtypes
+
+    model_dir = tiny_model(tmp_path, "qwen2", precision)
+    train = llm_assets.write_texts(tmp_path / "train.jsonl", llm_assets.corpus(40, seed=4))
+
+    def config(name, **training):
+        return {"run_name": name, "runs_root": str(tmp_path / "runs"),
+                "model": {"name": f"hf:{model_dir}"}, "lora": {"r": 0},
+                "data": {"train_path": str(train), "max_length": 48, "eval_fraction": 0.0},
+                "training": {"max_steps": 4, "per_device_train_batch_size": 2,
+                             "global_batch_size": 4, "lr": 1e-3, "seed": 3,
+                             **bf16_training(precision), **training},
+                "checkpoint": {"every_steps": 2},
+                "parallel": {"nodes": 1, "procs_per_node": 2}}
+
+    for name, extra in (("through", {}), ("moved", {"pause_at_step": 2})):
+        path = write_config(tmp_path / f"{name}.yaml", **config(name, **extra))
+        res = cli("train", "--config", path)
+        assert res.returncode == 0, res.stderr[-3000:]
+    moved = tmp_path / "runs" / "moved"
+    res = cli("resume", moved, "--procs-per-node", 1)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ours = {r["step"]: r for r in metrics(moved, "train")}
+    theirs = {r["step"]: r for r in metrics(tmp_path / "runs" / "through", "train")}
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
+    assert metrics(moved, "resume")[-1]["world_size"] == 1
+    for step in theirs:
+        assert ours[step]["lr"] == theirs[step]["lr"], step
+        assert math.isclose(ours[step]["loss"], theirs[step]["loss"],
+                            rel_tol=RUN_TOLERANCE[precision]), (step, ours, theirs)
+    dtypes = checkpoint_dtypes(moved / "checkpoints" / "step-4")
+    assert {d for n, d in dtypes.items() if n.startswith("model.")} == {"float32"}, dtypes
