@@ -87,7 +87,8 @@ def base_dtype(weights: Path, base: Optional[dict] = None) -> str:
     if said in DTYPES:
         return said
     count: dict = {}
-    for _name, (_file, code, shape) in (base if base is not None else base_tensors(weights)).items():
+    held = base if base is not None else base_tensors(weights)
+    for _name, (_file, code, shape) in held.items():
         if code in _FLOATS:
             count[_FLOATS[code]] = count.get(_FLOATS[code], 0) + math.prod(shape)
     return max(count, key=count.get) if count else "float32"
