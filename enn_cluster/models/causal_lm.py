@@ -333,9 +333,14 @@ class CausalLMKind(ModelKind):
         every turn with EOS, and a turn must see the ones before it), nor token arrays given
         by the user (rows of one sequence each)."""
         text = manifest.get("text") or {}
-        if text.get("packing") and not text.get("messages_field") \
-                and text.get("eos_token_id") is not None:
-            model.document_end = int(text["eos_token_id"])
+        eos = text.get("eos_token_id")
+        if text.get("packing") is not True or text.get("messages_field") or eos is None:
+            return
+        if type(eos) is not int or eos < 0:  # the run directory is untrusted input
+            raise UserError(f"data/manifest.json: text.eos_token_id {str(eos)[:40]!r} is not a "
+                            "token id, so packed documents cannot be kept apart; the staged "
+                            "data were changed after staging: prepare the run again")
+        model.document_end = eos
 
     def weights_dir(self, cfg: RunConfig) -> Optional[Path]:
         return weights_dir(cfg.model.name)

@@ -160,6 +160,11 @@ def test_only_packed_plain_text_is_split_at_its_eos():
     assert bound({"text": {**text, "messages_field": "messages"}}) is None
     assert bound({"text": {**text, "packing": False}}) is None
     assert bound({}) is None
+    from enn_cluster.errors import UserError  # a forged manifest: one line, not a traceback
+
+    for forged in ("7", 7.5, True, -1, [7]):
+        with pytest.raises(UserError, match="text.eos_token_id"):
+            bound({"text": {**text, "eos_token_id": forged}})
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
