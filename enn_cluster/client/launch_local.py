@@ -7,9 +7,16 @@ that exit 2 (bad input) ends the launch as it does under Slurm's host-side trap:
 own restarts would rerun any non-zero exit. Each worker is a fresh
 `python -m enn_cluster.worker` process, as under torchrun and Slurm: nothing of the
 caller's `__main__` (a plain script, a notebook, `python -c`) is re-run in the workers.
+
+A launcher that is a process of our own (the CLI, a notebook's detached launcher) forks
+its workers instead, once it has imported what every worker imports (torch's distributed
+stack, the model kind's libraries): 4-6 s of imports per worker per launch, done once
+(`worker.entry.forked_main` starts the copy as the module would). A caller's own process
+is never forked: it may hold CUDA, threads or state that a copy would inherit broken.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
@@ -44,9 +51,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# what every worker imports (torch._dynamo: DTensor's constructor, at the first sharded
+# parameter): imported once by a forking launcher
+WORKER_IMPORTS = ("enn_cluster.worker.entry", "enn_cluster.worker.lanes",
+                  "enn_cluster.worker.saving", "enn_cluster.worker.trainer",
+                  "enn_cluster.worker.model_setup", "torch._dynamo")
+
+
 def worker_args(run_dir: str, task: str, name: Optional[str], step: Optional[int]) -> list[str]:
-    """The interpreter's arguments for one worker: the same entry point as every launcher."""
-    args = ["-u", "-m", "enn_cluster.worker", run_dir, "--task", task]
+    """The worker's arguments, after the interpreter's (`python -u -m enn_cluster.worker`):
+    the same entry point as every launcher."""
+    args = [run_dir, "--task", task]
     if name is not None:
         args += ["--name", name]
     if step is not None:
@@ -105,11 +120,13 @@ def _environ(updates: dict):
 def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per_node: int = 2,
                  gpus_per_node: int = 0, max_restarts: int = 0, name: Optional[str] = None,
                  step: Optional[int] = None, launch_id: str = "local",
-                 stop_grace_s: float = 60.0) -> int:
+                 stop_grace_s: float = 60.0, preload: Optional[tuple[str, ...]] = None) -> int:
     """Run the worker on nodes x procs_per_node local processes; return the job's exit code.
     A failed attempt is restarted up to `max_restarts` times, unless a worker refused its
     input (exit 2) or a signal stopped the launcher. `stop_grace_s`: how long a worker
-    may take to checkpoint after a TERM or INT before the agent kills it."""
+    may take to checkpoint after a TERM or INT before the agent kills it. `preload`: fork
+    the workers from this process, a process of our own, once it has imported these
+    modules beside WORKER_IMPORTS (None: start each as a fresh interpreter)."""
     worker_env = {
         SIM_NODES_VAR: str(nodes),
         GPUS_REQUESTED_VAR: str(gpus_per_node),  # the backend report's gpus_requested
@@ -121,16 +138,29 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
         LAUNCHER_PID_VAR: str(os.getpid()),  # they die with us (worker.die_with_launcher)
         LAUNCH_ID_VAR: launch_id}
     args = worker_args(run_dir, task, name, step)
+    if preload is not None:
+        with _environ(worker_env):  # as the workers would have imported them
+            for module in (*WORKER_IMPORTS, *preload):
+                importlib.import_module(module)
+    fork = preload is not None and not cuda_started()
     code = 0
     for attempt in range(max_restarts + 1):
         code = _attempt(run_dir, nodes * procs_per_node,
-                        {**worker_env, ATTEMPT_VAR: str(attempt)}, args, stop_grace_s)
+                        {**worker_env, ATTEMPT_VAR: str(attempt)}, args, stop_grace_s,
+                        fork=fork)
         if not retried(code):
             return code
         if attempt < max_restarts:
             log.warning("attempt %d failed (exit %d): restarting from the newest checkpoint "
                         "(%d of %d)", attempt, code, attempt + 1, max_restarts)
     return code
+
+
+def cuda_started() -> bool:
+    """Whether this process has started CUDA, which a forked copy could not use: its
+    workers are then started fresh."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def retried(code: int) -> bool:
@@ -159,8 +189,9 @@ def failure_code(exit_codes: list[int]) -> int:
 
 
 def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
-             stop_grace_s: float) -> int:
-    """One elastic launch of the whole group, with no restart of its own."""
+             stop_grace_s: float, fork: bool) -> int:
+    """One elastic launch of the whole group, with no restart of its own: forked copies of
+    this process (`fork`), or fresh interpreters."""
     import dataclasses
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -171,14 +202,24 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
         run_id=f"enn-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn",  # torchrun's: a failure seen in 0.1 s
+        monitor_interval=0.1,  # torchrun's: a failure seen in 0.1 s
+        start_method="fork" if fork else "spawn",
         **shutdown_options(stop_grace_s, {f.name for f in dataclasses.fields(LaunchConfig)}))
     marker = Path(run_dir) / layout.REQUEUE / layout.LOCAL_MARKER
     marker.unlink(missing_ok=True)
     previous = signal.signal(signal.SIGUSR2, _forward_to_workers)
+    one_line = OneLineExits()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(one_line)
     try:
         with _environ(worker_env):  # the workers inherit it; the caller's is left as it was
-            results = elastic_launch(config, sys.executable)(*args)
+            if fork:
+                from enn_cluster.worker.entry import forked_main
+
+                results = elastic_launch(config, forked_main)(*args)
+            else:
+                from enn_cluster.worker.entry import WORKER_COMMAND
+
+                results = elastic_launch(config, sys.executable)(*WORKER_COMMAND, *args)
     except SignalException as exc:
         # TERM/INT/HUP reached the launcher; the agent passed it on to the workers, which
         # checkpoint at the next step boundary and leave the marker ("requeue me")
@@ -191,8 +232,21 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
         return failure_code([getattr(f, "exitcode", 1) for f in exc.failures.values()])
     finally:
         signal.signal(signal.SIGUSR2, previous)
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(one_line)
     marker.unlink(missing_ok=True)
     return 0 if results is not None else 1  # every worker exited 0 (else ChildFailedError)
+
+
+class OneLineExits(logging.Filter):
+    """Elastic logs a forked worker's non-zero exit with the traceback of its own poll
+    (ProcessExitedException, in the launcher): the exit code is the whole story there (the
+    worker said why in its own output), in one line, as elastic says it for a subprocess."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and getattr(record.exc_info[0], "__name__", "") == \
+                "ProcessExitedException":
+            record.exc_info = record.exc_text = None
+        return True
 
 
 def _forward_to_workers(signum, frame) -> None:

@@ -107,12 +107,13 @@ class Started:
 
 def start(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
           step: Optional[int] = None, *, wait: Optional[bool] = None, fresh: bool = False,
-          announce: Optional[Callable[[str], None]] = None) -> Started:
+          announce: Optional[Callable[[str], None]] = None, own_process: bool = False) -> Started:
     """The one Slurm-or-local branch of a launch, for the CLI and the API alike: the plan's
     Slurm job to sbatch (`announce(job_id)` once submitted; `fresh`: a run this command just
     made, removed if sbatch refuses it), else the local launcher here. `wait`: wait for the
     job or the launcher (default: the Slurm request's --wait; a local launch waits); a local
-    launch not waited for runs detached (`launch_detached`)."""
+    launch not waited for runs detached (`launch_detached`). `own_process`: this process is
+    ours (the CLI's, a detached launcher's), which the local workers may be forked from."""
     from enn_cluster.client.prepare import run_local
 
     if plan.slurm is not None:
@@ -125,7 +126,7 @@ def start(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
     if wait is False:
         launch_detached(run, plan, name, step)
         return Started(None, None)
-    return Started(None, run_local(run, plan, name=name, step=step))
+    return Started(None, run_local(run, plan, name=name, step=step, fork=own_process))
 
 
 def launch(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
@@ -136,7 +137,7 @@ def launch(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
         print(f"submitted Slurm job {job_id} for {run.path}", file=sys.stderr)
         print(job_id, flush=True)
 
-    started = start(run, plan, name, step, announce=submitted)
+    started = start(run, plan, name, step, announce=submitted, own_process=True)
     if started.job_id is not None:
         return started.code or 0
     code = started.code

@@ -91,11 +91,13 @@ def prepare_resume(run: RunDir, cfg: RunConfig, plan: LaunchPlan) -> RunConfig:
 
 
 def run_local(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
-              step: Optional[int] = None) -> int:
+              step: Optional[int] = None, fork: bool = False) -> int:
     """Hold the run lock while local workers run; record the launch in jobs.jsonl. The
     plan's config is the run's as the command holds it (for the MLflow run the workers
-    log into)."""
+    log into). `fork`: this is a process of our own, and the workers are forked from it
+    once it has imported what the model's workers import (launch_local)."""
     from enn_cluster.client.launch_local import launch_local
+    from enn_cluster.models import kind_of
     from enn_cluster.storage.tracking import ensure_run
 
     cfg, shape, task = plan.cfg, plan.shape, plan.task
@@ -110,6 +112,7 @@ def run_local(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
                                 gpus_per_node=shape.gpus_per_node,
                                 max_restarts=plan.restarts, name=name, step=step,
                                 launch_id=f"local-{len(run.jobs())}",
-                                stop_grace_s=cfg.parallel.stop_grace_s)
+                                stop_grace_s=cfg.parallel.stop_grace_s,
+                                preload=kind_of(cfg).worker_imports(cfg) if fork else None)
     finally:
         release_lock(run, owner)

@@ -280,6 +280,10 @@ def generate_in_step(model, ids: torch.Tensor, new_tokens: int, eos_id) -> torch
 MAX_NEW_TOKENS = 1 << 16  # predict --generate
 
 
+# transformers' model machinery (its top-level import is lazy): what every LM worker imports
+LM_WORKER_IMPORTS = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")
+
+
 class CausalLMKind(ModelKind):
     """A Hugging Face causal LM whose every weight trains (lora.r = 0)."""
 
@@ -311,6 +315,9 @@ class CausalLMKind(ModelKind):
 
     def load_code(self, cfg: RunConfig) -> None:
         import transformers  # noqa: F401  (its kernel choices, as the model will see them)
+
+    def worker_imports(self, cfg: RunConfig) -> tuple[str, ...]:
+        return LM_WORKER_IMPORTS
 
     def stages_text(self, cfg: RunConfig) -> bool:
         return is_text_data(cfg.data)
@@ -402,6 +409,9 @@ class LoraKind(CausalLMKind):
 
     name = "lora"
     export_formats = ("hf", "peft")
+
+    def worker_imports(self, cfg: RunConfig) -> tuple[str, ...]:
+        return (*LM_WORKER_IMPORTS, "peft")
 
     def build(self, cfg: RunConfig, input_shape: tuple = (), n_outputs: int = 0) -> CausalLM:
         """peft's LoRA on the target modules, every base parameter frozen."""

@@ -54,6 +54,11 @@ class ModelKind:
         if ":" in cfg.model.name:
             import_factory(cfg.model.name)
 
+    def worker_imports(self, cfg: RunConfig) -> tuple[str, ...]:
+        """The libraries its workers import, which a forking local launcher imports once for
+        them (a user's own code is not among them: each worker imports it, as on Slurm)."""
+        return ()
+
     def stages_text(self, cfg: RunConfig) -> bool:
         """Whether the training data are text files, tokenized at staging."""
         return False

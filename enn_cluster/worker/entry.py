@@ -36,6 +36,7 @@ from enn_cluster.worker.refusal import (leave_if_peer_refused, record_refusal,
 from enn_cluster.worker.stop_signals import STOP_SIGNALS
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
+WORKER_COMMAND = ("-u", "-m", "enn_cluster.worker")  # the interpreter's arguments before ours
 log = logging.getLogger("enn_cluster.worker")
 _early_signals: list[int] = []  # stop signals that came before the trainer's handlers
 
@@ -371,6 +372,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception:  # a peer died, a collective timed out: the traceback, then exit_now,
         traceback.print_exc()  # not a second of finalisation the launcher's restart waits for
         return EXIT_FAILED
+
+
+def forked_main(*argv: str) -> None:
+    """`main` in a copy of the local launcher (`launch_local(fork=True)`), which imported
+    torch's distributed stack and the model's libraries once for all its workers. The copy is
+    made to start as `python -u -m enn_cluster.worker ARGV` would: the launcher's signal
+    handlers (the elastic agent's) undone, a session of its own as the agent's subprocesses
+    get, that command line for a re-exec (exec_env), unbuffered output. The agent waits for
+    a return value from a worker that succeeds; any other exit is at once, as `exit_now`."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.setsid()
+    sys.orig_argv = [sys.executable, *WORKER_COMMAND, *argv]
+    sys.argv = [WORKER_COMMAND[-1], *argv]
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    code = main(list(argv))
+    if code != EXIT_OK:
+        exit_now(code)
 
 
 def exit_now(code: int) -> None:

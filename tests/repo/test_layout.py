@@ -23,7 +23,9 @@ ALLOWED = {
 }
 NAMED_EDGES = {("enn_cluster.cluster.submit_slurm", "enn_cluster.worker.slurm_entry"),
                # the run lock's owner may be a Slurm job; on bare metal the worker asks Slurm
-               ("enn_cluster.worker.worker_lock", "enn_cluster.cluster.slurm")}
+               ("enn_cluster.worker.worker_lock", "enn_cluster.cluster.slurm"),
+               # the local launcher forks its workers into the entry point's function
+               ("enn_cluster.client.launch_local", "enn_cluster.worker.entry")}
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,117 @@
+"""The local launcher's workers, seen from /proc while they hold at a checkpoint: forked from
+a launcher of our own (the CLI), fresh interpreters from a caller's process (the API).
+
+A forked worker must start as `python -m enn_cluster.worker` would: its own session, no
+handler of the elastic agent's (HUP, QUIT) left in it, the stop handlers its own. Each run
+then finishes, so the fork changes nothing of what a run does (the e2e suites compare the
+runs themselves)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import ROOT, small_config, write_config
+
+HOLD = "ENN_FAULT_HOLD_BEFORE_COMMIT"
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state is [0], ppid [1], session [3])."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2:].split()
+
+
+def _caught(pid: int) -> set[int]:
+    """The signals PID has a handler for (SigCgt of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            mask = int(line.split()[1], 16)
+            return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+    raise AssertionError(f"/proc/{pid}/status has no SigCgt")
+
+
+def _worker_pids(run: Path) -> list[int]:
+    """Each rank's pid, from the first line of its log ("... pid N host ...")."""
+    pids = []
+    for log in sorted(run.glob("logs/*/rank-*.log")):
+        words = log.read_text().split()
+        pids.append(int(words[words.index("pid") + 1]))
+    return pids
+
+
+def _held(launcher: subprocess.Popen, run: Path, held: Path, ranks: int) -> list[int]:
+    """The workers' pids once every rank holds at the checkpoint (the launcher still runs)."""
+    deadline = time.monotonic() + 120
+    while not all((held / f"held-rank-{rank}").exists() for rank in range(ranks)):
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no rank held at the checkpoint in 120 s"
+        time.sleep(0.2)
+    return _worker_pids(run)
+
+
+def _launch(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+    held = tmp_path / "held"
+    held.mkdir()
+    env = {**os.environ, HOLD: f"8:{held}",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), str(ROOT / "tests"),
+                                                       os.environ.get("PYTHONPATH"))))}
+    return subprocess.Popen([sys.executable, *argv], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), held
+
+
+def _finish(launcher: subprocess.Popen, held: Path) -> None:
+    (held / "release").touch()
+    out, err = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, err[-3000:]
+
+
+def test_the_cli_forks_workers_that_start_as_fresh_ones_would(tmp_path):
+    """Two workers forked from the CLI: the launcher's children with its command line (a
+    copy of it, which had imported torch once for both), each in a session of its own, with
+    handlers for the stop signals alone (TERM, INT, USR2: a checkpoint, then exit)."""
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "forked", parallel={"nodes": 1, "procs_per_node": 2}))
+    launcher, held = _launch(tmp_path, ["-m", "enn_cluster.client.cli", "train",
+                                        "--config", str(cfg)])
+    try:
+        workers = _held(launcher, tmp_path / "runs" / "forked", held, 2)
+        cmdline = Path(f"/proc/{launcher.pid}/cmdline").read_bytes()
+        assert len(workers) == 2
+        for pid in workers:
+            state = _stat(pid)
+            assert int(state[1]) == launcher.pid and int(state[3]) == pid, state
+            assert Path(f"/proc/{pid}/cmdline").read_bytes() == cmdline
+            caught = _caught(pid)
+            assert {signal.SIGTERM, signal.SIGINT, signal.SIGUSR2} <= caught, caught
+            assert not {signal.SIGHUP, signal.SIGQUIT} & caught, caught  # the agent's, undone
+        assert {signal.SIGHUP, signal.SIGQUIT} <= _caught(launcher.pid)  # the agent has them
+    finally:
+        _finish(launcher, held)
+
+
+def test_a_callers_process_is_never_forked(tmp_path):
+    """`enn_cluster.train` in a user's script launches in that process, which may hold CUDA
+    or threads a copy would inherit broken: its workers are fresh interpreters."""
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import sys\nimport torch\nimport enn_cluster\n"
+        "x = torch.randn(256, 8)\ny = x.sum(1, keepdim=True)\n"
+        "enn_cluster.train(torch.nn.Linear(8, 1), x, y, run_dir=sys.argv[1],\n"
+        "                  training={'epochs': 2, 'per_device_train_batch_size': 8},\n"
+        "                  checkpoint={'every_steps': 8},\n"
+        "                  parallel={'nodes': 1, 'procs_per_node': 2})\n")
+    run = tmp_path / "runs" / "api"
+    launcher, held = _launch(tmp_path, [str(script), str(run)])
+    try:
+        workers = _held(launcher, run, held, 2)
+        assert len(workers) == 2
+        for pid in workers:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert argv[1:4] == [b"-u", b"-m", b"enn_cluster.worker"], argv
+            assert int(_stat(pid)[1]) == launcher.pid
+    finally:
+        _finish(launcher, held)
