@@ -16,6 +16,7 @@ is never forked: it may hold CUDA, threads or state that a copy would inherit br
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import math
@@ -215,6 +216,9 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
             if fork:
                 from enn_cluster.worker.entry import forked_main
 
+                # the launcher's objects out of the collector's reach: a worker's collections
+                # would write to each one's header, copying every page they sit on
+                gc.freeze()
                 results = elastic_launch(config, forked_main)(*args)
             else:
                 from enn_cluster.worker.entry import WORKER_COMMAND

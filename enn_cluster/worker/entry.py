@@ -388,7 +388,8 @@ def forked_main(*argv: str) -> None:
     sys.orig_argv = [sys.executable, *WORKER_COMMAND, *argv]
     sys.argv = [WORKER_COMMAND[-1], *argv]
     for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=True)
+        if hasattr(stream, "reconfigure"):  # None where the launcher had no such stream
+            stream.reconfigure(line_buffering=True, write_through=True)
     code = main(list(argv))
     if code != EXIT_OK:
         exit_now(code)
