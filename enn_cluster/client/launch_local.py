@@ -209,8 +209,8 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
     marker = Path(run_dir) / layout.REQUEUE / layout.LOCAL_MARKER
     marker.unlink(missing_ok=True)
     previous = signal.signal(signal.SIGUSR2, _forward_to_workers)
-    one_line = OneLineExits()
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(one_line)
+    one_line, agent_log = OneLineExits(), logging.getLogger(AGENT_LOGGER)
+    agent_log.addFilter(one_line)
     try:
         with _environ(worker_env):  # the workers inherit it; the caller's is left as it was
             if fork:
@@ -236,9 +236,12 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
         return failure_code([getattr(f, "exitcode", 1) for f in exc.failures.values()])
     finally:
         signal.signal(signal.SIGUSR2, previous)
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(one_line)
+        agent_log.removeFilter(one_line)
     marker.unlink(missing_ok=True)
     return 0 if results is not None else 1  # every worker exited 0 (else ChildFailedError)
+
+
+AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # where it logs a worker's exit
 
 
 class OneLineExits(logging.Filter):
