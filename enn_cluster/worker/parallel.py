@@ -121,10 +121,27 @@ def prepare_blocks(blocks: list[nn.Module], checkpointing: str = "none",
             # hooks on the block then run outside every checkpointed region, which
             # selective checkpointing needs (its recompute must replay the forward's ops)
             for part in block.children():
-                checkpoint(part, context_fn=selective_contexts)
+                checkpoint_forward(part, selective_contexts)
     if compile_blocks:
         for block in blocks:
             block.compile()
+
+
+def checkpoint_forward(module: nn.Module, context_fn) -> None:
+    """`module`'s forward run under torch.utils.checkpoint with `context_fn`, its parameters'
+    names unchanged. The function form, not the composable hooks: torch.compile traces it
+    as one region and applies a selective policy to its graph, where under the hooks the
+    compiled forward stored nothing that the eager recompute then looked for ("aten.mm
+    encountered during backward, but not found in storage", seen on an H200)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = checkpointed
 
 
 def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
