@@ -12,7 +12,8 @@ the world, DDP: 1; `plan_mesh` decides it as the run will):
   nn.Linear, take the 4 + 4 + 8 bytes of a full fine-tune; all divided by S;
 - the all-gathered working copy of FSDP, in the compute dtype, counted with the parameters:
   two units at a time (the one computing and the one prefetched), the largest unit (a
-  decoder layer, or what the root keeps: embeddings, head) and the largest layer; none when
+  decoder layer, a causal LM's token embedding, or what the root keeps: the head and final
+  norm) and the largest layer; none when
   S = 1 (the parameters are whole already);
 - activations at micro-batch b and sequence length s (data.max_length; a built-in model's
   tokens per row otherwise), for L layers of width h and MLP width i, in bf16 (doubled in
@@ -66,7 +67,7 @@ class ModelShape:
     hidden: int  # width of the activations between layers
     tokens: int  # tokens per row: 0 for a language model (data.max_length decides)
     vocab: int  # 0: no language-model head
-    largest_unit: int  # parameters of the largest FSDP unit (a layer, or the root's rest)
+    largest_unit: int  # parameters of the largest FSDP unit (a layer, the embedding, the root's rest)
     largest_layer: int  # parameters of the largest layer
     linears: tuple = ()  # (qualified name, in_features, out_features) of every nn.Linear
     intermediate: int = 0  # the MLP's width (0: 4 x hidden)

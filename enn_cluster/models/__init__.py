@@ -20,6 +20,7 @@ from enn_cluster.models.kinds import (  # noqa: F401  (re-exported: every side a
     measure,
     model_blocks,
     repeated_blocks,
+    shard_units,
 )
 
 BUILTIN_MODELS = ("mlp", "transformer")  # model.name values that are not `module:factory`

@@ -37,7 +37,7 @@ from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
-from enn_cluster.models.kinds import ModelKind, measure
+from enn_cluster.models.kinds import ModelKind, measure, shard_units
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
 PAD = -1  # a prediction row's position past its end (input ids and generated tokens)
@@ -151,6 +151,14 @@ class CausalLM(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return decoder_layers(self.base())
 
+    def leading_units(self) -> list[nn.Module]:
+        """FSDP units before the blocks (models.shard_units): the token embedding, which the
+        root would otherwise hold whole (vocabulary x hidden: 0.5 B parameters in Llama-3
+        8B) from the step's start to its end; the final norm and the head stay with the
+        root, which the chunked loss calls once per chunk (a unit of their own would be
+        gathered and reduced once per chunk)."""
+        return [self.base().get_input_embeddings()]
+
     def base(self) -> nn.Module:
         """The transformers model (under LoRA, the one peft wraps)."""
         lm = self.lm
@@ -203,7 +211,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The modules the model itself names as never to be split (`_no_split_modules`: its
     decoder layer class), in order."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules()  # by its classes: fully_shard subclasses it
+            if any(cls.__name__ in names for cls in type(m).__mro__)]
 
 
 def hf_name(ours: str) -> str:
@@ -397,7 +406,7 @@ class CausalLMKind(ModelKind):
         vocab = int(config.vocab_size)
         chunk = loss_chunk_tokens(vocab) if CausalLM(model).loss_in_forward else 0
         return measure(model, decoder_layers(model), int(config.hidden_size), 0, vocab,
-                       loss_chunk_tokens=chunk)
+                       loss_chunk_tokens=chunk, units=shard_units(CausalLM(model)))
 
     def uses_data_shape(self) -> bool:
         return False

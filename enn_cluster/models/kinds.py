@@ -163,6 +163,28 @@ def model_blocks(model: "nn.Module") -> list:
         m for m in model.children() if any(p.requires_grad for p in m.parameters())]
 
 
+def shard_units(model: "nn.Module") -> list:
+    """FSDP's units, in forward order, each all-gathered only while it computes (the root
+    holds the rest whole for the whole step): the model's `leading_units()` (a causal LM's
+    token embedding, a vocabulary x hidden matrix) then its blocks, less any whose weights
+    something outside it uses too (own_parameters_only)."""
+    lead = list(model.leading_units()) if hasattr(model, "leading_units") else []
+    return own_parameters_only(model, lead + model_blocks(model))
+
+
+def own_parameters_only(model: "nn.Module", units: list) -> list:
+    """The units whose parameters nothing outside them uses. FSDP2 puts a parameter in one
+    group only: a weight tied across units (a decoder to its encoder, a head to the
+    embedding) would be claimed by two ("shared with a parameter already managed by another
+    FSDP group"), so the units holding it are left to the root's group. Pure."""
+    from collections import Counter
+
+    everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [unit for unit in units
+            if all(everywhere[pid] == n for pid, n in Counter(
+                id(p) for _, p in unit.named_parameters(remove_duplicate=False)).items())]
+
+
 def repeated_blocks(model: "nn.Module") -> list:
     """The layers a model repeats, found in the model itself (pure): the classes a Hugging
     Face model names in `_no_split_modules` (its decoder layer), wherever it sits in a user's
@@ -183,18 +205,23 @@ def repeated_blocks(model: "nn.Module") -> list:
 
 
 def measure(model, blocks: list, hidden: int, tokens: int, vocab: int, **extra):
-    """The ModelShape of a model built on the meta device (no memory, no weights)."""
+    """The ModelShape of a model built on the meta device (no memory, no weights); FSDP's
+    units are `shard_units(model)`, or `units=` for a model that is not the one trained
+    (a causal LM's bare transformers model)."""
     from torch import nn
 
     from enn_cluster.config.memory_plan import ModelShape
 
+    units = extra.pop("units", None)
+    units = shard_units(model) if units is None else units
     params = sum(p.numel() for p in model.parameters())
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    unit_params = [sum(p.numel() for p in u.parameters()) for u in units]
     linears = tuple((name, m.in_features, m.out_features) for name, m in model.named_modules()
                     if isinstance(m, nn.Linear))
     intermediate, gated = _mlp_width(blocks[0] if blocks else model, hidden)
     return ModelShape(params=params, layers=max(len(blocks), 1), hidden=hidden, tokens=tokens,
-                      vocab=vocab, largest_unit=max(block_params + [params - sum(block_params)]),
+                      vocab=vocab, largest_unit=max(unit_params + [params - sum(unit_params)]),
                       largest_layer=max(block_params, default=0), linears=linears,
                       intermediate=intermediate, gated=gated, **extra)
 

@@ -6,14 +6,13 @@ slow inter-node links carry one all-reduce of shards instead of all-gathers of w
 from __future__ import annotations
 
 import functools
-from collections import Counter
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from enn_cluster.config.run_config import MeshPlan
-from enn_cluster.models import model_blocks
+from enn_cluster.models import model_blocks, shard_units
 
 
 def build_mesh(plan: MeshPlan, device: torch.device):
@@ -147,7 +146,10 @@ def checkpoint_forward(module: nn.Module, context_fn) -> None:
 def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
                use_bf16: bool, reduce_dtype: str = "fp32", checkpointing: str = "none",
                compile_blocks: bool = False) -> nn.Module:
-    """Shard block by block, then the root, so each block's all-gather overlaps compute."""
+    """Shard unit by unit (models.shard_units: a causal LM's embedding, then the blocks),
+    then the root, so each unit's all-gather overlaps compute. The last unit stays gathered
+    after its forward: the backward starts with it (torchtitan's choice, one all-gather
+    less a step)."""
     prepare_blocks(model_blocks(model), checkpointing, compile_blocks)
     if plan.strategy == "ddp":
         model.to(device)
@@ -159,18 +161,8 @@ def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
     policy = mixed_precision(use_bf16, reduce_dtype)
     if policy is not None:
         kwargs["mp_policy"] = policy
-    for block in own_parameters_only(model, model_blocks(model)):
-        fully_shard(block, **kwargs)
+    units = shard_units(model)
+    for i, unit in enumerate(units):
+        fully_shard(unit, reshard_after_forward=i < len(units) - 1, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def own_parameters_only(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """The blocks whose parameters nothing outside them uses. FSDP2 puts a parameter in one
-    group only: a weight tied across blocks (a decoder to its encoder, a head to the
-    embedding) would be claimed by two ("shared with a parameter already managed by another
-    FSDP group"), so the blocks holding it are left to the root's group. Pure."""
-    everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    return [block for block in blocks
-            if all(everywhere[pid] == n for pid, n in Counter(
-                id(p) for _, p in block.named_parameters(remove_duplicate=False)).items())]

@@ -119,3 +119,51 @@ def test_prediction_rows_are_token_ids_and_floats_only_when_whole():
         host_rows(np.array([[4001.5, 2.0]]), torch.long)
     with pytest.raises(UserError):
         host_rows(np.array([[np.nan, 2.0]]), torch.long)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fsdp_units_the_embedding_alone_and_the_last_layer_kept_gathered(tmp_path, arch,
+                                                                          world_of_one):
+    """Issue 39 section 3 (FSDP units), on by default: an untied causal LM's token embedding
+    is a unit of its own (the root would hold it whole all step), a tied one (Qwen2's small
+    models: the head is the same weight) stays with the root; after a training forward
+    every unit is sharded again except the last decoder layer, which the backward needs
+    first. The loss and gradients equal those of the model sharded the old way (blocks
+    alone)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from enn_cluster.config.run_config import MeshPlan
+    from enn_cluster.models.causal_lm import CausalLM
+    from enn_cluster.worker.parallel import wrap_model
+
+    path = tiny_model(tmp_path, arch)
+    ids = torch.from_numpy(packed_tokens(path, 4, 16)).long()
+    mesh = init_device_mesh("cpu", (1,))
+
+    def built():
+        torch.manual_seed(0)
+        return CausalLM(AutoModelForCausalLM.from_pretrained(str(path)))
+
+    ours = wrap_model(built(), MeshPlan("fsdp", 1, 1), mesh, torch.device("cpu"), use_bf16=False)
+    embedding, layers = ours.base().get_input_embeddings(), ours.blocks()
+    tied = ours.base().config.tie_word_embeddings
+    assert isinstance(embedding, FSDPModule) != tied
+    assert all(isinstance(layer, FSDPModule) for layer in layers)
+    loss = ours(ids, labels=ids)
+    gathered = [not isinstance(next(m.parameters()), DTensor) for m in [embedding, *layers]]
+    assert gathered == [tied] + [False] * (len(layers) - 1) + [True]  # the root keeps a tied one gathered
+    loss.backward()
+
+    old = built()
+    for layer in old.blocks():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(old, mesh=mesh)
+    old_loss = old(ids, labels=ids)
+    old_loss.backward()
+    assert loss.item() == old_loss.item()
+    for (name, a), (_, b) in zip(ours.named_parameters(), old.named_parameters()):
+        torch.testing.assert_close(a.grad.full_tensor(), b.grad.full_tensor(), rtol=0, atol=0,
+                                   msg=name)
