@@ -177,6 +177,9 @@ def inspect_run(run: Path, lora: bool) -> None:
     if reports:
         text = json.dumps(json.loads(Path(reports[-1]).read_text()))
         line(f"{name}_backend_report", ("nccl" if cuda else "gloo") in text, text[:400])
+        # enn-submit's local launcher forks its workers unless it has touched CUDA itself
+        started = json.loads(Path(reports[-1]).read_text()).get("worker_start")
+        line(f"{name}_worker_forked", started == "forked", f"worker_start={started}")
     step = sorted(glob.glob(str(run / "checkpoints" / "step-*[0-9]")),
                   key=lambda p: int(p.rsplit("-", 1)[1]))[-1]
     meta = FileSystemReader(step).read_metadata().state_dict_metadata

@@ -12,7 +12,11 @@ A launcher that is a process of our own (the CLI, a notebook's detached launcher
 its workers instead, once it has imported what every worker imports (torch's distributed
 stack, the model kind's libraries): 4-6 s of imports per worker per launch, done once
 (`worker.entry.forked_main` starts the copy as the module would). A caller's own process
-is never forked: it may hold CUDA, threads or state that a copy would inherit broken.
+is never forked: it may hold CUDA, threads or state that a copy would inherit broken; nor
+is a launcher that has initialised the CUDA driver (`cuda_started`), and a forking one asks
+torch whether CUDA is there through NVML, which leaves the fork safe (seen on an H200:
+elastic's own question, through the CUDA runtime, failed every forked worker's first CUDA
+call with "Cannot re-initialize CUDA in forked subprocess").
 """
 from __future__ import annotations
 
@@ -139,11 +143,14 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
         LAUNCHER_PID_VAR: str(os.getpid()),  # they die with us (worker.die_with_launcher)
         LAUNCH_ID_VAR: launch_id}
     args = worker_args(run_dir, task, name, step)
-    if preload is not None:
+    fork = preload is not None
+    if fork:
+        # torch.cuda.is_available() through NVML, not the CUDA runtime, which "poisons fork"
+        # (elastic's LaunchConfig asks it): for the launcher and, inherited, the workers
+        worker_env[NVML_CHECK_VAR] = "1"
         with _environ(worker_env):  # as the workers would have imported them
             for module in (*WORKER_IMPORTS, *preload):
                 importlib.import_module(module)
-    fork = preload is not None and not cuda_started()
     code = 0
     for attempt in range(max_restarts + 1):
         code = _attempt(run_dir, nodes * procs_per_node,
@@ -157,11 +164,45 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
     return code
 
 
-def cuda_started() -> bool:
-    """Whether this process has started CUDA, which a forked copy could not use: its
-    workers are then started fresh."""
+CUDA_ERROR_NOT_INITIALIZED = 3  # the driver's answer to any call before cuInit
+NVML_CHECK_VAR = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch's fork-safe is_available()
+
+
+def cuda_started(maps: str) -> bool:
+    """Whether this process has initialised CUDA, which a forked copy could not use: its
+    workers are then started fresh. Not only torch's own context: any runtime call (a
+    device count at import, torch.cuda.is_available: "poisons fork") runs the driver's
+    cuInit. The driver loaded (libcuda in `maps`, this process's /proc/self/maps) is asked
+    whether it was initialised (driver_initialized); loaded by a library that never called
+    it, it leaves the fork safe."""
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    drivers = {line.split()[-1] for line in maps.splitlines() if len(line.split()) >= 6
+               and os.path.basename(line.split()[-1]).startswith("libcuda.so")}
+    return any(driver_initialized(path) for path in drivers)
+
+
+def driver_initialized(path: str) -> bool:
+    """cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED until cuInit has run, and
+    initialises nothing itself; a driver that cannot be asked counts as initialised."""
+    import ctypes
+
+    try:
+        count = ctypes.c_int()
+        return ctypes.CDLL(path).cuDeviceGetCount(ctypes.byref(count)) \
+            != CUDA_ERROR_NOT_INITIALIZED
+    except (OSError, AttributeError):
+        return True
+
+
+def maps_text() -> str:
+    """This process's memory map ("" where /proc is not there to read)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            return fh.read()
+    except OSError:
+        return ""
 
 
 def retried(code: int) -> bool:
@@ -199,13 +240,17 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
-        run_id=f"enn-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.1,  # torchrun's: a failure seen in 0.1 s
-        start_method="fork" if fork else "spawn",
-        **shutdown_options(stop_grace_s, {f.name for f in dataclasses.fields(LaunchConfig)}))
+    with _environ(worker_env):
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
+            run_id=f"enn-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+            monitor_interval=0.1,  # torchrun's: a failure seen in 0.1 s
+            **shutdown_options(stop_grace_s, {f.name for f in dataclasses.fields(LaunchConfig)}))
+    # asked last: the config itself asks torch whether CUDA is there (on a GPU without NVML,
+    # through the runtime, which initialises the driver)
+    fork = fork and not cuda_started(maps_text())
+    config.start_method = "fork" if fork else "spawn"
     marker = Path(run_dir) / layout.REQUEUE / layout.LOCAL_MARKER
     marker.unlink(missing_ok=True)
     previous = signal.signal(signal.SIGUSR2, _forward_to_workers)

@@ -193,9 +193,9 @@ def nccl_log_env(log_dir: Path, rank: int, environ: Mapping[str, str]) -> dict[s
 
 def gather(rank: int, device, lane_backends: Mapping[str, str], bf16: bool,
            environ: Mapping[str, str], nccl_log: Optional[Path],
-           compiled: bool = False) -> dict:
+           compiled: bool = False, started: str = "fresh") -> dict:
     """This rank's report, from torch and the environment; `compiled`: training.compile
-    (the blocks torch.compile wraps)."""
+    (the blocks torch.compile wraps); `started`: forked from the local launcher, or fresh."""
     import torch
 
     from enn_cluster.config import nccl
@@ -207,7 +207,7 @@ def gather(rank: int, device, lane_backends: Mapping[str, str], bf16: bool,
         "torch": torch.__version__, "lanes": dict(lane_backends),
         "bf16": bool(bf16),
         "bf16_supported": bool(torch.cuda.is_bf16_supported()) if cuda else True,
-        "compile": bool(compiled),
+        "compile": bool(compiled), "worker_start": started,
         "sdpa": {"flash": torch.backends.cuda.flash_sdp_enabled(),
                  "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                  "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),

@@ -38,6 +38,9 @@ from enn_cluster.worker.stop_signals import STOP_SIGNALS
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_REQUEUE = 0, 1, 2, 75
 WORKER_COMMAND = ("-u", "-m", "enn_cluster.worker")  # the interpreter's arguments before ours
 log = logging.getLogger("enn_cluster.worker")
+# how this worker began (the backend report's worker_start): a fresh interpreter, or a copy
+# of the local launcher (forked_main)
+STARTED = {"how": "fresh"}
 _early_signals: list[int] = []  # stop signals that came before the trainer's handlers
 
 
@@ -239,7 +242,7 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
     nccl_log = log_dir / backend_report.NCCL_LOG_NAME.format(rank=env.rank)
     report = backend_report.gather(env.rank, lanes.device, backends,
                                    use_bf16(cfg, lanes.device), os.environ, nccl_log,
-                                   compiled=cfg.training.compile)
+                                   compiled=cfg.training.compile, started=STARTED["how"])
     report["placement"] = placed.report()
     backend_report.write_report(log_dir, report)
     for line in backend_report.mismatches(report):
@@ -390,6 +393,7 @@ def forked_main(*argv: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):  # None where the launcher had no such stream
             stream.reconfigure(line_buffering=True, write_through=True)
+    STARTED["how"] = "forked"
     code = main(list(argv))
     if code != EXIT_OK:
         exit_now(code)

@@ -7,12 +7,15 @@ then finishes, so the fork changes nothing of what a run does (the e2e suites co
 runs themselves)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from helpers import ROOT, small_config, write_config
 
@@ -69,6 +72,12 @@ def _finish(launcher: subprocess.Popen, held: Path) -> None:
     assert launcher.returncode == 0, err[-3000:]
 
 
+def _started(run: Path) -> set[str]:
+    """How each rank began, as its backend report says (what doctor and status read)."""
+    return {json.loads(p.read_text())["worker_start"]
+            for p in run.glob("logs/*/backend-rank-*.json")}
+
+
 def test_the_cli_forks_workers_that_start_as_fresh_ones_would(tmp_path):
     """Two workers forked from the CLI: the launcher's children with its command line (a
     copy of it, which had imported torch once for both), each in a session of its own, with
@@ -91,6 +100,46 @@ def test_the_cli_forks_workers_that_start_as_fresh_ones_would(tmp_path):
         assert {signal.SIGHUP, signal.SIGQUIT} <= _caught(launcher.pid)  # the agent has them
     finally:
         _finish(launcher, held)
+    assert _started(tmp_path / "runs" / "forked") == {"forked"}
+
+
+FAKE_DRIVER = """
+static int ready;
+int cuInit(unsigned int flags) { ready = 1; return 0; }
+int cuDeviceGetCount(int *count) { if (!ready) return 3; *count = 1; return 0; }
+"""
+
+
+@pytest.mark.parametrize("initialised", [True, False])
+def test_a_launcher_that_initialised_the_cuda_driver_starts_fresh_workers(tmp_path,
+                                                                          initialised):
+    """Once anything in the launcher has initialised the CUDA driver (a device count at
+    import is enough), a forked copy would fail at its first CUDA call: the CLI then starts
+    fresh interpreters. A driver only loaded (a library linking it) is no reason: the
+    copies are forked. The driver is a stand-in built here with its two entry points, as
+    the real one answers them (CUDA_ERROR_NOT_INITIALIZED before cuInit), loaded into the
+    launcher under its name."""
+    driver = tmp_path / "driver" / "libcuda.so.1"
+    driver.parent.mkdir()
+    (tmp_path / "driver.c").write_text(FAKE_DRIVER)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(driver), str(tmp_path / "driver.c")],
+                   check=True)
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "driver", parallel={"nodes": 1, "procs_per_node": 2}))
+    wrapper = ("import ctypes, runpy, sys\n"
+               f"driver = ctypes.CDLL({str(driver)!r})\n"
+               + ("driver.cuInit(0)\n" if initialised else "") +
+               "sys.argv = ['enn-submit', 'train', '--config', sys.argv[1]]\n"
+               "runpy.run_module('enn_cluster.client.cli', run_name='__main__')\n")
+    launcher, held = _launch(tmp_path, ["-c", wrapper, str(cfg)])
+    try:
+        for pid in _held(launcher, tmp_path / "runs" / "driver", held, 2):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            fresh = argv[1:4] == [b"-u", b"-m", b"enn_cluster.worker"]
+            assert fresh == initialised, argv
+    finally:
+        _finish(launcher, held)
+    assert _started(tmp_path / "runs" / "driver") == {"fresh" if initialised else "forked"}
 
 
 def test_a_callers_process_is_never_forked(tmp_path):
@@ -115,3 +164,19 @@ def test_a_callers_process_is_never_forked(tmp_path):
             assert int(_stat(pid)[1]) == launcher.pid
     finally:
         _finish(launcher, held)
+    assert _started(run) == {"fresh"}
+
+
+def test_the_driver_is_read_from_the_memory_map():
+    """libcuda (the driver) is asked; the CUDA runtime and NVML, which torch and
+    transformers load without touching a device, are not. A driver that cannot be asked
+    (here: not there to load) counts as initialised: no fork."""
+    from enn_cluster.client.launch_local import cuda_started
+
+    row = "7f0a1c000000-7f0a1c200000 r-xp 00000000 fd:01 1234 {}"
+    assert cuda_started(row.format("/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"))
+    assert cuda_started(row.format("/usr/local/nvidia/lib64/libcuda.so.1"))
+    quiet = "\n".join(row.format(p) for p in (
+        "/opt/venv/nvidia/cuda_runtime/lib/libcudart.so.13", "/usr/lib/libnvidia-ml.so.1",
+        "/opt/venv/torch/lib/libtorch_cuda.so"))
+    assert not cuda_started(quiet + "\n7ffd1000-7ffd2000 rw-p 00000000 00:00 0 \n")

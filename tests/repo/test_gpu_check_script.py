@@ -17,7 +17,7 @@ SCRIPT = ROOT / "bench" / "device_check.sh"
 CHECKS = ("import_check", "placement", "fabric_memlock", "accelerator_lane",
           "fused_adamw_found_inf", "compile_ac_grads", "train_full", "full_losses",
           "master_weights_fp32", "resume_record", "predict_output", "doctor", "train_lora",
-          "lora_checkpoint", "chunked_loss_equal")
+          "lora_checkpoint", "chunked_loss_equal", "full_worker_forked", "lora_worker_forked")
 
 
 def test_script_passes_shellcheck():
