@@ -299,7 +299,8 @@ def node_loss_lines(st: dict) -> list[str]:
     lines = [f"{'node lost:' if i == 0 else '':<17}{','.join(r.get('lost') or ['?'])} "
              f"{loss_time(r)} (job {r.get('job_id')}): went on with "
              f"{len(r.get('nodes') or [])} node(s), world {r.get('world_size')}, "
-             f"from step {r.get('step')}" for i, r in enumerate(st.get("node_losses") or [])]
+             f"from step {r.get('step')}{spare_words(r)}"
+             for i, r in enumerate(st.get("node_losses") or [])]
     if st.get("relaunch") and live(st):
         lines.append(relaunch_line(st["relaunch"], st.get("last_checkpoint")))
     if st.get("probing_since") and live(st):
@@ -335,13 +336,22 @@ def loss_time(r: dict) -> str:
     return f"{lost}, detected {_clock(r.get('detected'), hms)}"
 
 
+def spare_words(r: dict) -> str:
+    """What spare nodes did in a relaunch: which took a lost node's place, how many are
+    left ("" for a job without spares)."""
+    taken, left = r.get("spare_in") or [], r.get("spares") or []
+    words = (f"; spare {','.join(taken)} in place of {','.join(r.get('lost') or ['?'])}"
+             if taken else "")
+    return words + (f"; {len(left)} spare(s) still held" if left else "")
+
+
 def relaunch_line(rec: dict, checkpoint: Optional[int]) -> str:
     """A relaunch whose new ranks have not resumed yet (node_loss.relaunch_pending): where,
     at what world size, from which step (the newest complete checkpoint, which they load)."""
     world = f"world {rec['world']}, " if rec.get("world") else ""
     start = f"from step {checkpoint}" if checkpoint is not None else "from the first step"
-    return (f"relaunching:     on {','.join(rec['nodes'])} ({world}{start}): job "
-            f"{rec['job_id']} lost {','.join(rec['lost'])} {loss_time(rec)}; relaunch "
+    return (f"relaunching:     on {','.join(rec['nodes'])} ({world}{start}{spare_words(rec)}): "
+            f"job {rec['job_id']} lost {','.join(rec['lost'])} {loss_time(rec)}; relaunch "
             f"{rec['relaunch']} launched "
             f"at {_clock(rec['launched'], '%H:%M:%S')}, its ranks are starting")
 

@@ -36,7 +36,7 @@ from enn_cluster.cluster.slurm_values import (
     time_minutes,
 )
 from enn_cluster.config import nccl
-from enn_cluster.config.checks import node_range
+from enn_cluster.config.checks import MAX_NODES, node_range
 from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
@@ -82,6 +82,7 @@ class JobSpec:
     extra_sbatch_args: tuple[str, ...] = ()
     extra_srun_args: tuple[str, ...] = ()
     max_restarts: int = DEFAULT_MAX_RESTARTS
+    spare_nodes: int = 0  # asked beside `nodes`, idle until a lost node's place is theirs
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -123,6 +124,20 @@ class JobSpec:
     @property
     def tasks_per_node(self) -> int:
         return self.gpus_per_node or self.procs_per_node
+
+    @property
+    def placed_by_shell(self) -> bool:
+        """The batch shell, not sbatch, lays the tasks out (host_setup.sh): a node range
+        (the world is what was granted) or spare nodes (held out of the step until a node
+        is lost); a lost node is then relaunched around inside the job."""
+        lo, hi = self.node_range
+        return lo != hi or self.spare_nodes > 0
+
+    @property
+    def allocated_nodes(self) -> tuple[int, int]:
+        """The node range asked of Slurm: the training nodes' and the spares."""
+        lo, hi = self.node_range
+        return lo + self.spare_nodes, hi + self.spare_nodes
 
     @property
     def mounts(self) -> tuple[pyxis.Mount, ...]:
@@ -167,6 +182,7 @@ def _validate(s: JobSpec) -> None:
     check_word(s.wckey, "site.wckey")
     _int(s.signal_grace_s, INPUTS["signal_grace"], 1)
     _int(s.max_restarts, INPUTS["max_restarts"], 0)
+    _int(s.spare_nodes, INPUTS["spare_nodes"], 0, MAX_NODES - s.node_range[1])
     if s.time_minutes * 60 <= s.signal_grace_s + 60:
         raise UserError("{value!r} leaves no run time before the USR2 warning ({grace} s "
                         "before the end; Slurm may send it 60 s early)", field=INPUTS["time"],
@@ -352,9 +368,9 @@ def allocation(spec: JobSpec) -> dict:
     job is never granted more than MIN nodes. A range asks for one task per node holding
     the CPUs of all the node's tasks instead (nothing more to ask with --exclusive), and
     the batch shell's srun splits every granted node into ENN_GPUS_PER_NODE tasks
-    (host_setup.sh): the world size is what Slurm granted."""
-    lo, hi = spec.node_range
-    if lo == hi:
+    (host_setup.sh): the world size is what Slurm granted. Spare nodes are asked the same
+    way: the batch shell starts the tasks on all but the spares."""
+    if not spec.placed_by_shell:
         return {"ntasks-per-node": spec.tasks_per_node, "cpus-per-task": spec.cpus_per_task}
     if spec.exclusive and spec.cpus_per_task is None:
         return {"ntasks-per-node": None, "cpus-per-task": None}
@@ -363,10 +379,13 @@ def allocation(spec: JobSpec) -> dict:
 
 
 def range_lines(spec: JobSpec) -> list[str]:
-    """The batch shell's variables of a range job (host_setup.sh): MIN, for the relaunch
-    after a lost node and the requeue, and the tasks srun starts on every node."""
-    lo, hi = spec.node_range
-    return [] if lo == hi else [f"ENN_MIN_NODES={lo}", f"ENN_GPUS_PER_NODE={spec.tasks_per_node}"]
+    """The batch shell's variables of a job it places (host_setup.sh): MIN, for the
+    relaunch after a lost node and the requeue, the tasks srun starts on every node, and
+    the spares it holds out of the step."""
+    if not spec.placed_by_shell:
+        return []
+    lines = [f"ENN_MIN_NODES={spec.node_range[0]}", f"ENN_GPUS_PER_NODE={spec.tasks_per_node}"]
+    return lines + ([f"ENN_SPARE_NODES={spec.spare_nodes}"] if spec.spare_nodes else [])
 
 
 # -- submitit ---------------------------------------------------------------------------
@@ -374,12 +393,14 @@ def range_lines(spec: JobSpec) -> list[str]:
 def submitit_parameters(spec: JobSpec) -> dict:
     """Keyword arguments for `AutoExecutor(...).update_parameters(**...)` on Slurm (names
     checked against submitit 1.5.4's `_make_sbatch_string` signature)."""
-    lo, hi = spec.node_range
+    lo, hi = spec.allocated_nodes
     # B: the warning goes to the batch shell alone (stop_request.py says why)
     extra: dict = {"requeue": True, "open-mode": "append",
                    "signal": f"B:USR2@{spec.signal_grace_s}"}
-    if lo != hi:  # a lost node leaves the allocation to the rest (host_setup.sh relaunches)
-        extra.update({"nodes": f"{lo}-{hi}", "no-kill": True})
+    if spec.placed_by_shell:  # a lost node leaves the allocation to the rest (host_setup.sh)
+        extra["no-kill"] = True
+        if lo != hi:
+            extra["nodes"] = f"{lo}-{hi}"
     if spec.mem_gb == 0:
         extra["mem"] = "0"  # submitit would write 0GB
     extra["comment"] = run_identity(spec.run_dir)  # cancel's proof that a job is ours
@@ -421,7 +442,7 @@ def submitit_executor_kwargs(spec: JobSpec) -> dict:
 # -- batch script -----------------------------------------------------------------------
 
 def sbatch_lines(spec: JobSpec) -> list[str]:
-    lo, hi = spec.node_range
+    lo, hi = spec.allocated_nodes
     shape = allocation(spec)
     opts = [("job-name", spec.job_name), ("nodes", f"{lo}-{hi}" if lo != hi else lo),
             ("ntasks-per-node", shape["ntasks-per-node"]),
@@ -430,7 +451,7 @@ def sbatch_lines(spec: JobSpec) -> list[str]:
             ("mem", _mem(spec)), ("time", spec.time_minutes), ("partition", spec.partition),
             ("account", spec.account), ("qos", spec.qos), ("wckey", spec.wckey),
             ("exclusive", True if spec.exclusive else None), ("requeue", True),
-            ("no-kill", True if lo != hi else None),
+            ("no-kill", True if spec.placed_by_shell else None),
             ("open-mode", "append"), ("signal", f"B:USR2@{spec.signal_grace_s}"),
             ("output", layout.batch_log_pattern(spec.run_dir)),
             *(parse_sbatch_arg(a) for a in spec.extra_sbatch_args)]
@@ -449,9 +470,10 @@ def parameter_lines(spec: JobSpec) -> list[str]:
                ("ENN_CONTAINER_ENV", ",".join(spec.env_names)), ("ENN_PYTHON", spec.python),
                ("ENN_GPUS_PER_NODE", "" if allocation(spec)["ntasks-per-node"]
                 else spec.tasks_per_node), ("ENN_MAX_RESTARTS", spec.max_restarts)]
-    lo, hi = spec.node_range
-    if lo != hi:  # host_setup.sh: relaunch on what is left after a lost node, requeue at MIN
-        values.append(("ENN_MIN_NODES", lo))
+    if spec.placed_by_shell:  # host_setup.sh: relaunch after a lost node, requeue at MIN
+        values.append(("ENN_MIN_NODES", spec.node_range[0]))
+    if spec.spare_nodes:
+        values.append(("ENN_SPARE_NODES", spec.spare_nodes))
     lines = [line for k, v in values for line in (*_literal(v), f"{k}={_q(v)}")]
     lines.append(f'ENN_NCCL_PROFILE="${{ENN_NCCL_PROFILE:-{spec.nccl_profile}}}"')  # env_lines
     return lines + _literal(*spec.extra_srun_args) + [

@@ -118,6 +118,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("procs_per_node", "--procs-per-node", "procs_per_node", None, "procs_per_node",
            INT, None, "processes per node on CPU (default: GPUs per node, or the config)",
            shape=True),
+    Option("spare_nodes", "--spare-nodes", "spare_nodes", "spare_nodes", "spare_nodes", INT, 0,
+           "nodes held idle in the job, each to take a lost node's place at the same world "
+           "size (Slurm)"),
     Option("max_restarts", "--max-restarts", None, None, "max_restarts", INT, None,
            "retries after a worker failure (default: parallel.max_restarts)", shape=True),
     # the site file's alone

@@ -75,7 +75,10 @@ def parse_relaunch(text: str) -> Optional[dict]:
     return {"lost": lost, "nodes": nodes, "ended": float(times[0]), "detected": float(times[1]),
             "launched": float(times[2]), "relaunch": int(count),
             "world": int(world) if world.isdigit() and len(world) <= 9 else None,
-            "probed": float(probed) if _NUMBER.match(probed) else None}
+            "probed": float(probed) if _NUMBER.match(probed) else None,
+            # spare nodes (--spare-nodes): those taken into the step, those still held
+            "spare_in": _hosts(fields.get("spare_in", "")) or [],
+            "spares": _hosts(fields.get("spares", "")) or []}
 
 
 def read_relaunch(run_path: Path, job_id: str) -> Optional[dict]:
@@ -129,7 +132,9 @@ def record_relaunch(run, metrics, job_id: str, relaunch: int, world_size: int,
     fields = {"job_id": job_id, "relaunch": relaunch, "lost": rec["lost"],
               "nodes": rec["nodes"], "ended": rec["ended"], "detected": rec["detected"],
               "launched": rec["launched"], "world_size": world_size, "step": step,
-              **({"probed": rec["probed"]} if rec["probed"] is not None else {})}
+              **({"probed": rec["probed"]} if rec["probed"] is not None else {}),
+              **({"spare_in": rec["spare_in"], "spares": rec["spares"]}
+                 if rec["spare_in"] or rec["spares"] else {})}
     metrics.write("node_lost", **fields)
     run.record_job(JobRecord(kind=RELAUNCH, job_id=job_id, relaunch=relaunch,
                              lost=tuple(rec["lost"]), hosts=tuple(rec["nodes"]),

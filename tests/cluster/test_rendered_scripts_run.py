@@ -25,6 +25,7 @@ exit "${STUB_RC:-0}"
 """
 SCONTROL_STUB = """#!/bin/bash
 printf '%s\\n' "$*" >> "$STUB_SCONTROL"
+if [ "$1 $2" = "show hostnames" ] && [ -n "${STUB_HOSTS:-}" ]; then printf '%s\\n' $STUB_HOSTS; fi
 """
 
 
@@ -324,6 +325,34 @@ def test_a_range_job_starts_its_tasks_on_every_node_granted(stub, run_dir, grant
     argv = stub.argv
     assert argv[:3] == [f"--nodes={granted}", "--ntasks-per-node=8", f"--ntasks={granted * 8}"]
     assert stub.env["SRUN_CPUS_PER_TASK"] == "8"  # 64 CPUs / 8 tasks
+
+
+@pytest.mark.parametrize("self_node,picked", [("n1", "n1,n2"), ("n2", "n2,n1")])
+def test_spare_nodes_are_held_out_of_the_step(stub, run_dir, self_node, picked):
+    """--nodes 2 --spare-nodes 1 at 8 tasks a node: sbatch asks for 3 nodes, no task count
+    and --no-kill; the batch shell's srun runs the 16 tasks on two of them, its own node
+    first (its watcher looks for the step's tasks there), and holds the third."""
+    spec = JobSpec(job_name="enn-spare", run_dir=run_dir, nodes=2, spare_nodes=1,
+                   gpus_per_node=8)
+    text = job_spec.render_batch_script(spec)
+    head = text.split("<<< sbatch")[0]
+    assert "#SBATCH --nodes=3" in head and "#SBATCH --no-kill" in head
+    assert "--ntasks-per-node" not in head
+    assert "ENN_MIN_NODES=2" in text and "ENN_SPARE_NODES=1" in text
+    done = stub.run(text, SLURM_JOB_NUM_NODES="3", SLURM_JOB_NODELIST="n[1-3]",
+                    STUB_HOSTS="n1 n2 n3", SLURMD_NODENAME=self_node, SLURM_CPUS_ON_NODE="64")
+    assert done.returncode == 0, done.stderr
+    assert stub.argv[:4] == ["--nodes=2", "--ntasks-per-node=8", "--ntasks=16",
+                             f"--nodelist={picked}"]
+    assert f"enn: training on {picked}, 1 spare node(s) held" in done.stderr
+    params = job_spec.submitit_parameters(spec)
+    assert params["nodes"] == 3 and "tasks_per_node" not in params
+    extra = params["slurm_additional_parameters"]
+    assert extra["no-kill"] is True and "nodes" not in extra
+    assert "ENN_SPARE_NODES=1" in params["slurm_setup"]
+    ranged = job_spec.submitit_parameters(JobSpec(job_name="enn-spare", run_dir=run_dir,
+                                                  nodes="2-3", spare_nodes=2, gpus_per_node=8))
+    assert ranged["nodes"] == 4 and ranged["slurm_additional_parameters"]["nodes"] == "4-5"
 
 
 def test_admin_template_runs_from_environment_variables(stub, run_dir, image):

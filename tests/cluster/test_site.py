@@ -76,7 +76,7 @@ def test_every_key_is_known_and_typed():
         "python": "/usr/bin/python3", "signal_grace_s": 120, "time": 240,
         "cpus_per_task": 12, "socket_ifname": "ib0", "mem_gb": 480, "gpu_request": "gres:a100",
         "gpu_mem_gb": 141, "wckey": "ml", "whole_node_gpus": 4,
-        "allow_socket_fallback": False})
+        "allow_socket_fallback": False, "spare_nodes": 1})
     assert set(conf.overrides()) == set(site.KEYS) == set(site.DEFAULTS)
     assert conf.mounts == ("/d:/d:ro+rprivate",)
 

@@ -67,6 +67,13 @@ def _steps(run) -> set:
     return {r["step"] for r in metrics(run, "train")}
 
 
+def _wait_finished(run, timeout: float) -> None:
+    """Until every step is logged and the last one committed."""
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and STEPS in _steps(run)
+              and STEPS in store.committed_steps(run / "checkpoints"),
+              f"{run}: no committed step {STEPS}", timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The same config run through locally once for the module, 2 ranks (the global batch
@@ -95,9 +102,7 @@ def test_a_lost_node_and_the_job_goes_on_on_the_nodes_left(slurm_cluster3, tmp_p
     assert metrics(run, "start")[0]["world_size"] == 6
     try:
         death = _node_down(slurm_cluster3, "n3")
-        _wait_for(lambda: (run / "metrics.jsonl").exists() and STEPS in _steps(run)
-                  and STEPS in store.committed_steps(run / "checkpoints"),
-                  f"{run}: no committed step {STEPS}", timeout=240)
+        _wait_finished(run, timeout=240)
         state = slurm_cluster3.wait_job(job, ("COMPLETING", "COMPLETED"), timeout=60)
     finally:  # n3 comes back (its slurmd restarted; ReturnToService=2 takes it in)
         up = slurm_cluster3.up()
@@ -170,9 +175,7 @@ def test_a_node_lost_while_a_checkpoint_is_written(slurm_cluster3, tmp_path, uni
     try:
         _node_down(slurm_cluster3, "n3")
         (held / "release").touch()
-        _wait_for(lambda: (run / "metrics.jsonl").exists() and STEPS in _steps(run)
-                  and STEPS in store.committed_steps(run / "checkpoints"),
-                  f"{run}: no committed step {STEPS}", timeout=240)
+        _wait_finished(run, timeout=240)
         slurm_cluster3.wait_job(job, ("COMPLETING", "COMPLETED"), timeout=60)
     finally:
         (held / "release").touch()
@@ -214,9 +217,7 @@ def test_a_lost_node_under_pyxis_and_the_job_goes_on(slurm_cluster3, test_image,
         wait_train_step(run, 25, timeout=300)
         try:
             death = _node_down(slurm_cluster3, "n3")
-            _wait_for(lambda: STEPS in _steps(run)
-                      and STEPS in store.committed_steps(run / "checkpoints"),
-                      f"{run}: no committed step {STEPS}", timeout=300)
+            _wait_finished(run, timeout=300)
             # Enroot's teardown may hold srun after the tasks end: the watcher probes meanwhile,
             # every node answers, nothing more
             slurm_cluster3.wait_job(job, ("COMPLETING", "COMPLETED"), timeout=240)
@@ -234,6 +235,52 @@ def test_a_lost_node_under_pyxis_and_the_job_goes_on(slurm_cluster3, test_image,
     assert [s["world_size"] for s in metrics(run, "start")] == [6, 4]
     assert metrics(run, "resume")[-1]["step"] == lost["step"] >= 20
     _report_phases(run, death, lost, "COMPLETED")
+    assert_same_steps(run, uninterrupted, STEPS)
+
+
+def test_a_spare_takes_the_lost_nodes_place_at_the_same_world_size(slurm_cluster3, tmp_path,
+                                                                   uninterrupted):
+    """Issue 37 section 2: --nodes 2 --spare-nodes 1 holds three nodes and trains on two
+    (world 4), the batch shell's own first; the third waits. A training node loses power
+    after step 25: the step starts again on the other training node and the spare, at
+    world 4 again, so the checkpoint loads without resharding (from_world 4); the run
+    finishes as the uninterrupted one, and status and metrics say which spare took whose
+    place."""
+    cfg = write_config(tmp_path / "run.yaml", **_config(tmp_path, "spare", nodes=2))
+    slurm_cluster3.wait_idle()
+    job = _submit("train", "--config", cfg, *SLURM, "--nodes", "2", "--spare-nodes", "1",
+                  "--gpus-per-node", "2")
+    run = tmp_path / "runs" / "spare"
+    script = (run / "slurm" / job / f"{job}_submission.sh").read_text()
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script
+    assert "ENN_SPARE_NODES=1" in script
+    wait_train_step(run, 25, timeout=180)
+    assert metrics(run, "start")[0]["world_size"] == 4
+    log = _batch_log(run, job)
+    trained = log.split("enn: training on ")[1].split(",", 2)[:2]
+    trained[1] = trained[1].split()[0]
+    (spare,) = {"n1", "n2", "n3"} - set(trained)
+    victim = trained[1]  # not the batch shell's node (the first): the job would end with it
+    try:
+        _node_down(slurm_cluster3, victim)
+        _wait_finished(run, timeout=240)
+        slurm_cluster3.wait_job(job, ("COMPLETING", "COMPLETED"), timeout=60)
+    finally:
+        up = slurm_cluster3.up()
+    assert up.returncode == 0, up.stderr
+    log = _batch_log(run, job)
+    picked = f"{trained[0]},{spare}"
+    assert f"enn: lost node(s) {victim}: relaunching on 2 nodes ({picked}), relaunch 1" in log, \
+        log[-3000:]
+    assert [s["world_size"] for s in metrics(run, "start")] == [4, 4]
+    (lost,) = metrics(run, "node_lost")
+    assert (lost["lost"], lost["nodes"], lost["spare_in"], lost["spares"], lost["world_size"]) \
+        == ([victim], picked.split(","), [spare], [], 4)
+    resume = metrics(run, "resume")[-1]
+    assert (resume["step"], resume["from_world"], resume["world_size"]) == (lost["step"], 4, 4)
+    status = cli("status", run, timeout=60)
+    assert f"world 4, from step {lost['step']}; spare {spare} in place of {victim}" \
+        in status.stdout, status.stdout
     assert_same_steps(run, uninterrupted, STEPS)
 
 

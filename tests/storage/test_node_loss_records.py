@@ -35,7 +35,10 @@ def test_a_relaunch_record_is_read_with_every_field_checked(tmp_path):
     assert node_loss.parse_relaunch(GOOD) == {
         "lost": ["n3"], "nodes": ["n1", "n2"], "ended": 1795634000.5,
         "detected": 1795634012.25, "launched": 1795634012.3, "relaunch": 1, "world": None,
-        "probed": None}
+        "probed": None, "spare_in": [], "spares": []}
+    spared = node_loss.parse_relaunch(GOOD + "spare_in=n4\nspares=n5,n6\n")
+    assert (spared["spare_in"], spared["spares"]) == (["n4"], ["n5", "n6"])
+    assert node_loss.parse_relaunch(GOOD + "spare_in=$(x)\n")["spare_in"] == []
     assert node_loss.parse_relaunch(GOOD + "world=4\n")["world"] == 4
     assert node_loss.parse_relaunch(GOOD + "probed=1795634001.5\n")["probed"] == 1795634001.5
     assert node_loss.parse_relaunch(GOOD + "probed=$(x)\n")["probed"] is None
@@ -87,6 +90,10 @@ def test_status_names_the_lost_node_and_a_probe_under_way():
     assert lines[0].endswith("(job 7): went on with 2 node(s), world 4, from step 20")
     assert lines[1].startswith("probing:         since ") and "still answer" in lines[1]
     assert node_loss_lines({**st, "lock": None}) == lines[:1]  # over: no probe to report
+    spared = {**st["node_losses"][0], "nodes": ["n1", "n4"], "spare_in": ["n4"],
+              "spares": ["n5"]}
+    (line,) = node_loss_lines({"node_losses": [spared], "lock": None})
+    assert line.endswith("world 4, from step 20; spare n4 in place of n3; 1 spare(s) still held")
 
 
 def test_a_relaunch_logs_into_its_own_folder_ordered_after_the_step_it_replaces(monkeypatch):

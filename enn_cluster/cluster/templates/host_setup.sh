@@ -41,7 +41,7 @@ fi
 # - a worker stopped by USR2/TERM checkpointed and left RUN_DIR/requeue/JOB_ID: always;
 # - the step failed (a rank died; not exit 2, bad input): at most ENN_MAX_RESTARTS times.
 enn_requeue_if_asked() {
-  local rc=$1 marker refused failures_file failures=0 why per_node
+  local rc=$1 marker refused failures_file failures=0 why per_node least
   if ! enn_digits "${SLURM_JOB_ID:-}" || ! enn_digits "${ENN_MAX_RESTARTS:-}"; then
     echo "enn: SLURM_JOB_ID or ENN_MAX_RESTARTS is not a whole number; not requeueing" >&2
     return 1
@@ -88,9 +88,10 @@ enn_requeue_if_asked() {
   # nodes' worth (one task per node, as enn-submit asks for a range; an admin's
   # --ntasks-per-node where given): the next allocation takes what is free, counts anew.
   if enn_digits "${ENN_MIN_NODES:-}"; then
-    per_node="${SLURM_NTASKS_PER_NODE:-1}"
+    per_node="${SLURM_NTASKS_PER_NODE:-1}" least=$((10#$ENN_MIN_NODES))
     enn_digits "$per_node" || per_node=1
-    scontrol update "JobId=$SLURM_JOB_ID" "NumTasks=$((10#$ENN_MIN_NODES * 10#$per_node))" \
+    if enn_digits "${ENN_SPARE_NODES:-}"; then least=$((least + 10#$ENN_SPARE_NODES)); fi
+    scontrol update "JobId=$SLURM_JOB_ID" "NumTasks=$((least * 10#$per_node))" \
       || echo "enn: could not reset the task count of job $SLURM_JOB_ID; it waits for $SLURM_JOB_NUM_NODES nodes" >&2
   fi
   return 0
@@ -229,18 +230,41 @@ enn_watch_step() {  # $1 srun's pid, $2 the decision file; the nodes in enn_node
     return 0
   done
 }
+# Spare nodes (ENN_SPARE_NODES=S, enn-submit --spare-nodes): the job holds S nodes more than
+# it trains on; the step runs on the others, this shell's own node first (the watcher looks
+# for the step's tasks here). After a lost node the step starts again on as many nodes as
+# before, a spare in the lost one's place: the same world size, no resharding. With too
+# few left it shrinks, as a range does, down to ENN_MIN_NODES.
+enn_pick_nodes() {  # $1 how many, the nodes after -> those the step runs on, comma-separated
+  local want=$1 node picked=() self="${SLURMD_NODENAME:-}"
+  shift
+  for node in "$@"; do [ "$node" != "$self" ] || picked=("$self"); done
+  for node in "$@"; do
+    [ "${#picked[@]}" -lt "$want" ] || break
+    [ "$node" = "$self" ] || picked+=("$node")
+  done
+  (IFS=,; echo "${picked[*]}")
+}
 srun() {
   local pid watcher rc decision="$ENN_RUN_DIR/@REQUEUE@/@MARK_DECISION@$SLURM_JOB_ID" lost alive tpn
-  local relaunch=0 step_args=() node watch=0
+  local relaunch=0 step_args=() node watch=0 train=0 spare=0 picked left stepped swapped
   tpn="${ENN_GPUS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-}}"
   if enn_digits "${ENN_MIN_NODES:-}" && enn_digits "$tpn"; then
     watch=1
     read -r -a enn_nodes <<< "$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd' ' -)"
+    stepped=$(IFS=,; echo "${enn_nodes[*]}")  # the nodes the step runs on
     # A range asks sbatch for one task per node (job_spec.allocation): the step starts tpn
-    # tasks on every node Slurm granted, so the world size is what was granted.
+    # tasks on every node Slurm granted but the spares, so the world size is what was granted.
     if enn_digits "${SLURM_JOB_NUM_NODES:-}"; then
-      step_args=("--nodes=$((10#$SLURM_JOB_NUM_NODES))" "--ntasks-per-node=$((10#$tpn))"
-        "--ntasks=$((10#$SLURM_JOB_NUM_NODES * 10#$tpn))")
+      if enn_digits "${ENN_SPARE_NODES:-}"; then spare=$((10#$ENN_SPARE_NODES)); fi
+      train=$((10#$SLURM_JOB_NUM_NODES - spare))
+      step_args=("--nodes=$train" "--ntasks-per-node=$((10#$tpn))" "--ntasks=$((train * 10#$tpn))")
+      if [ "$spare" -gt 0 ] && [ "${#enn_nodes[@]}" -eq "$((10#$SLURM_JOB_NUM_NODES))" ]; then
+        picked=$(enn_pick_nodes "$train" "${enn_nodes[@]}")
+        step_args+=("--nodelist=$picked")
+        stepped=$picked
+        echo "enn: training on $picked, $spare spare node(s) held" >&2
+      fi
     fi
   fi
   while :; do
@@ -272,11 +296,24 @@ srun() {
     fi
     relaunch=$((relaunch + 1))
     export ENN_RELAUNCH="$relaunch"
-    { cat -- "$decision"; echo "relaunch=$relaunch"; echo "world=$((${#enn_nodes[@]} * 10#$tpn))"
+    # as many nodes as the step had (a spare in a lost node's place), else all that answer
+    if [ "$train" -le 0 ] || [ "$train" -gt "${#enn_nodes[@]}" ]; then train=${#enn_nodes[@]}; fi
+    picked=$(enn_pick_nodes "$train" "${enn_nodes[@]}")
+    left="" swapped=""
+    for node in "${enn_nodes[@]}"; do  # the spares still held, the ones taken into the step
+      case ",$picked," in
+        *",$node,"*) case ",$stepped," in *",$node,"*) ;; *) swapped="${swapped:+$swapped,}$node" ;; esac ;;
+        *) left="${left:+$left,}$node" ;;
+      esac
+    done
+    stepped=$picked
+    { grep -v '^nodes=' -- "$decision" || true; echo "nodes=$picked"; echo "spares=$left"
+      echo "spare_in=$swapped"
+      echo "relaunch=$relaunch"; echo "world=$((train * 10#$tpn))"
       echo "launched=$(date +%s.%N)"; } > "$ENN_RUN_DIR/@REQUEUE@/@MARK_RELAUNCH@$SLURM_JOB_ID"
-    echo "enn: lost node(s) $lost: relaunching on ${#enn_nodes[@]} nodes ($alive), relaunch $relaunch" >&2
-    step_args=(--overlap --mem=0 "--nodes=${#enn_nodes[@]}" "--ntasks-per-node=$((10#$tpn))"
-      "--ntasks=$((${#enn_nodes[@]} * 10#$tpn))" "--nodelist=$alive")
+    echo "enn: lost node(s) $lost: relaunching on $train nodes ($picked${left:+; spare: $left}), relaunch $relaunch" >&2
+    step_args=(--overlap --mem=0 "--nodes=$train" "--ntasks-per-node=$((10#$tpn))"
+      "--ntasks=$((train * 10#$tpn))" "--nodelist=$picked")
   done
   rm -f -- "$enn_stop_file" "$decision"
   return "$rc"
