@@ -178,9 +178,9 @@ def cuda_started(maps: str) -> bool:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return True
-    drivers = {line.split()[-1] for line in maps.splitlines() if len(line.split()) >= 6
-               and os.path.basename(line.split()[-1]).startswith("libcuda.so")}
-    return any(driver_initialized(path) for path in drivers)
+    paths = {fields[5] for fields in map(str.split, maps.splitlines()) if len(fields) >= 6}
+    return any(driver_initialized(path) for path in paths
+               if os.path.basename(path).startswith("libcuda.so"))
 
 
 def driver_initialized(path: str) -> bool:
