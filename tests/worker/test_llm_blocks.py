@@ -121,15 +121,17 @@ def test_prediction_rows_are_token_ids_and_floats_only_when_whole():
         host_rows(np.array([[np.nan, 2.0]]), torch.long)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fsdp_units_the_embedding_alone_and_the_last_layer_kept_gathered(tmp_path, arch,
+                                                                          precision,
                                                                           world_of_one):
     """Issue 39 section 3 (FSDP units), on by default: an untied causal LM's token embedding
     is a unit of its own (the root would hold it whole all step), a tied one (Qwen2's small
     models: the head is the same weight) stays with the root; after a training forward
     every unit is sharded again except the last decoder layer, which the backward needs
     first. The loss and gradients equal those of the model sharded the old way (blocks
-    alone)."""
+    alone). In bf16 (a model saved in bf16, ids above 4000) the masters stay fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
@@ -137,17 +139,21 @@ def test_fsdp_units_the_embedding_alone_and_the_last_layer_kept_gathered(tmp_pat
 
     from enn_cluster.config.run_config import MeshPlan
     from enn_cluster.models.causal_lm import CausalLM
-    from enn_cluster.worker.parallel import wrap_model
+    from enn_cluster.worker.parallel import mixed_precision, set_master_dtypes, wrap_model
 
-    path = tiny_model(tmp_path, arch)
+    bf16 = precision == "bf16"
+    path = tiny_model(tmp_path, arch, precision)
     ids = torch.from_numpy(packed_tokens(path, 4, 16)).long()
     mesh = init_device_mesh("cpu", (1,))
 
     def built():
         torch.manual_seed(0)
-        return CausalLM(AutoModelForCausalLM.from_pretrained(str(path)))
+        model = CausalLM(AutoModelForCausalLM.from_pretrained(str(path)))
+        set_master_dtypes(model, bf16)
+        return model
 
-    ours = wrap_model(built(), MeshPlan("fsdp", 1, 1), mesh, torch.device("cpu"), use_bf16=False)
+    ours = wrap_model(built(), MeshPlan("fsdp", 1, 1), mesh, torch.device("cpu"), use_bf16=bf16)
+    assert {p.dtype for p in ours.parameters()} == {torch.float32}
     embedding, layers = ours.base().get_input_embeddings(), ours.blocks()
     tied = ours.base().config.tie_word_embeddings
     assert isinstance(embedding, FSDPModule) != tied
@@ -158,9 +164,10 @@ def test_fsdp_units_the_embedding_alone_and_the_last_layer_kept_gathered(tmp_pat
     loss.backward()
 
     old = built()
+    policy = {"mp_policy": mixed_precision(True)} if bf16 else {}
     for layer in old.blocks():
-        fully_shard(layer, mesh=mesh)
-    fully_shard(old, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(old, mesh=mesh, **policy)
     old_loss = old(ids, labels=ids)
     old_loss.backward()
     assert loss.item() == old_loss.item()
