@@ -17,6 +17,9 @@ the async part (its steps take 0.2 s, not 7 s):
   the time the loop is blocked by `Trainer.save(async_save=True)`, by optimizer steps
   waiting for the background copy of the parameters, and by the later
   `Saver.finish_pending()`, with training steps running in between as in `Trainer.fit`.
+- `checkpoint` also counts the bytes a resume reads from the filesystem on a 2x2 HSDP mesh
+  (4 ranks, each shard held by 2 replicas) against the step's shard files: 1x is one copy
+  (each replica reading its own shards would be 2x). A count, not a timing.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import dataclasses
 import os
 import shutil
 import statistics
+from contextlib import contextmanager
 from pathlib import Path
 
 from .group import max_over_ranks, run_group
@@ -61,11 +65,12 @@ def _run_config(ctx: BenchContext, width: int):
 def run(ctx: BenchContext, parts: list[str]) -> list[Result]:
     if ctx.quick:
         out = _measure(ctx, QUICK, parts, ctx.repeats)
-        return (_io_results(out) if "checkpoint" in parts else []) + \
-            (_async_results(out) if "async" in parts else [])
+        return (_io_results(out) + [_replica_bytes(ctx, QUICK)] if "checkpoint" in parts
+                else []) + (_async_results(out) if "async" in parts else [])
     results = []
     if "checkpoint" in parts:
         results += _io_results(_measure(ctx, LARGE, ["checkpoint"], LARGE_REPEATS))
+        results.append(_replica_bytes(ctx, SMALL))
     # async runs on the small size: the large model's steps take seconds
     small = _measure(ctx, SMALL, parts, SMALL_REPEATS)
     if "checkpoint" in parts:
@@ -89,6 +94,33 @@ def _measure(ctx: BenchContext, width: int, parts: list[str], repeats: int) -> d
         shutil.rmtree(io_root, ignore_errors=True)
 
 
+def _replica_bytes(ctx: BenchContext, width: int) -> Result:
+    """Bytes one resume reads from the filesystem per byte of the step's shards, 2x2 HSDP."""
+    from enn_cluster.client.prepare import LaunchShape, prepare_run
+    from enn_cluster.config.loading import config_to_dict, config_from_dict
+
+    raw = config_to_dict(_run_config(ctx, width))
+    raw["run_name"] = f"ckpt-replicas-{width}"
+    raw["parallel"].update(procs_per_node=4, replicate=2, shard=2)
+    run_dir = prepare_run(config_from_dict(raw), LaunchShape(1, 4))
+    io_root = ctx.workdir / f"ckpt-replicas-{width}"
+    io_root.mkdir()
+    ctx.log(f"checkpoint: 4 ranks (2 replicas x 2 shards), width {width}, resume bytes")
+    try:
+        report = run_group(_replica_worker, 4, str(run_dir.path), str(io_root))[0]
+    finally:
+        shutil.rmtree(run_dir.path, ignore_errors=True)
+        shutil.rmtree(io_root, ignore_errors=True)
+    return Result("checkpoint", "resume bytes read from the filesystem per byte of shards, "
+                  "2x2 HSDP", "<=", 1.05, samples=[report["bytes_read"] / report["shard_bytes"]],
+                  ours=Series("bytes read by all ranks (checkpoint.resume)", "MB",
+                              [report["bytes_read"] / MB]),
+                  baseline=Series("the step's shard files", "MB", [report["shard_bytes"] / MB]),
+                  note="each shard held by 2 replicas: reading it per replica would be 2x; "
+                       "above 1x: the unsharded entries (step counts, param groups) every "
+                       "rank reads")
+
+
 def _as_info(result: Result, prefix: str) -> Result:
     return dataclasses.replace(result, name=prefix + result.name, op=None, target=None)
 
@@ -97,12 +129,15 @@ def _as_info(result: Result, prefix: str) -> Result:
 # Inside the ranks
 
 
-def _worker(run_dir: str, parts: list[str], repeats: int, io_root: str) -> dict:
+@contextmanager
+def _trained(run_dir: str, steps: int):
+    """(trainer, lanes, epoch permutation) of this rank after `steps` steps: AdamW's state
+    exists, a real checkpoint's contents."""
     import torch
 
+    from enn_cluster.storage.rundir import RunDir
     from enn_cluster.worker.environment import discover
     from enn_cluster.worker.lanes import close_lanes, open_lanes
-    from enn_cluster.storage.rundir import RunDir
     from enn_cluster.worker.sampler import epoch_permutation
     from enn_cluster.worker.trainer import Trainer
 
@@ -114,17 +149,35 @@ def _worker(run_dir: str, parts: list[str], repeats: int, io_root: str) -> dict:
     trainer = Trainer(cfg, run, env, lanes)
     try:
         perm = epoch_permutation(trainer.n_rows, cfg.training.seed, 0)
-        for _ in range(2):
-            trainer.train_step(perm)  # AdamW state now exists: a real checkpoint's contents
+        for _ in range(steps):
+            trainer.train_step(perm)
+        yield trainer, lanes, perm
+    finally:
+        trainer.close()
+        close_lanes()
+
+
+def _worker(run_dir: str, parts: list[str], repeats: int, io_root: str) -> dict:
+    with _trained(run_dir, 2) as (trainer, lanes, perm):
         out: dict = {}
         if "checkpoint" in parts:
             out.update(_save_load(trainer, lanes, Path(io_root), repeats))
         if "async" in parts:
             out.update(_async(trainer, lanes, perm, repeats))
         return out
-    finally:
-        trainer.close()
-        close_lanes()
+
+
+def _replica_worker(run_dir: str, io_root: str) -> dict:
+    from enn_cluster.worker import checkpoint as ckpt
+
+    with _trained(run_dir, 1) as (trainer, lanes, _):
+        model, opt = trainer.sm.model, trainer.optimizer
+        ckpt.save(Path(io_root), 1, model, opt, trainer.state_dict(), lanes)
+        report: dict = {}
+        found = ckpt.resume(Path(io_root), model, opt, lanes, report=report)
+        if found is None or found[0] != 1:
+            raise RuntimeError(f"resume chose {found and found[0]}, not step-1")
+        return report
 
 
 def _owned_bytes(path: Path, lanes) -> int:

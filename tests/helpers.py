@@ -24,6 +24,20 @@ def cli(*args, timeout=300, env=None, cwd=None) -> subprocess.CompletedProcess:
                           cwd=cwd or ROOT)
 
 
+def full_state(state: dict) -> dict:
+    """A (nested) state dict as flat name -> whole tensor: DTensors gathered (a collective:
+    every rank calls it), copies that a later load cannot change."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in full_state(value).items()})
+        elif hasattr(value, "clone"):
+            out[key] = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
+    return out
+
+
 def write_config(path: Path, **sections) -> Path:
     path.write_text(yaml.safe_dump(sections))
     return path

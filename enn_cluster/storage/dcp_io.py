@@ -168,16 +168,23 @@ def _read_exact(fd: int, views: list, pos: int) -> None:
 
 
 class _DirectReads:
-    """Positional reads of one file (no checksum)."""
+    """Positional reads of one file (no checksum); `count`: bytes read from it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.count = 0
 
     def read(self, n: int, at: int) -> bytes:
-        return os.pread(self.fd, n, at)
+        data = os.pread(self.fd, n, at)
+        self.count += len(data)
+        return data
 
     def read_into(self, views: list, at: int) -> None:
+        self._exact(views, at)
+
+    def _exact(self, views: list, at: int) -> None:
         _read_exact(self.fd, views, at)
+        self.count += sum(len(v) for v in views)
 
 
 class _StreamingReads(_DirectReads):
@@ -199,6 +206,7 @@ class _StreamingReads(_DirectReads):
                 raise OSError(f"checkpoint file ends at {self.pos}, before {at} (truncated)")
             self.running.update(chunk)
             self.pos += len(chunk)
+            self.count += len(chunk)
 
     def _from_last(self, views: list, at: int) -> tuple[list, int]:
         """Fill the front of `views` from the bytes already read before the frontier."""
@@ -230,11 +238,11 @@ class _StreamingReads(_DirectReads):
             return
         if not self.whole or at < self.pos:
             self.whole = False
-            _read_exact(self.fd, views, at)
+            self._exact(views, at)
             return
         self._advance_to(at)
         views = [v for v in views if len(v)]
-        _read_exact(self.fd, list(views), at)
+        self._exact(list(views), at)
         for v in views:
             self.running.update(v)
             self.pos += len(v)
@@ -243,7 +251,9 @@ class _StreamingReads(_DirectReads):
     def finish(self, path: str) -> tuple[int, str]:
         """(size, checksum) of the whole file: the rest hashed, or all of it re-read."""
         if not self.whole:
-            return file_checksum(Path(path), like=self.running.hexdigest())
+            size, checksum = file_checksum(Path(path), like=self.running.hexdigest())
+            self.count += size
+            return size, checksum
         self._advance_to(os.fstat(self.fd).st_size)
         return self.pos, self.running.hexdigest()
 
@@ -258,6 +268,7 @@ class ShardVerifier:
         self.record = record
         self.mine = [n for n in names if is_shard(n) and owner_rank(n) % world == rank]
         self.found: dict = {}
+        self.bytes_read = 0  # by `problems`, for files no request reached
 
     def running(self, name: str) -> Optional[RunningChecksum]:
         if name not in self.mine:
@@ -272,6 +283,7 @@ class ShardVerifier:
                 try:
                     self.found[name] = file_checksum(Path(path) / name,
                                                      like=self.record["files"][name]["checksum"])
+                    self.bytes_read += self.found[name][0]
                 except FileNotFoundError:
                     out.append(f"{name}: missing")
                     continue
@@ -286,11 +298,13 @@ class ShardVerifier:
 
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader with an allow-list `.metadata` unpickler and in-place tensor reads;
-    with a `verifier`, the files it names are checksummed as they are read."""
+    with a `verifier`, the files it names are checksummed as they are read. `bytes_read`:
+    the shard bytes this rank read from the filesystem."""
 
     def __init__(self, path, verifier: Optional[ShardVerifier] = None) -> None:
         super().__init__(path)
         self.verifier = verifier
+        self.bytes_read = 0
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -328,6 +342,8 @@ class SafeFileSystemReader(FileSystemReader):
                     self.verifier.found[relative_path] = reads.finish(full)
             finally:
                 os.close(fd)
+                self.bytes_read += reads.count
+        self.bytes_read += sum(self.storage_data[r.storage_index].length for r in rest)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
     def _read_in_place(self, reads: _DirectReads, req, planner) -> bool:
@@ -356,7 +372,9 @@ class SafeFileSystemReader(FileSystemReader):
         have = max(0, min(len(head) - start, nbytes))  # bytes already in `head`
         view[:have] = head[start:start + have]
         desc = bytearray(min(DESCRIPTOR_MAX, info.length - desc_at))
-        if start + nbytes == desc_at:  # the usual case: one read up to the descriptor
+        if desc_at + len(desc) <= len(head):  # a small tensor: its record came whole
+            desc[:] = head[desc_at:desc_at + len(desc)]
+        elif start + nbytes == desc_at:  # the usual case: one read up to the descriptor
             reads.read_into([view[have:], memoryview(desc)], info.offset + start + have)
         else:
             reads.read_into([view[have:]], info.offset + start + have)
@@ -381,15 +399,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, io.BytesIO(data))
 
 
-def safe_load(state: dict, path, process_group=None,
-              verifier: Optional[ShardVerifier] = None) -> None:
+def safe_load(state: dict, path, process_group=None, verifier: Optional[ShardVerifier] = None,
+              planner: Optional[SafeLoadPlanner] = None) -> int:
     """dcp.load that never unpickles arbitrary objects from the checkpoint; with a
-    `verifier`, its files are checksummed in the same pass (see `verifier.problems`)."""
+    `verifier`, its files are checksummed in the same pass (see `verifier.problems`).
+    Returns the shard bytes this rank read."""
     import torch.distributed as dist
 
     no_dist = process_group is None and not dist.is_initialized()
     with warnings.catch_warnings():  # in one process on purpose (API, export): no warning
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path), verifier),
-                 planner=SafeLoadPlanner(), process_group=process_group, no_dist=no_dist)
+        reader = SafeFileSystemReader(str(path), verifier)
+        dcp.load(state, storage_reader=reader, planner=planner or SafeLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
+    return reader.bytes_read

@@ -30,6 +30,7 @@ from enn_cluster.storage.rundir import atomic_write_bytes, atomic_write_text
 from enn_cluster.storage.run_files import open_run_file
 from enn_cluster.worker.fault_injection import hold_before_commit
 from enn_cluster.worker.lanes import Lanes
+from enn_cluster.worker.replica_reads import ReplicaSplitPlanner
 
 log = logging.getLogger("enn_cluster.worker.checkpoint")
 TRAINER_STATE = "trainer.json"
@@ -236,7 +237,8 @@ def _load_failures(exc: CheckpointException) -> list:
             f"{(str(e).splitlines() or [''])[0][:200]}" for r, (e, _) in sorted(exc.failures.items())]
 
 
-def resume(root: Path, model, optimizer, lanes: Lanes) -> Optional[tuple[int, dict]]:
+def resume(root: Path, model, optimizer, lanes: Lanes,
+           report: Optional[dict] = None) -> Optional[tuple[int, dict]]:
     """Load the newest checkpoint that verifies, reading its bytes once: the small files
     (metadata, trainer and RNG state) are verified first, the shards while they load
     (`load(verify_against=record)`). A step that fails either way is skipped for the next
@@ -248,7 +250,8 @@ def resume(root: Path, model, optimizer, lanes: Lanes) -> Optional[tuple[int, di
         problems = _verified(path, record, lanes, keep=lambda n: not store.is_shard(n))
         if not problems:
             try:
-                return cand, load(root, cand, model, optimizer, lanes, verify_against=record)
+                return cand, load(root, cand, model, optimizer, lanes, verify_against=record,
+                                  report=report)
             except CorruptCheckpoint as exc:
                 problems = exc.problems
             except CheckpointException as exc:  # raised on every rank alike
@@ -258,22 +261,30 @@ def resume(root: Path, model, optimizer, lanes: Lanes) -> Optional[tuple[int, di
 
 
 def load(root: Path, step: int, model, optimizer, lanes: Lanes,
-         verify_against: Optional[dict] = None) -> dict:
+         verify_against: Optional[dict] = None, report: Optional[dict] = None) -> dict:
     """Restore model (+ optimizer if saved) into the already-sharded model; return trainer
     state. `verify_against` (the step's commit record): every shard is checksummed by one
     rank as it is read (raises CorruptCheckpoint on every rank before anything but the
-    tensors was restored)."""
+    tensors was restored). Each replicated shard is read once per replica group
+    (replica_reads). `report`, when given, receives the bytes read from the filesystem
+    (all ranks) and the bytes of the step's shard files."""
     path = store.step_dir(root, step)
     record = verify_against or store.read_commit(path) or {}
     with_optim = optimizer is not None and "optim" in record.get("contents", ["model", "optim"])
     state = state_of(model, optimizer if with_optim else None)
     verifier = None if verify_against is None else ShardVerifier(
         record, sorted(record["files"]), lanes.rank, lanes.world_size)
-    safe_load(state, path, process_group=lanes.control, verifier=verifier)
-    if verifier is not None:
-        problems = [p for part in lanes.gather_objects(verifier.problems(path)) for p in part]
-        if problems:
-            raise CorruptCheckpoint(problems)
+    planner = ReplicaSplitPlanner()
+    read = safe_load(state, path, process_group=lanes.control, verifier=verifier,
+                     planner=planner)
+    problems = [] if verifier is None else verifier.problems(path)
+    read += 0 if verifier is None else verifier.bytes_read
+    gathered = lanes.gather_objects((problems, read))
+    problems = [p for part, _ in gathered for p in part]
+    if problems:
+        raise CorruptCheckpoint(problems)
+    planner.share()
+    _note_read(step, sum(n for _, n in gathered), record, lanes.rank, report)
     options = state_options(model)
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -286,6 +297,16 @@ def load(root: Path, step: int, model, optimizer, lanes: Lanes,
         _restore_rng(rng_file)
     trainer_file = path / TRAINER_STATE
     return json.loads(trainer_file.read_text()) if trainer_file.exists() else {}
+
+
+def _note_read(step: int, read: int, record: dict, rank: int, report: Optional[dict]) -> None:
+    shards = sum(info["size"] for name, info in record.get("files", {}).items()
+                 if store.is_shard(name))
+    if report is not None:
+        report.update(bytes_read=read, shard_bytes=shards)
+    if rank == 0 and shards:
+        log.info("step-%d: %.1f MB read from the filesystem for %.1f MB of shards (%.2fx)",
+                 step, read / 1e6, shards / 1e6, read / shards)
 
 
 def _restore_rng(path: Path) -> None:

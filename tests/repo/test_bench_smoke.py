@@ -299,7 +299,7 @@ def test_a_signal_that_ended_the_traced_save_is_named_with_its_sender(tmp_path):
     (line,) = signals_sent(trace.read_text(), tracer_pid=-1)
     pid = line.split()[1]
     assert line.startswith(f"pid {pid} got SIGTERM from pid {pid} (")
-    forwarded = f"77 1.5 --- SIGTERM {{si_signo=SIGTERM, si_code=SI_USER, si_pid=12, si_uid=0}} ---"
+    forwarded = "77 1.5 --- SIGTERM {si_signo=SIGTERM, si_code=SI_USER, si_pid=12, si_uid=0} ---"
     assert signals_sent(forwarded, tracer_pid=12) == [
         "pid 77 got SIGTERM from pid 12 (strace, signalled from outside)"]
     assert signals_sent("77 1.5 --- SIGCHLD {si_signo=SIGCHLD, si_code=CLD_EXITED, si_pid=9}"
@@ -457,8 +457,8 @@ def test_the_text_staging_benchmark_runs_on_a_model_directory(tmp_path):
 def test_checkpoint_bench_times_every_side_of_every_repeat(tmp_path):
     """The checkpoint benchmark end to end in quick mode (2 ranks, a 1024-wide MLP): save,
     load and resume each timed against the raw side in every repeat, the sides' files
-    evicted after each (the page cache each side starts from is the same), and the
-    scratch folders gone afterwards."""
+    evicted after each (the page cache each side starts from is the same), the bytes a
+    2x2 HSDP resume reads counted, and the scratch folders gone afterwards."""
     from bench import checkpoint
     from bench.measure import BenchContext
 
@@ -468,10 +468,13 @@ def test_checkpoint_bench_times_every_side_of_every_repeat(tmp_path):
     names = [r.name for r in results]
     assert names == ["checkpoint save throughput vs raw write",
                      "checkpoint load throughput vs raw read",
-                     "resume read (verify while loading) vs raw read"], names
-    for r in results:
+                     "resume read (verify while loading) vs raw read",
+                     "resume bytes read from the filesystem per byte of shards, 2x2 HSDP"], names
+    for r in results[:3]:
         assert len(r.samples) == 3 and all(s > 0 for s in r.samples), (r.name, r.samples)
         assert len(r.ours.values) == len(r.baseline.values) == 3
+    [replicas] = results[3].samples  # a count: one copy, where each replica reading is 2x
+    assert 1.0 <= replicas <= 1.05 and results[3].verdict == "pass", results[3]
     assert results[0].floor == 0.8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
     assert not any((tmp_path / "runs").iterdir())

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import ROOT
+from helpers import ROOT, full_state
 
 WORLD = 4
 
@@ -52,18 +52,6 @@ def _local_bytes(state) -> int:
     return total
 
 
-def _full(state) -> dict:
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            out.update({f"{key}.{k}": v for k, v in _full(value).items()})
-        elif isinstance(value, torch.Tensor):
-            out[key] = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
-    return out
-
-
 def _rank(rank: int, init: str, root: str) -> None:
     sys.path.insert(0, str(ROOT))
     import torch.distributed as dist
@@ -87,11 +75,11 @@ def _rank(rank: int, init: str, root: str) -> None:
         saves.append((stager.allocations, stager.staged_bytes))
     out["saves"] = saves
     out["shard_bytes"] = _local_bytes(ckpt.state_of(model, optimizer))
-    saved = _full(ckpt.state_of(model, optimizer))
+    saved = full_state(ckpt.state_of(model, optimizer))
     fresh, fresh_optimizer = _build(6)
     _step(fresh, fresh_optimizer, rank)  # other values everywhere before the load
     ckpt.load(root, 2, fresh, fresh_optimizer, lanes)
-    loaded = _full(ckpt.state_of(fresh, fresh_optimizer))
+    loaded = full_state(ckpt.state_of(fresh, fresh_optimizer))
     out["equal"] = saved.keys() == loaded.keys() and all(
         torch.equal(saved[k], loaded[k]) for k in saved)
     dist.destroy_process_group()
