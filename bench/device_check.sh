@@ -6,7 +6,8 @@
 # torch.compile with the composable activation checkpoint (bench/device_micro.py); then
 # `enn-submit` itself: bf16 training of a model saved in bf16 (fp32 masters and Adam moments
 # in the checkpoint), async DCP saves + verify + resume, bf16 predict with generation, LoRA
-# (fp32 adapters, no frozen tensor saved), doctor, and bench/gpu.py's tokens/s and MFU.
+# (fp32 adapters, no frozen tensor saved), float8 training (real float8 matmuls on an H100/H200),
+# doctor, and bench/gpu.py's tokens/s and MFU.
 # One PASS/FAIL/INFO line per check in $OUT/summary.txt; everything in $OUT/log.txt.
 # DC_GPUS=0 DC_SMALL=1 DC_COMPILE=false runs the same flow on the CPU
 # (tests/repo/test_gpu_check_script.py). Env: PY (python3), DC_GPUS (1), DC_COMPILE (true),
@@ -93,6 +94,14 @@ grep -E "^(kernels|precision|distributed)" "$LOG" | tail -3 | sed 's/^/INFO doct
 step train_lora 150 "${CLI[@]}" train --config "$W/cfg.yaml" "${SHAPE[@]}" --set run_name=dcl --set lora.r=8 \
   --set training.compile=false --set training.max_steps=6 --set checkpoint.every_steps=3
 lines inspect_lora 60 "$PY" -m bench.device_micro inspect "$W/runs/dcl" lora
+
+# 9. float8 full fine-tune, no compile, 4 steps: float8 matmuls on an H100/H200 (emulated on
+# the CPU), the weights all-gathered in float8, the checkpoint fp32 as without it
+step train_float8 150 "${CLI[@]}" train --config "$W/cfg.yaml" "${SHAPE[@]}" --set run_name=dcf \
+  --set training.float8=true --set training.compile=false --set training.max_steps=4
+WANT=on; [ "$GPUS" -gt 0 ] || WANT=emulated
+"$PY" -c "import json,glob,sys;r=json.load(open(glob.glob(sys.argv[1]+'/logs/*/backend-rank-0.json')[0]));print(('PASS' if r.get('float8')==sys.argv[2] else 'FAIL')+' float8_report',r.get('float8'),'want',sys.argv[2])" "$W/runs/dcf" "$WANT" 2>>"$LOG" | tee -a "$SUM"
+lines inspect_float8 60 "$PY" -m bench.device_micro inspect "$W/runs/dcf" float8
 
 cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
 say "DONE in $((SECONDS - T0)) s: $(grep -c '^PASS' "$SUM") PASS, $(grep -c '^FAIL' "$SUM") FAIL"

@@ -9,7 +9,7 @@ lacked the Adam fields new_optimizer reads).
 
     OUT=DIR python -m bench.device_micro      # one PASS/FAIL/INFO line per check, DIR/micro.json
     python -m bench.device_micro assets DIR   # DIR/model (a Llama saved in bf16), texts, prompts
-    python -m bench.device_micro inspect RUN [lora]   # what a trained run kept
+    python -m bench.device_micro inspect RUN [lora|float8]   # what a run kept
 """
 from __future__ import annotations
 
@@ -152,14 +152,15 @@ def write_assets(work: Path) -> None:
     print("assets ok", model)
 
 
-def inspect_run(run: Path, lora: bool) -> None:
+def inspect_run(run: Path, name: str = "full") -> None:
     """Losses finite, saves asynchronous on a GPU, the lanes the backend report names, and
     the newest checkpoint's dtypes: every tensor fp32 (masters and Adam moments, whatever
-    the weights' dtype); with LoRA only adapter tensors."""
+    the weights' dtype); with LoRA only adapter tensors. `name`: full, lora or float8 (a
+    full fine-tune in float8), the prefix of the lines."""
     from torch.distributed.checkpoint import FileSystemReader
 
     cuda = torch.cuda.is_available() and os.environ.get("DC_GPUS", "1") != "0"
-    name = "lora" if lora else "full"
+    lora = name == "lora"
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train" and "loss" in r]
     ok = bool(train) and all(math.isfinite(r["loss"]) for r in train)
@@ -191,7 +192,8 @@ def inspect_run(run: Path, lora: bool) -> None:
         line("lora_checkpoint", fp32 and not frozen,
              f"{len(dtypes)} tensors {kinds}; frozen tensors saved: {frozen[:3]}")
     else:
-        line("master_weights_fp32", fp32, f"(config.json says bfloat16) saved dtypes {kinds}")
+        line("master_weights_fp32" if name == "full" else f"{name}_weights_fp32", fp32,
+             f"(config.json says bfloat16) saved dtypes {kinds}")
 
 
 def chunked_loss_memory(dev, small: bool) -> None:
@@ -276,6 +278,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["assets"]:
         write_assets(Path(sys.argv[2]))
     elif sys.argv[1:2] == ["inspect"]:
-        inspect_run(Path(sys.argv[2]), sys.argv[3:4] == ["lora"])
+        inspect_run(Path(sys.argv[2]), *sys.argv[3:4])
     else:
         sys.exit(main())

@@ -193,11 +193,12 @@ def assert_refused_before_any_run(res, tmp: Path, needles: list[str]) -> None:
 def reference_losses(model_dir: Path, ids: np.ndarray, steps: int, batch: int, lr: float,
                      warmup_ratio: float, seed: int, lora: dict | None = None,
                      precision: str = "fp32", grad_clip: float = 1.0,
-                     labels: np.ndarray | None = None) -> list[float]:
+                     labels: np.ndarray | None = None, float8: bool = False) -> list[float]:
     """A plain transformers (+ peft) loop, the oracle our trainer's losses are held to: fp32
     master weights and AdamW states (a bf16 checkpoint upcast), bf16 autocast for "bf16";
     the rows, LR schedule, clip and LoRA initialisation our trainer uses (`batch` rows a
-    step from each epoch's seeded permutation; adapters seeded by name)."""
+    step from each epoch's seeded permutation; adapters seeded by name). `float8`: every
+    nn.Linear of the decoder layers made torchao's Float8Linear (emulated), unsharded."""
     import contextlib
 
     import torch
@@ -216,6 +217,12 @@ def reference_losses(model_dir: Path, ids: np.ndarray, steps: int, batch: int, l
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
         with torch.no_grad():
             init_adapters(CausalLM(model), seed)  # our names: "lm." + peft's
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(emulate=True),
+            module_filter_fn=lambda m, fqn: ".layers." in fqn and type(m) is torch.nn.Linear)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" \

@@ -18,6 +18,7 @@ from enn_cluster.config.launch_shape import (  # noqa: F401  (shape_from_flags: 
 )
 from enn_cluster.cluster.slurm import lock_liveness
 from enn_cluster.config.run_config import RunConfig
+from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
 from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.lustre import stripe_new_directory
@@ -31,9 +32,14 @@ def check_model(cfg: RunConfig) -> None:
     """What the model's kind needs on this machine, checked before anything is written (a
     `module:factory` imports, as the workers would import it; an `hf:` model has the llm
     extra and safetensors): one line here rather than a traceback on every rank."""
+    import importlib.util
+
     from enn_cluster.models import kind_of
 
     kind_of(cfg).check(cfg)
+    if cfg.training.float8 and importlib.util.find_spec("torchao") is None:
+        raise UserError("training.float8: needs torchao; pip install 'enn_cluster[float8]' "
+                        "(and in the image), or set training.float8: false")
 
 
 def prepare_run(cfg: RunConfig, shape: LaunchShape, arrays: Optional[dict] = None,

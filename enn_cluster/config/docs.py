@@ -156,6 +156,15 @@ DESCRIPTIONS = {
     "training.seed": "Seed for the initial weights and the per-epoch data permutation.",
     "training.bf16": "`auto` (bf16 on GPU only), `true` or `false`; FSDP keeps fp32 "
                      "gradient reduction.",
+    "training.float8": "Run the matmuls of the blocks' linear layers (every `nn.Linear` inside "
+                       "a decoder layer whose dims are multiples of 16) in float8 with "
+                       "torchao's dynamic tensorwise scaling, the weights all-gathered in "
+                       "float8 under FSDP2 (torchtitan's recipe), on H100/H200-class GPUs. "
+                       "Embeddings, the head and norms stay in "
+                       "bf16; master weights and Adam states stay fp32, so checkpoints do "
+                       "not change. Off H100/H200 (CPU, older GPUs) torchao emulates float8: "
+                       "same numerics, slow, for checking a config. Needs "
+                       "`pip install 'enn_cluster[float8]'` (torchao); not with LoRA.",
     "training.compile": "`torch.compile` each block (decoder layer) before sharding; the "
                         "first steps pay for the compilation.",
     "training.max_nonfinite_steps": "Abort after this many non-finite losses/gradient norms "

@@ -181,6 +181,7 @@ class TrainingConfig:
     seed: int = 0
     bf16: str = "auto"  # auto (GPU only) | true | false
     compile: bool = False  # torch.compile each block (the first steps pay for compilation)
+    float8: bool = False  # the blocks' linears in float8 (torchao); emulated off H100/H200
     max_nonfinite_steps: int = 5  # abort after this many non-finite losses in a row
     nonfinite_policy: str = "skip_then_abort"  # skip | abort | skip_then_abort
 
@@ -393,6 +394,10 @@ class RunConfig:
         if self.lora.enabled and not takes_lora(self.model):
             raise UserError(f"lora.r: LoRA needs a Hugging Face model (model.name: hf:/dir); "
                             f"{self.model.name!r} is not one: set lora.r=0")
+        if self.lora.enabled and self.training.float8:
+            raise UserError("training.float8: not with LoRA (lora.r > 0): the frozen base's "
+                            "matmuls would run in float8 under the adapters; set "
+                            "training.float8: false, or lora.r: 0 for a full fine-tune")
         return self
 
 

@@ -150,6 +150,8 @@ def summarize(reports: list[Mapping]) -> list[str]:
     sdpa = [k for k, on in sorted(first.get("sdpa", {}).items()) if on]
     line += (f"; bf16 {'on' if first.get('bf16') else 'off'}; compile "
              f"{'on' if first.get('compile') else 'off'}; SDPA {'+'.join(sdpa) or 'none'}")
+    if first.get("float8", "off") != "off":
+        line += f"; float8 {first['float8']}"
     warnings = sorted({f"rank {r.get('rank')}: {w}" for r in reports for w in mismatches(r)})
     placed = placement_summary(reports)
     return [line] + ([placed] if placed else []) + [f"warning: {w}" for w in warnings]

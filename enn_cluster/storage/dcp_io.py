@@ -410,7 +410,7 @@ def safe_load(state: dict, path, process_group=None, verifier: Optional[ShardVer
     with warnings.catch_warnings():  # in one process on purpose (API, export): no warning
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        reader = SafeFileSystemReader(str(path), verifier)
-        dcp.load(state, storage_reader=reader, planner=planner or SafeLoadPlanner(),
-                 process_group=process_group, no_dist=no_dist)
+        dcp.load(state, storage_reader=(reader := SafeFileSystemReader(str(path), verifier)),
+                 planner=planner or SafeLoadPlanner(), process_group=process_group,
+                 no_dist=no_dist)
     return reader.bytes_read

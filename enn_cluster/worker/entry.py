@@ -233,6 +233,7 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
 
     from enn_cluster.models import kind_of
     from enn_cluster.worker.model_setup import use_bf16
+    from enn_cluster.worker.parallel import float8_emulated
 
     kind_of(cfg).load_code(cfg)  # its kernel choices, as the model will see them
 
@@ -244,6 +245,8 @@ def _report_backends(log_dir: Path, cfg, env, lanes, placed) -> None:
                                    use_bf16(cfg, lanes.device), os.environ, nccl_log,
                                    compiled=cfg.training.compile, started=STARTED["how"])
     report["placement"] = placed.report()
+    report["float8"] = "off" if not cfg.training.float8 else \
+        "emulated" if float8_emulated(lanes.device) else "on"
     backend_report.write_report(log_dir, report)
     for line in backend_report.mismatches(report):
         log.warning("backend: %s", line)

@@ -30,6 +30,7 @@ class ShardedModel:
     mesh: object
     use_bf16: bool
     weights_from_checkpoint: bool = False  # a module given to the API: step-0 holds them
+    float8_scales: bool = False  # parallel.float8_scales after every optimizer step
 
     @property
     def dp_size(self) -> int:
@@ -73,10 +74,12 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     if how != meta_init.FULL_INIT and plan.strategy == "ddp":  # DDP replicates whole weights
         _materialize(cfg, inner, how, tmpls, lanes, weights)
     model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype,
-                       cfg.parallel.activation_checkpointing, cfg.training.compile)
+                       cfg.parallel.activation_checkpointing, cfg.training.compile,
+                       cfg.training.float8)
     if how != meta_init.FULL_INIT and plan.strategy != "ddp":  # FSDP/HSDP: local shards only
         _materialize(cfg, inner, how, tmpls, lanes, weights)
-    return ShardedModel(model, plan, mesh, bf16, from_checkpoint)
+    return ShardedModel(model, plan, mesh, bf16, from_checkpoint,
+                        float8_scales=cfg.training.float8 and plan.strategy != "ddp")
 
 
 def _materialize(cfg: RunConfig, model, how: str, tmpls: dict, lanes: Lanes, weights) -> None:

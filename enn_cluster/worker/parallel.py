@@ -6,6 +6,7 @@ slow inter-node links carry one all-reduce of shards instead of all-gathers of w
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import nn
@@ -13,6 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from enn_cluster.config.run_config import MeshPlan
 from enn_cluster.models import model_blocks, shard_units
+
+log = logging.getLogger("enn_cluster.worker.parallel")
 
 
 def build_mesh(plan: MeshPlan, device: torch.device):
@@ -57,6 +60,40 @@ def set_master_dtypes(model: nn.Module, use_bf16: bool) -> None:
             want = master_dtype(param.requires_grad, use_bf16)
             if param.dtype != want:
                 param.data = param.data.to(want)
+
+
+def float8_emulated(device: torch.device) -> bool:
+    """No float8 matmul on this device (CPU, a GPU before compute capability 8.9): torchao
+    emulates it (same numerics, slow), so a config can be checked on a laptop."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def float8_linears(model: nn.Module, blocks: list[nn.Module], device: torch.device,
+                   sharded: bool) -> int:
+    """Swap the blocks' plain nn.Linear layers whose dims are multiples of 16 (what the
+    float8 matmul takes) for torchao's Float8Linear: dynamic tensorwise scales and, under
+    FSDP2, weights all-gathered in float8 (torchtitan's recipe). Embeddings, the head and
+    anything outside the blocks stay in the compute dtype. Returns how many were swapped;
+    parameter names do not change."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = {id(m) for block in blocks for m in block.modules()
+              if type(m) is nn.Linear and m.in_features % 16 == 0 and m.out_features % 16 == 0}
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded,
+                                emulate=float8_emulated(device))
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda module, _: id(module) in chosen)
+    log.info("float8: %d linear layers of the blocks (%s)", len(chosen),
+             "emulated: no float8 matmul on this device" if config.emulate else "float8 matmuls")
+    return len(chosen)
+
+
+def float8_scales(model: nn.Module) -> None:
+    """After each optimizer step: every float8 weight's scale in one all-reduce, instead of
+    one per weight inside the next forward's all-gathers."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def checkpointed_blocks(blocks: list[nn.Module], mode: str) -> list[nn.Module]:
@@ -145,11 +182,13 @@ def checkpoint_forward(module: nn.Module, context_fn) -> None:
 
 def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
                use_bf16: bool, reduce_dtype: str = "fp32", checkpointing: str = "none",
-               compile_blocks: bool = False) -> nn.Module:
+               compile_blocks: bool = False, float8: bool = False) -> nn.Module:
     """Shard unit by unit (models.shard_units: a causal LM's embedding, then the blocks),
     then the root, so each unit's all-gather overlaps compute. The last unit stays gathered
     after its forward: the backward starts with it (torchtitan's choice, one all-gather
-    less a step)."""
+    less a step). `float8` swaps the blocks' linears first (float8_linears)."""
+    if float8:
+        float8_linears(model, model_blocks(model), device, sharded=plan.strategy != "ddp")
     prepare_blocks(model_blocks(model), checkpointing, compile_blocks)
     if plan.strategy == "ddp":
         model.to(device)

@@ -45,6 +45,7 @@ from enn_cluster.worker.model_setup import autocast, build_sharded_model, gradie
 from enn_cluster.worker import oom_governor
 from enn_cluster.worker.nonfinite import NonFiniteWatch
 from enn_cluster.worker.nonfinite_policy import abort_reason, report_skipped
+from enn_cluster.worker.parallel import float8_scales
 from enn_cluster.worker.profiling import StepProfiler
 from enn_cluster.worker.resume_plan import replan_after_resume
 from enn_cluster.worker.saving import Saver, TrainingAborted
@@ -215,6 +216,8 @@ class Trainer:
         self.optimizer.found_inf = (~finite).to(torch.float32)  # fused AdamW skips on device
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sm.float8_scales:
+            float8_scales(self.sm.model)
         self.nonfinite_in_row = torch.where(finite, 0, self.nonfinite_in_row + 1)
         self.skipped += (~finite).to(torch.int64)
         stats = {"lr": lr, "agreed": [v > 0 for v in agreed],

@@ -42,6 +42,7 @@ def _bad(tmp_path, *extra, **over):
     ({}, ("--set", "nonsense"), "--set 'nonsense'"),
     ({"training": {"per_device_train_batch_size": 4096}}, (), "exceeds the"),
     ({"model": {"name": "nope_module:factory"}}, (), "model.name"),
+    ({"training": {"float8": "fast"}}, (), "training.float8"),
 ])
 def test_bad_config_exit_2_one_line(tmp_path, over, extra, needle):
     line = _bad(tmp_path, *extra, **over)
@@ -133,3 +134,25 @@ def test_test_only_faults_live_in_the_environment_not_the_config(tmp_path):
         Faults(fail_at_step=13, fail_rank=3)
     with pytest.raises(UserError, match="ENN_TEST_FAULTS: 'fail_step=2'"):
         test_faults({"ENN_TEST_FAULTS": "fail_step=2"})
+
+
+def test_float8_is_refused_with_lora_and_without_torchao(tmp_path, monkeypatch):
+    """training.float8 with LoRA, or where torchao is missing: one line naming the key and
+    the fix (the model and data are not read for either)."""
+    import importlib.util
+
+    from enn_cluster.client.prepare import check_model
+
+    cfg = small_config(tmp_path, "f8")
+    lm = {**cfg, "model": {"name": f"hf:{tmp_path}"}, "lora": {"r": 4},
+          "training": {**cfg.get("training", {}), "float8": True}}
+    with pytest.raises(UserError, match=r"training\.float8: not with LoRA .* lora\.r: 0"):
+        config_from_dict(lm)
+    run_cfg = config_from_dict({**cfg, "training": {**cfg.get("training", {}), "float8": True}})
+    check_model(run_cfg)  # torchao is in the dev install
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else found(name, *a))
+    with pytest.raises(UserError, match=r"training\.float8: needs torchao; pip install "
+                                        r"'enn_cluster\[float8\]'"):
+        check_model(run_cfg)

@@ -17,7 +17,8 @@ SCRIPT = ROOT / "bench" / "device_check.sh"
 CHECKS = ("import_check", "placement", "fabric_memlock", "accelerator_lane",
           "fused_adamw_found_inf", "compile_ac_grads", "train_full", "full_losses",
           "master_weights_fp32", "resume_record", "predict_output", "doctor", "train_lora",
-          "lora_checkpoint", "chunked_loss_equal", "full_worker_forked", "lora_worker_forked")
+          "lora_checkpoint", "chunked_loss_equal", "full_worker_forked", "lora_worker_forked",
+          "train_float8", "float8_report", "float8_weights_fp32", "float8_losses")
 
 
 def test_script_passes_shellcheck():
