@@ -27,6 +27,7 @@ from enn_cluster.client.launching import (
     removed_if_never_run,
 )
 from enn_cluster.errors import UserError
+from enn_cluster.models import quiet_library_logs
 
 
 def one_line(text: str) -> str:
@@ -342,6 +343,7 @@ COMMANDS["doctor"] = cmd_doctor
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    quiet_library_logs()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

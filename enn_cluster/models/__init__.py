@@ -21,6 +21,7 @@ from enn_cluster.models.kinds import (  # noqa: F401  (re-exported: every side a
     model_blocks,
     repeated_blocks,
     shard_units,
+    quiet_library_logs,
 )
 
 BUILTIN_MODELS = ("mlp", "transformer")  # model.name values that are not `module:factory`

@@ -26,6 +26,7 @@ package.module:KindClass` (a ModelKind subclass) and needs no edit anywhere else
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -235,3 +236,15 @@ def _mlp_width(block, hidden: int) -> tuple[int, bool]:
     wide = [o for i, o in shapes if i == hidden and o > hidden and (o, hidden) in shapes]
     width = max(wide, default=0)
     return width, wide.count(width) >= 2
+
+
+
+def quiet_library_logs() -> None:
+    """No import-time log lines from torchao in our processes: transformers imports it
+    whenever it is installed (the float8 extra), for every model it builds, and it logs the
+    kernels it could not load for this torch build, its missing triton, and (through torch)
+    a deprecation notice for its enums. They reached the stderr of every LM command, above
+    the one line a refusal prints, about nothing we use (float8 logs its own line). Errors
+    still pass. Called by the CLI and the workers, not by the API in a user's process."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -24,6 +24,7 @@ from typing import Optional
 from enn_cluster.config import nccl
 from enn_cluster.config.launch_env import LAUNCH_ID_VAR, LAUNCHER_PID_VAR
 from enn_cluster.errors import UserError
+from enn_cluster.models import quiet_library_logs
 from enn_cluster.storage import backend_report, layout
 from enn_cluster.storage.rundir import RunDir
 from enn_cluster.worker import control_net
@@ -366,6 +367,7 @@ def no_keyboard() -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     install_early_stop_handlers()
+    quiet_library_logs()
     parser = argparse.ArgumentParser(prog="python -m enn_cluster.worker",
                                      description="enn_cluster worker (same on every task)")
     parser.add_argument("run_dir")
