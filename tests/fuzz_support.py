@@ -92,9 +92,9 @@ def _section(cls) -> st.SearchStrategy:
 CONFIGS = _section(RunConfig)
 
 
-def shellcheck(text: str, tmp: Path) -> None:
-    """`text` as a script file passes bash -n and shellcheck."""
+def shellcheck(text: str, tmp: Path, exclude: tuple = ()) -> None:
+    """`text` as a script file passes bash -n and shellcheck (less `exclude`)."""
     path = tmp / "job.sbatch"
     path.write_text(text, encoding="utf-8", errors="surrogateescape")
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, text
-    render_support.shellcheck(path)
+    render_support.shellcheck(path, exclude)
