@@ -83,14 +83,13 @@ class ReplicaSplitPlanner(SafeLoadPlanner):
         dims: dict = {}
         for item in plan.items:
             fqn = item.dest_index.fqn
-            value = self.state_dict.get(fqn)
-            dim, group = holders(value)
-            if dim is None:
+            if fqn not in dims:  # once per tensor, not per part read
+                dims[fqn], holders_of[fqn] = holders(self.state_dict.get(fqn))
+            if dims[fqn] is None:
                 continue
             info = self.metadata.storage_data[item.storage_index]
-            nbytes = math.prod(item.lengths) * value.element_size()
+            nbytes = math.prod(item.lengths) * self.state_dict[fqn].element_size()
             reads.setdefault(fqn, []).append((owner_rank(info.relative_path), nbytes))
-            holders_of[fqn], dims[fqn] = group, dim
         readers = choose_readers(reads, holders_of, dist.get_world_size())
         self.shares = [Share(fqn, readers[fqn], dims[fqn]) for fqn in sorted(readers)]
         me = dist.get_rank()
