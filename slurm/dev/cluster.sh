@@ -421,6 +421,21 @@ start_slurmd() {
         || die "slurmd $node failed: $(tail -n 5 "$STATE/log/slurmd-$node.log" 2>/dev/null)"
 }
 
+# A node whose slurmd is gone (node-down: power lost) is declared DOWN before it starts
+# again, as Slurm itself does once SlurmdTimeout (300 s here) passes: a job still COMPLETING
+# on it then ends at once, not when the controller next re-sends its kill (about a minute
+# after the node answers again). ReturnToService=2 puts it back in service on registration.
+declare_lost_nodes_down() {
+    local nodes="$1" i lost=()
+    for ((i = 1; i <= nodes; i++)); do
+        live_pid "$STATE/run/slurmd-n$i.pid" slurmd >/dev/null || lost+=("n$i")
+    done
+    [[ "${#lost[@]}" -gt 0 ]] || return 0
+    scontrol update NodeName="$(IFS=,; echo "${lost[*]}")" State=DOWN \
+        Reason="cluster.sh: powered off, starting again" >/dev/null 2>&1 \
+        || log "could not declare ${lost[*]} DOWN (the controller may not know them yet)"
+}
+
 # Bounded wait until every node answers and is usable (idle on a fresh cluster).
 wait_nodes_ready() {
     local nodes="$1" deadline=$((SECONDS + UP_TIMEOUT_S)) states ready
@@ -485,7 +500,7 @@ cmd_up() {
     export SLURM_CONF="$STATE/slurm.conf"
     start_munged
     local fresh_ctld=0
-    if start_slurmctld; then fresh_ctld=1; fi
+    if start_slurmctld; then fresh_ctld=1; else declare_lost_nodes_down "$nodes"; fi
     for ((i = 1; i <= nodes; i++)); do start_slurmd "n$i"; done
     wait_nodes_ready "$nodes"
     if [[ "$fresh_ctld" == 1 ]]; then run_probe_job; fi

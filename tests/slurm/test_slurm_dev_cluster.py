@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,40 @@ def test_a_second_cluster_runs_beside_the_first(slurm_cluster, tmp_path):
     assert _cluster_sh("status", slurm_cluster.state_dir).returncode == 0
     proc = slurm_cluster.run(["srun", "-N2", "hostname"], timeout=30)
     assert proc.returncode == 0 and sorted(proc.stdout.split()) == ["n1", "n2"], proc.stderr
+
+
+def test_a_powered_off_node_comes_back_free_of_the_job_it_lost(slurm_cluster):
+    """`node-down` kills n2's slurmd and its tasks; the job that ran there is cancelled and
+    stays COMPLETING, n2 not responding (the controller's kill did not reach it; it retries
+    later and would wait SlurmdTimeout, 300 s, to declare n2 down). `up` declares n2 DOWN
+    before its slurmd starts again, as Slurm would after that timeout, so the job ends and
+    n2 is idle (ReturnToService=2) as soon as the slurmd answers: `up` succeeds with 15 s
+    to get every node ready, where waiting for the controller's next kill took 35 s."""
+    slurm_cluster.wait_idle()
+    res = slurm_cluster.run(["sbatch", "--parsable", "-N2", "--output=/dev/null",
+                             "--wrap", "srun sleep 600"])
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    slurm_cluster.wait_job(job, ("RUNNING",), timeout=60)
+    try:
+        down = _cluster_sh("node-down", slurm_cluster.state_dir, "n2")
+        assert down.returncode == 0, down.stderr
+        assert slurm_cluster.run(["scancel", job]).returncode == 0
+        deadline = time.monotonic() + 90
+        while _node_states(slurm_cluster)["n2"] != "comp*":  # the kill found no n2
+            assert time.monotonic() < deadline, _node_states(slurm_cluster)
+            time.sleep(0.5)
+    finally:
+        up = slurm_cluster.up(ready_s=15)
+    assert up.returncode == 0, up.stderr
+    state, text = slurm_cluster.job_state(job)
+    assert state == "CANCELLED", text
+    assert _node_states(slurm_cluster) == {"n1": "idle", "n2": "idle"}
+
+
+def _node_states(cluster) -> dict:
+    words = cluster.run(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout.split()
+    return dict(zip(words[::2], words[1::2]))
 
 
 # Last in this file: it restarts the session's cluster (same state dir, same slot).
