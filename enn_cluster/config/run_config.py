@@ -413,6 +413,11 @@ class MeshPlan:
     def world(self) -> int:
         return self.replicate * self.shard
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 holds each parameter in shards (fsdp, hsdp); DDP holds it whole."""
+        return self.strategy != "ddp"
+
 
 def plan_mesh(par: ParallelConfig, world: int, local_world: int) -> MeshPlan:
     """Decide mesh degrees for a world; the same rule at launch and at every restart."""

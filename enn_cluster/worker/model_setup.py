@@ -71,15 +71,15 @@ def build_sharded_model(cfg: RunConfig, manifest: dict, env: WorkerEnv, lanes: L
     set_master_dtypes(model, bf16)  # fp32 master weights whatever the files hold
     tmpls = meta_init.templates(model) if how == meta_init.META_BUILTIN else {}
     inner = model
-    if how != meta_init.FULL_INIT and plan.strategy == "ddp":  # DDP replicates whole weights
+    if how != meta_init.FULL_INIT and not plan.sharded:  # DDP replicates whole weights
         _materialize(cfg, inner, how, tmpls, lanes, weights)
     model = wrap_model(model, plan, mesh, lanes.device, bf16, cfg.parallel.reduce_dtype,
                        cfg.parallel.activation_checkpointing, cfg.training.compile,
                        cfg.training.float8)
-    if how != meta_init.FULL_INIT and plan.strategy != "ddp":  # FSDP/HSDP: local shards only
+    if how != meta_init.FULL_INIT and plan.sharded:  # FSDP/HSDP: local shards only
         _materialize(cfg, inner, how, tmpls, lanes, weights)
     return ShardedModel(model, plan, mesh, bf16, from_checkpoint,
-                        float8_scales=cfg.training.float8 and plan.strategy != "ddp")
+                        float8_scales=cfg.training.float8 and plan.sharded)
 
 
 def _materialize(cfg: RunConfig, model, how: str, tmpls: dict, lanes: Lanes, weights) -> None:
@@ -155,7 +155,7 @@ def gradient_sync(sm: ShardedModel, sync: bool):
     FSDP2's setter walks every module (twice per step, where there is no accumulation)."""
     if sync:
         return nullcontext()
-    if sm.plan.strategy == "ddp":
+    if not sm.plan.sharded:
         return sm.model.no_sync()
     if sm.plan.strategy == "hsdp":
         return _communicate(sm.model.set_requires_all_reduce)
@@ -174,6 +174,6 @@ def _communicate(setter):
 
 def autocast(sm: ShardedModel, device: torch.device):
     """FSDP's policy casts parameters itself; DDP needs autocast for bf16."""
-    if sm.use_bf16 and sm.plan.strategy == "ddp":
+    if sm.use_bf16 and not sm.plan.sharded:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()

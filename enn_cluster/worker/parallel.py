@@ -188,9 +188,9 @@ def wrap_model(model: nn.Module, plan: MeshPlan, mesh, device: torch.device,
     after its forward: the backward starts with it (torchtitan's choice, one all-gather
     less a step). `float8` swaps the blocks' linears first (float8_linears)."""
     if float8:
-        float8_linears(model, model_blocks(model), device, sharded=plan.strategy != "ddp")
+        float8_linears(model, model_blocks(model), device, sharded=plan.sharded)
     prepare_blocks(model_blocks(model), checkpointing, compile_blocks)
-    if plan.strategy == "ddp":
+    if not plan.sharded:
         model.to(device)
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
