@@ -28,7 +28,7 @@ COSTS = {
     "metadata": (40.0, 0.0),
     "recovery": (125.0, 0.0),  # 3 pairs of kill-and-restart runs
     "control": (350.0, 0.0),  # 64 .. 1,024 simulated ranks, 3 repeats each
-    "submit": (120.0, 0.0),  # a 3-node dev Slurm cluster (root only), 3 pairs, a node loss
+    "submit": (180.0, 0.0),  # a 3-node dev Slurm cluster (root only), 3 pairs, 2 node losses
     "cli": (3.0, 1.0),
     "hf_export": (120.0, 60.0),  # named only; two 1-step trainings, per repeat 4 exports of 182 MB
     "gpu": (0.0, 0.0),  # skipped without CUDA; on a GPU machine it runs alone (--only gpu)

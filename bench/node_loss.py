@@ -11,6 +11,11 @@ detection (the survivors' tasks seen gone twice, when the probe starts), the pro
 node asked at once; decided once the answers stop coming), the step launch, the workers'
 start, their set-up and checkpoint load (verified), the first step.
 
+The same with a spare (issue 37 section 2): `--nodes 2 --spare-nodes 1` trains on two nodes
+(world 4) and keeps the third idle; the training node that is not the batch shell's loses
+power, and the step starts again on the other one and the spare, at world 4 (no
+resharding).
+
 Baseline, on the same cluster in the same run: Slurm's requeue path (submit_latency's
 preemption: USR2 to the batch shell -> checkpoint -> requeue -> first step after the
 restart), Slurm's BeginTime hold measured, lifted and reported apart. Part of the `submit`
@@ -25,11 +30,14 @@ from pathlib import Path
 
 import yaml
 
+from enn_cluster.storage import layout
+
 from .measure import BenchContext, Result, Series, mlp_run
 from .overhead import _data, _sizes
 from .submit_latency import _idle, _records, _wait
 
 NAME = "node loss on the local Slurm: node death -> first step on the survivors"
+NAME_SPARE = "node loss with a spare on the local Slurm: node death -> first step"
 TARGET_S = 20.0  # issue 37 section 3
 SAVE_AT, DIE_AFTER, STEPS = 20, 25, 40
 
@@ -48,11 +56,12 @@ def _config(ctx: BenchContext, s: dict, x: Path, y: Path, name: str) -> Path:
 
 
 def _lose_a_node(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, cluster_sh: str,
-                 state: str, i: int) -> dict:
-    name = f"nodeloss-{i}"
+                 state: str, spare: bool) -> dict:
+    name = "nodeloss-spare" if spare else "nodeloss"
+    shape = ["--nodes", "2", "--spare-nodes", "1"] if spare else ["--nodes", "2-3"]
     res = subprocess.run([ctx.python, "-m", "enn_cluster.client.cli", "train", "--config",
                           str(_config(ctx, s, x, y, name)), "--cluster", "slurm", "--container",
-                          "none", "--time", "10", "--nodes", "2-3", "--gpus-per-node", "2"],
+                          "none", "--time", "10", *shape, "--gpus-per-node", "2"],
                          capture_output=True, text=True, env=env, timeout=300)
     if res.returncode != 0:
         raise RuntimeError(f"enn-submit train exited {res.returncode}: {res.stderr[-800:]}")
@@ -60,12 +69,13 @@ def _lose_a_node(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, cluste
     run = ctx.workdir / "runs" / name
     try:
         began = _wait(lambda: (_records(run, "start", 0) or [None])[0], 300)
-        if began["world_size"] != 6:
-            raise RuntimeError(f"the job got {began['world_size'] // 2} nodes, not 3")
+        if began["world_size"] != (4 if spare else 6):
+            raise RuntimeError(f"the job started at world {began['world_size']}")
+        victim = _training_nodes(run, job)[1] if spare else "n3"  # not the batch shell's
         _wait(lambda: True if any(r["step"] >= DIE_AFTER for r in _records(run, "train", 0))
               else None, 300, 0.2)
         died = time.time()
-        down = subprocess.run(["bash", cluster_sh, "node-down", state, "n3"],
+        down = subprocess.run(["bash", cluster_sh, "node-down", state, victim],
                               capture_output=True, text=True, timeout=120)
         if down.returncode != 0:
             raise RuntimeError(f"cluster.sh node-down exited {down.returncode}: {down.stderr}")
@@ -76,16 +86,28 @@ def _lose_a_node(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, cluste
     finally:
         subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
         up = subprocess.run(["bash", cluster_sh, "up", state, "3"], capture_output=True,
-                            text=True, timeout=300)  # n3 back (ReturnToService=2)
+                            text=True, timeout=300)  # the lost node back (ReturnToService=2)
     if up.returncode != 0:
-        raise RuntimeError(f"cluster.sh up (n3 back) exited {up.returncode}: {up.stderr[-400:]}")
-    if (lost["lost"], lost["world_size"], resumed["step"]) != (["n3"], 4, SAVE_AT):
-        raise RuntimeError(f"went on unlike planned: {lost}, resumed from {resumed['step']}")
+        raise RuntimeError(f"cluster.sh up (node back) exited {up.returncode}: {up.stderr[-400:]}")
+    if (lost["lost"], lost["world_size"], resumed["step"], resumed["from_world"]) != \
+            ([victim], 4, SAVE_AT, 4 if spare else 6) or bool(lost.get("spare_in")) != spare:
+        raise RuntimeError(f"went on unlike planned: {lost}, resumed {resumed}")
     probed = lost.get("probed", lost["ended"])  # a shell of before the probe's start was kept
     return {"total": first["time"] - died, "detection": probed - died,
             "probe": lost["detected"] - probed, "launch": lost["launched"] - lost["detected"],
             "start": worker - lost["launched"], "load": resumed["time"] - worker,
             "first_step": first["time"] - resumed["time"]}
+
+
+def _training_nodes(run: Path, job: str) -> list[str]:
+    """The nodes the batch shell trains on, from its "enn: training on n1,n2, ..." line."""
+    def read():
+        path = layout.batch_log(run, job)
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if "enn: training on " not in text:
+            return None
+        return text.split("enn: training on ")[1].split()[0].rstrip(",").split(",")
+    return _wait(read, 60, 0.2)
 
 
 def _first_log_line(logs: Path) -> float:
@@ -102,28 +124,40 @@ def _phases(o: dict) -> str:
             f"load) {o['load']:.1f} s, first step {o['first_step']:.1f} s")
 
 
-def result(ctx: BenchContext, env: dict, cluster_sh: str, state: str, requeue: dict) -> Result:
-    """The node-loss figure against `requeue` (submit_latency._preempted on this cluster);
-    a failure is this figure's alone ("failed: why"), never the submit figures'."""
+def results(ctx: BenchContext, env: dict, cluster_sh: str, state: str,
+            requeue: dict) -> list[Result]:
+    """The node-loss figures, a shrink and a spare, against `requeue`
+    (submit_latency._preempted on this cluster); a failure is that figure's alone ("failed:
+    why"), never the submit figures'."""
     s = _sizes(ctx)
     x, y = _data(ctx, s)
-    try:
-        _idle(env)
-        ours = _lose_a_node(ctx, s, x, y, env, cluster_sh, state, 0)
-        _idle(env)
-    except Exception as exc:  # noqa: BLE001 - reported in the table, not raised
-        return Result("submit", NAME, skipped=f"failed: {type(exc).__name__}: {exc}"[:400])
-    ctx.log(f"node loss: {ours['total']:.1f} s ({_phases(ours)})")
-    return Result(
-        "submit", NAME, "<=", TARGET_S, samples=[ours["total"]], unit="s",
-        ours=Series("--nodes 2-3, n3 powered off after step 25: probe + new step on n1,n2",
-                    "s", [ours["total"]]),
-        baseline=Series("Slurm's requeue: USR2 -> first step after the requeue (hold "
-                        "lifted, not counted)", "s", [requeue["total"]]),
-        note=(f"3 nodes x 2 CPU tasks, MLP {s['features']}-{'x'.join(map(str, s['hidden']))}-1 "
-              f"+ AdamW, checkpoint at {SAVE_AT}, resumed at world 4 with the same global "
-              f"batch; SlurmdTimeout 300 s (Slurm would wait that long, then requeue). Ours by "
-              f"phase: {_phases(ours)}. Requeue baseline: checkpoint {requeue['saved']:.1f} s, "
-              f"requeued {requeue['requeued']:.1f} s, Slurm's BeginTime hold "
-              f"{requeue['hold']:.0f} s (apart), restart -> resumed {requeue['resumed']:.1f} s, "
-              f"first step {requeue['first_step']:.1f} s"))
+    out = []
+    for spare, name in ((False, NAME), (True, NAME_SPARE)):
+        try:
+            _idle(env)
+            ours = _lose_a_node(ctx, s, x, y, env, cluster_sh, state, spare)
+            _idle(env)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, not raised
+            out.append(Result("submit", name,
+                              skipped=f"failed: {type(exc).__name__}: {exc}"[:400]))
+            continue
+        ctx.log(f"{name}: {ours['total']:.1f} s ({_phases(ours)})")
+        how = ("--nodes 2 --spare-nodes 1, the second training node powered off after step "
+               "25: probe + new step on the other one and the spare, world 4 again" if spare
+               else "--nodes 2-3, n3 powered off after step 25: probe + new step on n1,n2")
+        shape = ("3 nodes (one spare) x 2 CPU tasks" if spare else "3 nodes x 2 CPU tasks")
+        world = ("resumed at world 4 without resharding" if spare
+                 else "resumed at world 4 with the same global batch")
+        out.append(Result(
+            "submit", name, "<=", TARGET_S, samples=[ours["total"]], unit="s",
+            ours=Series(how, "s", [ours["total"]]),
+            baseline=Series("Slurm's requeue: USR2 -> first step after the requeue (hold "
+                            "lifted, not counted)", "s", [requeue["total"]]),
+            note=(f"{shape}, MLP {s['features']}-{'x'.join(map(str, s['hidden']))}-1 + AdamW, "
+                  f"checkpoint at {SAVE_AT}, {world}; SlurmdTimeout 300 s (Slurm would wait "
+                  f"that long, then requeue). Ours by phase: {_phases(ours)}. Requeue "
+                  f"baseline: checkpoint {requeue['saved']:.1f} s, requeued "
+                  f"{requeue['requeued']:.1f} s, Slurm's BeginTime hold {requeue['hold']:.0f} s "
+                  f"(apart), restart -> resumed {requeue['resumed']:.1f} s, first step "
+                  f"{requeue['first_step']:.1f} s")))
+    return out

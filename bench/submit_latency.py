@@ -218,7 +218,7 @@ def run(ctx: BenchContext) -> list[Result]:
         _idle(env)
         preempt = _preempted(ctx, s, x, y, env)
         _idle(env)
-        lost = node_loss.result(ctx, env, cluster_sh, state, preempt)
+        lost = node_loss.results(ctx, env, cluster_sh, state, preempt)
     finally:
         subprocess.run(["bash", cluster_sh, "down", state], capture_output=True, timeout=120)
         shutil.rmtree(state, ignore_errors=True)
@@ -241,4 +241,4 @@ def run(ctx: BenchContext) -> list[Result]:
                      f"-> job requeued (PENDING) {preempt['requeued']:.2f} s; Slurm's requeue "
                      f"hold (BeginTime) {preempt['hold']:.0f} s, lifted and not counted; "
                      f"restart -> resumed {preempt['resumed']:.2f} s -> first step "
-                     f"{preempt['first_step']:.2f} s")), lost]
+                     f"{preempt['first_step']:.2f} s")), *lost]
