@@ -30,8 +30,9 @@ def reference(tmp_path_factory):
 
 # Runs as pid 1 of its own PID namespace (helpers.in_pid_namespace): it signals pids that
 # it reads from the workers' logs. "kill": SIGKILL the victim once the run has trained
-# `at_step` steps. "stop": SIGSTOP it, wait for a peer's watchdog to fire, then let it go
-# on (SIGCONT: the stall ends, as a stuck filesystem's does). Prints the launcher's exit
+# `at_step` steps. "stop": SIGSTOP it, wait for any peer's watchdog to fire, then let it go
+# on (SIGCONT: the stall ends, as a stuck filesystem's does; unless the launcher, seeing
+# the peers fail, has ended it first). Prints the launcher's exit
 # code, the signal's time, how long the watchdog took and the launcher's stderr tail.
 DRIVER = textwrap.dedent("""
     import json, os, re, signal, subprocess, sys, time
@@ -57,11 +58,15 @@ DRIVER = textwrap.dedent("""
         os.kill(logs[victim][0], signal.SIGKILL)
     else:
         os.kill(logs[victim][0], signal.SIGSTOP)
-        peer = logs[(victim + 1) % len(logs)][1]
-        while "watchdog: no progress" not in peer.read_text() and time.time() < signalled_at + 90:
+        peers = [log for rank, (_, log) in logs.items() if rank != victim]
+        while not any("watchdog: no progress" in log.read_text() for log in peers) \\
+                and time.time() < signalled_at + 90:
             time.sleep(0.2)
         fired_after = time.time() - signalled_at
-        os.kill(logs[victim][0], signal.SIGCONT)
+        try:
+            os.kill(logs[victim][0], signal.SIGCONT)
+        except ProcessLookupError:  # the launcher already ended it, having seen the peers fail
+            pass
     _, err = proc.communicate(timeout=240)
     print(json.dumps({"rc": proc.returncode, "signalled_at": signalled_at,
                       "fired_after": fired_after, "err": err[-2000:]}))
