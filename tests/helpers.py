@@ -11,17 +11,26 @@ from pathlib import Path
 
 import yaml
 
+from cli_zygote import run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"  # the support modules and data/, golden/; the tests sit in folders below
 
 
 def cli(*args, timeout=300, env=None, cwd=None) -> subprocess.CompletedProcess:
-    """`enn-submit ARGS` as a user runs it (a fresh interpreter)."""
+    """`enn-submit ARGS` as a user runs it: its own process, forked from an interpreter that
+    has imported the CLI's modules where the environment allows (tests/cli_zygote.py),
+    else a fresh interpreter."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *map(str, args)],
+    argv = [str(a) for a in args]
+    where = str(cwd or ROOT)
+    forked = run_cli(argv, full_env, where, timeout)
+    if forked is not None:
+        return forked
+    return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *argv],
                           capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=cwd or ROOT)
+                          cwd=where)
 
 
 def full_state(state: dict) -> dict:

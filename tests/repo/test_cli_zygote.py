@@ -1,0 +1,71 @@
+"""tests/cli_zygote.py, the forked `enn-submit` that helpers.cli calls: a call answers
+exactly as a fresh interpreter does (exit code, stdout, stderr) in the call's cwd and
+environment; a call whose environment a fresh interpreter would read while importing takes a
+fresh interpreter, and its own zygote when that environment comes again."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cli_zygote import run_cli
+from helpers import ROOT, write_config
+
+pytestmark = pytest.mark.skipif(os.environ.get("ENN_TEST_FRESH_CLI") == "1",
+                                reason="the zygote is turned off in this session")
+
+
+def _env(**extra) -> dict:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _fresh(args, env, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *args],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+def _same_as_fresh(args, cwd, **extra) -> subprocess.CompletedProcess:
+    env = _env(**extra)
+    forked = run_cli(list(args), env, str(cwd), 120)
+    assert forked is not None, "no zygote served this call"
+    fresh = _fresh(list(args), env, cwd)
+    assert (forked.returncode, forked.stdout, forked.stderr) == \
+        (fresh.returncode, fresh.stdout, fresh.stderr)
+    return forked
+
+
+def test_help_a_plan_and_refusals_answer_as_a_fresh_interpreter(tmp_path):
+    """Relative paths resolve in the call's cwd; a refusal is the same one line, exit 2."""
+    write_config(tmp_path / "run.yaml", run_name="z", runs_root=str(tmp_path / "runs"))
+    write_config(tmp_path / "bad.yaml", training={"max_steps": -1})
+    assert _same_as_fresh(["--help"], tmp_path).returncode == 0
+    plan = _same_as_fresh(["plan", "--config", "run.yaml", "--nodes", "1", "--json"], tmp_path)
+    assert plan.returncode == 0 and '"usable_gb"' in plan.stdout, plan.stdout + plan.stderr
+    for args in (["plan", "--config", "bad.yaml"], ["status", "no-such-run"]):
+        res = _same_as_fresh(args, tmp_path)
+        assert res.returncode == 2 and res.stderr.startswith("enn-submit: error: "), res.stderr
+
+
+def test_the_calls_environment_reaches_the_command(tmp_path):
+    """ENN_SITE_CONFIG is read when the command runs: the plan follows the call's site."""
+    cfg = write_config(tmp_path / "run.yaml", run_name="z", runs_root=str(tmp_path / "runs"))
+    site = tmp_path / "site.yaml"
+    site.write_text("gpu_mem_gb: 40\n")
+    args = ["plan", "--config", str(cfg), "--nodes", "1", "--json"]
+    sited = json.loads(_same_as_fresh(args, tmp_path, ENN_SITE_CONFIG=str(site)).stdout)
+    plain = json.loads(_same_as_fresh(args, tmp_path).stdout)
+    assert sited["usable_gb"] < 40 < plain["usable_gb"], (sited, plain)
+
+
+@pytest.mark.parametrize("name", ["HOME", "HF_HUB_OFFLINE", "PYTHONPATH", "OMP_NUM_THREADS"])
+def test_an_environment_read_while_importing_is_fresh_then_its_own_zygotes(tmp_path, name):
+    assert run_cli(["--help"], _env(), str(tmp_path), 120) is not None  # the session's own
+    env = _env(**{name: f"{tmp_path}{os.pathsep}{ROOT}" if name == "PYTHONPATH" else "1"})
+    assert run_cli(["--help"], env, str(tmp_path), 120) is None
+    again = run_cli(["--help"], env, str(tmp_path), 120)
+    assert again is not None and again.returncode == 0
+    assert again.stdout == _fresh(["--help"], env, tmp_path).stdout
