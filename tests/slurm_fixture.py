@@ -119,12 +119,16 @@ class SlurmCluster:
         res = self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
         assert res.returncode == 0, res.stderr
 
-    def up(self, timeout: float = 300, ready_s: float = 180) -> subprocess.CompletedProcess:
+    def up(self, timeout: float = 300,
+           ready_s: float | None = None) -> subprocess.CompletedProcess:
         """(Re)start the daemons. A node brought back after `node-down` is declared DOWN
         first (as Slurm would after SlurmdTimeout), so a job still COMPLETING on it ends at
-        once; the wait is for the nodes to answer, longer on a loaded machine."""
+        once; the wait is for the nodes to answer, longer on a loaded machine (`ready_s`,
+        else $ENN_SLURM_UP_TIMEOUT, else 180 s)."""
         env = {k: v for k, v in os.environ.items() if k != "ENN_SLURM_PYXIS"}
-        env["ENN_SLURM_UP_TIMEOUT"] = str(int(ready_s))
+        if ready_s is not None:
+            env["ENN_SLURM_UP_TIMEOUT"] = str(int(ready_s))
+        env.setdefault("ENN_SLURM_UP_TIMEOUT", "180")
         if self.pyxis is not None:
             env["ENN_SLURM_PYXIS"] = self.pyxis
         return _cluster_sh("up", self.state_dir, str(len(self.nodes)), timeout=timeout, env=env)
