@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -196,8 +197,8 @@ class Zygote:
         for t in readers:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         timed_out = any(t.is_alive() for t in readers)
-        if timed_out:
-            os.kill(pid, signal.SIGKILL)
+        if timed_out and not select.select([self.sock], [], [], 0)[0]:
+            os.kill(pid, signal.SIGKILL)  # not once the zygote reaped it (its pid may be reused)
             for t in readers:
                 t.join()
         code = _recv(self.sock)[0]["returncode"]

@@ -17,20 +17,27 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"  # the support modules and data/, golden/; the tests sit in folders below
 
 
+def cli_env(extra: dict | None = None) -> dict:
+    """The environment `cli` runs `enn-submit` in: ours, this checkout first on the path."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+
+
+def fresh_cli(argv: list[str], env: dict, cwd, timeout=300) -> subprocess.CompletedProcess:
+    """`enn-submit ARGV` in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
 def cli(*args, timeout=300, env=None, cwd=None) -> subprocess.CompletedProcess:
     """`enn-submit ARGS` as a user runs it: its own process, forked from an interpreter that
     has imported the CLI's modules where the environment allows (tests/cli_zygote.py),
     else a fresh interpreter."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    full_env = cli_env(env)
     argv = [str(a) for a in args]
     where = str(cwd or ROOT)
     forked = run_cli(argv, full_env, where, timeout)
-    if forked is not None:
-        return forked
-    return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *argv],
-                          capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=where)
+    return forked if forked is not None else fresh_cli(argv, full_env, where, timeout)
 
 
 def full_state(state: dict) -> dict:

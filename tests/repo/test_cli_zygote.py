@@ -6,33 +6,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from cli_zygote import run_cli
-from helpers import ROOT, write_config
+from helpers import ROOT, cli_env, fresh_cli, write_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("ENN_TEST_FRESH_CLI") == "1",
                                 reason="the zygote is turned off in this session")
 
 
-def _env(**extra) -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
-
-
-def _fresh(args, env, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", *args],
-                          capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
-
-
-def _same_as_fresh(args, cwd, **extra) -> subprocess.CompletedProcess:
-    env = _env(**extra)
+def _same_as_fresh(args, cwd, **extra):
+    env = cli_env(extra)
     forked = run_cli(list(args), env, str(cwd), 120)
     assert forked is not None, "no zygote served this call"
-    fresh = _fresh(list(args), env, cwd)
+    fresh = fresh_cli(list(args), env, cwd, 120)
     assert (forked.returncode, forked.stdout, forked.stderr) == \
         (fresh.returncode, fresh.stdout, fresh.stderr)
     return forked
@@ -63,9 +51,9 @@ def test_the_calls_environment_reaches_the_command(tmp_path):
 
 @pytest.mark.parametrize("name", ["HOME", "HF_HUB_OFFLINE", "PYTHONPATH", "OMP_NUM_THREADS"])
 def test_an_environment_read_while_importing_is_fresh_then_its_own_zygotes(tmp_path, name):
-    assert run_cli(["--help"], _env(), str(tmp_path), 120) is not None  # the session's own
-    env = _env(**{name: f"{tmp_path}{os.pathsep}{ROOT}" if name == "PYTHONPATH" else "1"})
+    assert run_cli(["--help"], cli_env(), str(tmp_path), 120) is not None  # the session's own
+    env = cli_env({name: f"{tmp_path}{os.pathsep}{ROOT}" if name == "PYTHONPATH" else "1"})
     assert run_cli(["--help"], env, str(tmp_path), 120) is None
     again = run_cli(["--help"], env, str(tmp_path), 120)
     assert again is not None and again.returncode == 0
-    assert again.stdout == _fresh(["--help"], env, tmp_path).stdout
+    assert again.stdout == fresh_cli(["--help"], env, tmp_path, 120).stdout
