@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from cli_zygote import run_cli
+import cli_zygote
+from cli_zygote import import_env, run_cli
 from helpers import ROOT, cli_env, fresh_cli, write_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("ENN_TEST_FRESH_CLI") == "1",
@@ -51,9 +52,19 @@ def test_the_calls_environment_reaches_the_command(tmp_path):
 
 @pytest.mark.parametrize("name", ["HOME", "HF_HUB_OFFLINE", "PYTHONPATH", "OMP_NUM_THREADS"])
 def test_an_environment_read_while_importing_is_fresh_then_its_own_zygotes(tmp_path, name):
+    """The value is one this worker has not seen: earlier tests may have left this name in
+    its environment (in-process launches leave OMP_NUM_THREADS=1)."""
+    run_cli(["--help"], cli_env(), str(tmp_path), 120)
     assert run_cli(["--help"], cli_env(), str(tmp_path), 120) is not None  # the session's own
-    env = cli_env({name: f"{tmp_path}{os.pathsep}{ROOT}" if name == "PYTHONPATH" else "1"})
+    env = next(e for e in (cli_env({name: _value(name, tmp_path, i)}) for i in range(1, 9))
+               if import_env(e) not in cli_zygote._SEEN)
     assert run_cli(["--help"], env, str(tmp_path), 120) is None
     again = run_cli(["--help"], env, str(tmp_path), 120)
     assert again is not None and again.returncode == 0
     assert again.stdout == fresh_cli(["--help"], env, tmp_path, 120).stdout
+
+
+def _value(name, tmp_path, i):
+    if name == "PYTHONPATH":
+        return f"{tmp_path / str(i)}{os.pathsep}{ROOT}"
+    return str(tmp_path / str(i)) if name == "HOME" else str(i)
