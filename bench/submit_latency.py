@@ -27,6 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from enn_cluster.storage.metrics import scan_metrics
+
 from .measure import BenchContext, Result, Series, alternating, mlp_run, ratios
 from .overhead import _data, _sizes
 
@@ -74,13 +76,7 @@ def _idle(env: dict) -> None:
 
 
 def _first_train(metrics: Path):
-    if not metrics.exists():
-        return None
-    for line in metrics.read_text().splitlines():
-        rec = json.loads(line)
-        if rec["kind"] == "train":
-            return rec["time"]
-    return None
+    return next((r["time"] for r in scan_metrics(metrics)[0] if r["kind"] == "train"), None)
 
 
 def _ours(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, i: int) -> dict:
@@ -134,9 +130,10 @@ def _job(env: dict, job: str) -> str:
 
 
 def _records(run: Path, kind: str, after: float) -> list:
-    path = run / "metrics.jsonl"
-    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [r for r in recs if r["kind"] == kind and r["time"] > after]
+    """The run's `kind` records after `after`, read as the job appends (scan_metrics leaves
+    out a line still being written)."""
+    return [r for r in scan_metrics(run / "metrics.jsonl")[0]
+            if r["kind"] == kind and r["time"] > after]
 
 
 def _preempted(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict) -> dict:

@@ -98,7 +98,9 @@ def full_params(step_dir: Path) -> dict:
 
 
 def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    """The records of metrics.jsonl; what follows its last newline is a write in flight
+    (a reader polling a running job can see part of a line), not a record yet."""
+    lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
     recs = [json.loads(line) for line in lines if line.strip()]
     return [r for r in recs if kind is None or r["kind"] == kind]
 
