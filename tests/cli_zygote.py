@@ -9,7 +9,7 @@ the process's. What a fork cannot give is what a fresh interpreter reads while i
 (HOME for the Hugging Face cache, OMP_NUM_THREADS for torch's threads): a zygote serves
 only calls whose environment equals its own in everything but the names below (read when a
 command runs). Another environment takes a fresh interpreter, and its own zygote once it
-comes again (tests that launch in-process leave OMP_NUM_THREADS=1 behind them).
+comes again (a module whose tests all set OMP_NUM_THREADS, say).
 The preload is only modules that print nothing on import (checked at start): a CLI still
 prints, or quiets, what its own imports say.
 """

@@ -29,7 +29,6 @@ import signal
 import socket
 import sys
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -37,11 +36,13 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import layout
 from enn_cluster.config.launch_env import (
     ATTEMPT_VAR,
+    ELASTIC_SIGNALS_VAR,
     GPUS_REQUESTED_VAR,
     LAUNCH_ID_VAR,
     LAUNCHER_PID_VAR,
     LOCK_HELD_VAR,
     SIM_NODES_VAR,
+    handed_to_workers,
 )
 
 EXIT_STOPPED = 75  # as the worker's: stopped with a committed checkpoint
@@ -108,20 +109,6 @@ def child_pids(parent: int) -> list[int]:
     return found
 
 
-@contextmanager
-def _environ(updates: dict):
-    saved = {key: os.environ.get(key) for key in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per_node: int = 2,
                  gpus_per_node: int = 0, max_restarts: int = 0, name: Optional[str] = None,
                  step: Optional[int] = None, launch_id: str = "local",
@@ -148,7 +135,7 @@ def launch_local(run_dir: str, task: str = "train", *, nodes: int = 1, procs_per
         # torch.cuda.is_available() through NVML, not the CUDA runtime, which "poisons fork"
         # (elastic's LaunchConfig asks it): for the launcher and, inherited, the workers
         worker_env[NVML_CHECK_VAR] = "1"
-        with _environ(worker_env):  # as the workers would have imported them
+        with handed_to_workers(worker_env):  # as the workers would have imported them
             for module in (*WORKER_IMPORTS, *preload):
                 importlib.import_module(module)
     code = 0
@@ -240,7 +227,7 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    with _environ(worker_env):
+    with handed_to_workers(worker_env):
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
             run_id=f"enn-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
@@ -256,8 +243,11 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
     previous = signal.signal(signal.SIGUSR2, _forward_to_workers)
     one_line, agent_log = OneLineExits(), logging.getLogger(AGENT_LOGGER)
     agent_log.addFilter(one_line)
+    # elastic_launch sets this in its caller's environment; handed over with ours, it is
+    # taken back with ours (a notebook's environment stays its own)
+    worker_env = {**worker_env, ELASTIC_SIGNALS_VAR: config.signals_to_handle}
     try:
-        with _environ(worker_env):  # the workers inherit it; the caller's is left as it was
+        with handed_to_workers(worker_env):  # the workers inherit it; the caller's is left as it was
             if fork:
                 from enn_cluster.worker.entry import forked_main
 

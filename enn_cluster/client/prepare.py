@@ -104,15 +104,17 @@ def run_local(run: RunDir, plan: LaunchPlan, name: Optional[str] = None,
     once it has imported what the model's workers import (launch_local)."""
     from enn_cluster.client.launch_local import launch_local
     from enn_cluster.models import kind_of
+    from enn_cluster.config.launch_env import handed_to_workers
     from enn_cluster.storage.tracking import ensure_run
 
     cfg, shape, task = plan.cfg, plan.shape, plan.task
     owner = acquire_lock(run, lock_owner(), slurm_job_alive=lock_liveness())
     try:
-        ensure_run(run, cfg)
+        tracking = ensure_run(run, cfg)
         run.record_job(JobRecord(kind="local", task=task, pid=os.getpid(), nodes=shape.nodes,
                                  tasks_per_node=shape.procs_per_node, name=name))
-        with run_umask():  # the workers inherit it: checkpoints, logs, metrics
+        # the workers inherit both: the umask for checkpoints, logs, metrics
+        with run_umask(), handed_to_workers(tracking):
             return launch_local(str(run.path), task, nodes=shape.nodes,
                                 procs_per_node=shape.procs_per_node,
                                 gpus_per_node=shape.gpus_per_node,

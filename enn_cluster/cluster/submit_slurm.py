@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -20,7 +19,7 @@ from enn_cluster.cluster.submitit_adapter import (  # noqa: F401 (batch_script: 
     submit_call,
     unreadable_reply,
 )
-from enn_cluster.config.launch_env import SUBMISSION_VAR
+from enn_cluster.config.launch_env import SUBMISSION_VAR, handed_to_workers
 from enn_cluster.config.launch_shape import LaunchShape
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.config.inputs import INPUTS, ON_SLURM
@@ -312,9 +311,10 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
     token = secrets.token_hex(8)
     claim = acquire_lock(run, {**lock_owner(), "submission": token}, slurm_job_alive=job_alive)
     try:
-        ensure_run(run, cfg)  # exported to the job with the environment
+        tracking = ensure_run(run, cfg)
         executor = slurm_executor(spec, submitit_folder(run.path))
-        with run_umask(), exported(SUBMISSION_VAR, token):  # sbatch hands both to the job
+        # sbatch exports the environment, and the umask, to the job
+        with run_umask(), handed_to_workers({SUBMISSION_VAR: token, **tracking}):
             job_id = submit_call(executor, worker_entry, str(run.path), spec.task,
                                  spec.predict_name, step, code_identity())  # refuses other code
     except unreadable_reply() as exc:
@@ -340,22 +340,6 @@ def submit(run: RunDir, spec, step: Optional[int] = None, *, cfg) -> str:
                              tasks_per_node=spec.tasks_per_node, image=spec.container_image,
                              signal_grace_s=spec.signal_grace_s))
     return job_id
-
-
-@contextmanager
-def exported(name: str, value: str):
-    """`name=value` in this process's environment while the block runs (sbatch exports it
-    to the job), as it was before afterwards: a notebook submitting twice keeps a clean
-    environment."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def _check_lock(run: RunDir, job_alive) -> None:

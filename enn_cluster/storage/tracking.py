@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from enn_cluster.config.launch_env import handed_to_workers
 from enn_cluster.errors import UserError
 from enn_cluster.storage.rundir import RunDir, atomic_write_text
 
@@ -36,28 +37,30 @@ def _mlflow():
     return mlflow
 
 
-def ensure_run(run: RunDir, cfg) -> Optional[str]:
-    """Client side, before launch: the MLflow run id of this run (created on first use),
-    exported to the workers through the environment."""
+# MLflow's own defaults (120 s per request, 7 retries with backoff) hold a launch, and the
+# run's lock, for many minutes when the server is down. These apply unless the user set them.
+CLIENT_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+
+
+def ensure_run(run: RunDir, cfg) -> dict[str, str]:
+    """Client side, before launch: the MLflow run of this run (created on first use), as the
+    environment its workers need: its id, and our request limits where the user set none.
+    The caller hands them over for the launch alone (launch_env.handed_to_workers), so a
+    notebook's own MLflow calls keep MLflow's defaults. Empty: no tracking."""
     uri = tracking_uri(cfg)
     if uri is None:
-        return None
+        return {}
+    limits = {k: v for k, v in CLIENT_LIMITS.items() if k not in os.environ}
     record = run.path / RECORD
     if record.exists():
         run_id = json.loads(record.read_text())["run_id"]
     else:
-        run_id, experiment_id = _create_mlflow_run(uri, cfg, run)
+        with handed_to_workers(limits):  # and to this process's own requests
+            run_id, experiment_id = _create_mlflow_run(uri, cfg, run)
         atomic_write_text(record, json.dumps({"run_id": run_id, "experiment_id": experiment_id,
                                               "tracking_uri": uri}, indent=1))
-    os.environ[RUN_ID_VAR] = run_id
-    return run_id
-
-
-# MLflow's own defaults (120 s per request, 7 retries with backoff) hold a launch, and the
-# run's lock, for many minutes when the server is down. These apply unless the user set them;
-# the workers inherit them through the environment.
-CLIENT_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+    return {RUN_ID_VAR: run_id, **limits}
 
 
 def _create_mlflow_run(uri: str, cfg, run: RunDir) -> tuple[str, str]:
@@ -65,8 +68,6 @@ def _create_mlflow_run(uri: str, cfg, run: RunDir) -> tuple[str, str]:
     from urllib.parse import urlsplit
 
     mlflow = _mlflow()
-    for name, value in CLIENT_LIMITS.items():
-        os.environ.setdefault(name, value)
     try:
         client = mlflow.tracking.MlflowClient(uri)
         name = cfg.logging.mlflow_experiment

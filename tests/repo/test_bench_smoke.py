@@ -458,13 +458,16 @@ def test_checkpoint_bench_times_every_side_of_every_repeat(tmp_path):
     """The checkpoint benchmark end to end in quick mode (2 ranks, a 1024-wide MLP): save,
     load and resume each timed against the raw side in every repeat, the sides' files
     evicted after each (the page cache each side starts from is the same), the bytes a
-    2x2 HSDP resume reads counted, and the scratch folders gone afterwards."""
+    2x2 HSDP resume reads counted, and the scratch folders gone afterwards; the bench's own
+    environment as it was (the next benchmark's jobs inherit it)."""
     from bench import checkpoint
     from bench.measure import BenchContext
 
     ctx = BenchContext(quick=True, workdir=tmp_path, root=ROOT, python=sys.executable,
                        repeats=3)
+    before = dict(os.environ)
     results = checkpoint.run(ctx, ["checkpoint"])
+    assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
     names = [r.name for r in results]
     assert names == ["checkpoint save throughput vs raw write",
                      "checkpoint load throughput vs raw read",

@@ -52,8 +52,8 @@ def test_the_calls_environment_reaches_the_command(tmp_path):
 
 @pytest.mark.parametrize("name", ["HOME", "HF_HUB_OFFLINE", "PYTHONPATH", "OMP_NUM_THREADS"])
 def test_an_environment_read_while_importing_is_fresh_then_its_own_zygotes(tmp_path, name):
-    """The value is one this worker has not seen: earlier tests may have left this name in
-    its environment (in-process launches leave OMP_NUM_THREADS=1)."""
+    """The value is one this worker has not seen: the session's own environment may hold
+    this name already (CI's did, with OMP_NUM_THREADS=1 left by a benchmark's launch)."""
     run_cli(["--help"], cli_env(), str(tmp_path), 120)
     assert run_cli(["--help"], cli_env(), str(tmp_path), 120) is not None  # the session's own
     env = next(e for e in (cli_env({name: _value(name, tmp_path, i)}) for i in range(1, 9))

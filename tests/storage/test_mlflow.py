@@ -87,3 +87,37 @@ def test_unreachable_server_is_one_line_and_the_lock_is_released(tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith(
         f"enn-submit: error: logging.mlflow_tracking_uri: cannot use the MLflow server at {uri}")
     assert not (tmp_path / "runs" / "dark" / "run.lock").exists()
+
+
+def test_a_notebook_that_trains_two_tracked_runs_keeps_its_environment(tmp_path, monkeypatch):
+    """The API launches from the caller's own process: each run's workers log into that
+    run's MLflow run, and the caller's environment is as it was (no run id left for the next
+    launch; its own MLflow calls keep their own request limits)."""
+    import os
+
+    import numpy as np
+
+    import enn_cluster
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # the user's own
+    store = f"file://{tmp_path / 'mlruns'}"
+    x = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    y = x[:, :1].copy()
+    def environ():  # but for MLflow's own bookkeeping in the process that imported it
+        return {k: v for k, v in os.environ.items() if not k.startswith("_MLFLOW_")}
+
+    before, ids = environ(), {}
+    for name in ("a", "b"):
+        run = enn_cluster.train("api_models:tiny", x, y, run_dir=str(tmp_path / name),
+                                training={"max_steps": 3, "per_device_train_batch_size": 8},
+                                checkpoint={"every_steps": 0},
+                                parallel={"nodes": 1, "procs_per_node": 1},
+                                logging={"mlflow_tracking_uri": store,
+                                         "mlflow_experiment": "notebook"})
+        assert environ() == before, set(environ().items()) ^ set(before.items())
+        ids[name] = json.loads((run.path / "mlflow.json").read_text())["run_id"]
+    assert ids["a"] != ids["b"]
+    client = mlflow.tracking.MlflowClient(store)
+    for run_id in ids.values():
+        assert {m.step for m in client.get_metric_history(run_id, "loss")} == {1, 2, 3}
