@@ -232,6 +232,11 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
             min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
             run_id=f"enn-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
             rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+            # the workers' MASTER_ADDR, numeric: no worker asks the resolver for it. A forked
+            # worker inherits the launcher's locks as they were at the fork: one forked while
+            # a launcher thread was inside getaddrinfo waited on glibc's resolver lock for
+            # good at its first lookup of "localhost" (socket.getfqdn's name, by default)
+            local_addr="127.0.0.1",
             monitor_interval=0.1,  # torchrun's: a failure seen in 0.1 s
             **shutdown_options(stop_grace_s, {f.name for f in dataclasses.fields(LaunchConfig)}))
     # asked last: the config itself asks torch whether CUDA is there (on a GPU without NVML,

@@ -142,6 +142,60 @@ def test_a_launcher_that_initialised_the_cuda_driver_starts_fresh_workers(tmp_pa
     assert _started(tmp_path / "runs" / "driver") == {"fresh" if initialised else "forked"}
 
 
+# getaddrinfo, noting each name a forked copy asks to resolve (a number is no lookup)
+RESOLVER_WATCH = r"""
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+static int forked;
+static void child(void) { forked = 1; }
+__attribute__((constructor)) static void init(void) { pthread_atfork(0, 0, child); }
+int getaddrinfo(const char *node, const char *service, const struct addrinfo *hints,
+                struct addrinfo **res) {
+    static int (*real)(const char *, const char *, const struct addrinfo *,
+                       struct addrinfo **);
+    unsigned char addr[16];
+    const char *out = getenv("RESOLVER_WATCH_LOG");
+    if (!real) real = dlsym(RTLD_NEXT, "getaddrinfo");
+    if (forked && node && out && inet_pton(AF_INET, node, addr) != 1
+            && inet_pton(AF_INET6, node, addr) != 1) {
+        FILE *f = fopen(out, "a");
+        if (f) { fprintf(f, "%d %s\n", (int)getpid(), node); fclose(f); }
+    }
+    return real(node, service, hints, res);
+}
+"""
+
+
+def test_forked_workers_never_ask_the_resolver(tmp_path):
+    """A forked worker inherits the launcher's locks as they were at the fork: one forked
+    while an agent thread was inside getaddrinfo waited for good on glibc's resolver lock
+    at its first lookup of a name (CI: one predict in some 240). The workers are told a
+    numeric MASTER_ADDR and look up no name at all; getaddrinfo is watched in every forked
+    copy of the launcher, from the fork to its end."""
+    watch = tmp_path / "watch.so"
+    (tmp_path / "watch.c").write_text(RESOLVER_WATCH)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(watch), str(tmp_path / "watch.c"),
+                    "-ldl", "-lpthread"], check=True)
+    cfg = write_config(tmp_path / "run.yaml", **small_config(
+        tmp_path, "named", training={"max_steps": 2},
+        parallel={"nodes": 2, "procs_per_node": 2}))
+    log = tmp_path / "lookups.txt"
+    env = {**os.environ, "LD_PRELOAD": str(watch), "RESOLVER_WATCH_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
+                           str(cfg)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _started(tmp_path / "runs" / "named") == {"forked"}
+    assert not log.exists(), log.read_text()
+
+
 def test_a_callers_process_is_never_forked(tmp_path):
     """`enn_cluster.train` in a user's script launches in that process, which may hold CUDA
     or threads a copy would inherit broken: its workers are fresh interpreters."""
