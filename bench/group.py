@@ -9,13 +9,12 @@ import os
 import uuid
 from typing import Callable
 
-from enn_cluster.client.launch_local import free_port
-from enn_cluster.config.launch_env import ELASTIC_SIGNALS_VAR, handed_to_workers
+from enn_cluster.client.launch_local import elastic_run, free_port
 
 
 def run_group(entry: Callable, nprocs: int, *args) -> dict:
     """Call `entry(*args)` on `nprocs` spawned ranks; return {rank: return value}."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"bench-{uuid.uuid4().hex[:8]}",
@@ -23,9 +22,8 @@ def run_group(entry: Callable, nprocs: int, *args) -> dict:
         monitor_interval=0.2, start_method="spawn")
     # for the ranks alone: left in this process, OMP_NUM_THREADS=1 would reach every later
     # benchmark's jobs (a Slurm task takes it over its planned thread count)
-    with handed_to_workers({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                            ELASTIC_SIGNALS_VAR: config.signals_to_handle}):
-        return elastic_launch(config, entry)(*args)
+    return elastic_run(config, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                       entry, *args)
 
 
 def max_over_ranks(lanes, seconds: float) -> float:

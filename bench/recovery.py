@@ -13,7 +13,6 @@ alternate, `pairs` times.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -56,9 +55,9 @@ def _ours(ctx: BenchContext, s: dict, x: Path, y: Path, i: int) -> dict:
 
 
 def _bare(ctx: BenchContext, s: dict, x: Path, y: Path, i: int) -> float:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
-    from enn_cluster.client.launch_local import free_port
+    from enn_cluster.client.launch_local import elastic_run, free_port
 
     from .bare_recover import recover
 
@@ -71,13 +70,9 @@ def _bare(ctx: BenchContext, s: dict, x: Path, y: Path, i: int) -> float:
     # A restart reuses the agent's store, where gloo finds the failed attempt's addresses
     # ("Connection refused", pytorch#135712); the documented switch gives each attempt a
     # store of its own (ours prefixes its keys with the attempt instead).
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    try:
-        out = elastic_launch(config, recover)(str(x), str(y), s["hidden"], SHAPE["nodes"],
-                                              SHAPE["procs_per_node"], s["batch"], s["save_at"],
-                                              s["die_at"], s["lr"], s["seed"], str(ckpt))
-    finally:
-        del os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+    out = elastic_run(config, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, recover,
+                      str(x), str(y), s["hidden"], SHAPE["nodes"], SHAPE["procs_per_node"],
+                      s["batch"], s["save_at"], s["die_at"], s["lr"], s["seed"], str(ckpt))
     died = float((ckpt / "died").read_text())
     shutil.rmtree(ckpt)
     return out[0] - died

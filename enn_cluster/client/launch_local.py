@@ -36,7 +36,6 @@ from enn_cluster.errors import UserError
 from enn_cluster.storage import layout
 from enn_cluster.config.launch_env import (
     ATTEMPT_VAR,
-    ELASTIC_SIGNALS_VAR,
     GPUS_REQUESTED_VAR,
     LAUNCH_ID_VAR,
     LAUNCHER_PID_VAR,
@@ -225,7 +224,7 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     with handed_to_workers(worker_env):
         config = LaunchConfig(
@@ -248,22 +247,18 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
     previous = signal.signal(signal.SIGUSR2, _forward_to_workers)
     one_line, agent_log = OneLineExits(), logging.getLogger(AGENT_LOGGER)
     agent_log.addFilter(one_line)
-    # elastic_launch sets this in its caller's environment; handed over with ours, it is
-    # taken back with ours (a notebook's environment stays its own)
-    worker_env = {**worker_env, ELASTIC_SIGNALS_VAR: config.signals_to_handle}
     try:
-        with handed_to_workers(worker_env):  # the workers inherit it; the caller's is left as it was
-            if fork:
-                from enn_cluster.worker.entry import forked_main
+        if fork:
+            from enn_cluster.worker.entry import forked_main
 
-                # the launcher's objects out of the collector's reach: a worker's collections
-                # would write to each one's header, copying every page they sit on
-                gc.freeze()
-                results = elastic_launch(config, forked_main)(*args)
-            else:
-                from enn_cluster.worker.entry import WORKER_COMMAND
+            # the launcher's objects out of the collector's reach: a worker's collections
+            # would write to each one's header, copying every page they sit on
+            gc.freeze()
+            results = elastic_run(config, worker_env, forked_main, *args)
+        else:
+            from enn_cluster.worker.entry import WORKER_COMMAND
 
-                results = elastic_launch(config, sys.executable)(*WORKER_COMMAND, *args)
+            results = elastic_run(config, worker_env, sys.executable, *WORKER_COMMAND, *args)
     except SignalException as exc:
         # TERM/INT/HUP reached the launcher; the agent passed it on to the workers, which
         # checkpoint at the next step boundary and leave the marker ("requeue me")
@@ -279,6 +274,20 @@ def _attempt(run_dir: str, nprocs: int, worker_env: dict, args: list[str],
         agent_log.removeFilter(one_line)
     marker.unlink(missing_ok=True)
     return 0 if results is not None else 1  # every worker exited 0 (else ChildFailedError)
+
+
+ELASTIC_SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+
+def elastic_run(config, worker_env: dict, entry, *args):
+    """torch's elastic_launch(config, entry)(*args) with `worker_env` for the workers, and
+    the caller's environment as it was afterwards: elastic_launch sets its signal list
+    there, so it is handed over with ours and taken back with it (a notebook's environment
+    stays its own)."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    with handed_to_workers({**worker_env, ELASTIC_SIGNALS_VAR: config.signals_to_handle}):
+        return elastic_launch(config, entry)(*args)
 
 
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # where it logs a worker's exit

@@ -20,9 +20,6 @@ SUBMISSION_VAR = "ENN_SUBMISSION"  # enn-submit on Slurm: the token its claim on
 # the batch script's host side (it has scontrol; the image may not): 'JOBID:alive' or
 # 'JOBID:gone' for the Slurm job that run.lock names, asked before srun
 LOCK_JOB_STATE_VAR = "ENN_LOCK_JOB_STATE"
-# torch's elastic_launch sets it in its caller's environment: launchers hand it over with
-# their own values, so that it is taken back with them
-ELASTIC_SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 # MASTER_PORT when nobody exported one: BASE + job id % SPAN (20000-29999, below Linux's
 # ephemeral ports 32768-60999), stable across requeues of one job. The batch scripts' host

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, small_config, write_config
+from helpers import ROOT, cli_env, fresh_cli, small_config, write_config
 
 HOLD = "ENN_FAULT_HOLD_BEFORE_COMMIT"
 
@@ -186,11 +186,8 @@ def test_forked_workers_never_ask_the_resolver(tmp_path):
         tmp_path, "named", training={"max_steps": 2},
         parallel={"nodes": 2, "procs_per_node": 2}))
     log = tmp_path / "lookups.txt"
-    env = {**os.environ, "LD_PRELOAD": str(watch), "RESOLVER_WATCH_LOG": str(log),
-           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, "-m", "enn_cluster.client.cli", "train", "--config",
-                           str(cfg)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    done = fresh_cli(["train", "--config", str(cfg)],
+                     cli_env({"LD_PRELOAD": str(watch), "RESOLVER_WATCH_LOG": str(log)}), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _started(tmp_path / "runs" / "named") == {"forked"}
     assert not log.exists(), log.read_text()
