@@ -76,15 +76,24 @@ def bare_lm(name: str) -> nn.Module:
                         f"transformers can build ({str(exc).splitlines()[0][:160]})") from None
 
 
+def check_lora_targets(lm: nn.Module, lora: LoraConfig) -> None:
+    """Every target names a module of the model (the client asks this of the model built on
+    the meta device, so that a typo is refused before anything is submitted)."""
+    missing = [t for t in lora.target_modules
+               if not any(n.rsplit(".", 1)[-1] == t for n, _ in lm.named_modules())]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules()  # and Conv1D
+                         if getattr(m, "weight", None) is not None and m.weight.dim() == 2
+                         and not isinstance(m, nn.Embedding)})
+        raise UserError(f"lora.target_modules: {missing} match no module of the model; pick "
+                        f"from its linear layers ({', '.join(linear)[:200]})")
+
+
 def with_lora(lm: nn.Module, lora: LoraConfig) -> nn.Module:
     """peft's LoRA on the target modules; every base parameter frozen."""
     from peft import LoraConfig as PeftLora, get_peft_model
 
-    missing = [t for t in lora.target_modules
-               if not any(n.rsplit(".", 1)[-1] == t for n, _ in lm.named_modules())]
-    if missing:
-        raise UserError(f"lora.target_modules: {missing} match no module of the model; pick "
-                        "from its linear layers (e.g. q_proj, k_proj, v_proj, o_proj)")
+    check_lora_targets(lm, lora)
     spec = PeftLora(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                     target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft asks transformers a deprecated question
@@ -321,6 +330,10 @@ class CausalLMKind(ModelKind):
         with torch.device("meta"):  # no storage: only the shapes are wanted
             model = bare_lm(name)
         check_shapes(path, {n: tuple(t.shape) for n, t in base_targets(model).items()})
+        self.check_built(cfg, model)
+
+    def check_built(self, cfg: RunConfig, model) -> None:
+        """What the config asks of the model itself (built on the meta device)."""
 
     def load_code(self, cfg: RunConfig) -> None:
         import transformers  # noqa: F401  (its kernel choices, as the model will see them)
@@ -421,6 +434,9 @@ class LoraKind(CausalLMKind):
 
     def worker_imports(self, cfg: RunConfig) -> tuple[str, ...]:
         return (*LM_WORKER_IMPORTS, "peft")
+
+    def check_built(self, cfg: RunConfig, model) -> None:
+        check_lora_targets(model, cfg.lora)
 
     def build(self, cfg: RunConfig, input_shape: tuple = (), n_outputs: int = 0) -> CausalLM:
         """peft's LoRA on the target modules, every base parameter frozen."""

@@ -235,3 +235,15 @@ def test_export_and_resume_refuse_a_transposed_tensor_by_name(lm_run, tmp_path):
         _refused(res, "model.embed_tokens.weight")
     finally:
         shutil.move(kept, file)
+
+
+def test_resume_refuses_a_lora_target_the_model_lacks_and_keeps_its_config(lm_run):
+    """`resume --set lora.target_modules=...` is checked on the model as prepare checks it
+    (test_lm_weight_headers): one line, and the run's config.yaml is left as it was."""
+    config = lm_run["run"] / "config.yaml"
+    before = config.read_bytes()
+    res = cli("resume", lm_run["run"], "--set", "lora.target_modules=[q_proj,qkv_proj]",
+              timeout=120)
+    line = _refused(res, "lora.target_modules")
+    assert "['qkv_proj'] match no module" in line, line
+    assert config.read_bytes() == before

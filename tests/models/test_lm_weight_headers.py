@@ -1,7 +1,8 @@
 """A weights folder's safetensors headers are checked against the model its config.json
 describes before anything is written (issue 38 section 4): a tensor saved transposed, a
 tensor missing, a header length past the file or a header that is not JSON is one line,
-exit 2, naming the file and the tensor, and no run directory is made. Real tiny models
+exit 2, naming the file and the tensor, and no run directory is made; so is a LoRA target
+the model has no module of (it failed on every rank once submitted). Real tiny models
 written by save_pretrained, in fp32 and in bf16 (as users' weights are saved)."""
 from __future__ import annotations
 
@@ -99,3 +100,17 @@ def test_the_weights_as_saved_still_prepare(saved, tmp_path):
     model, precision = saved
     res = cli("prepare", "--config", _config(tmp_path, model, precision), timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_a_lora_target_the_model_lacks_is_refused_before_any_run(saved, tmp_path):
+    """A typo in lora.target_modules, checked on the model built from config.json on the meta
+    device: one line naming the target and the model's own linear layers, nothing written."""
+    model, precision = saved
+    cfg = lm_config(tmp_path, model, "bad", rows=16, length=16,
+                    lora={"target_modules": ["q_proj", "qkv_proj"]},
+                    training={"max_steps": 2, **bf16_training(precision)},
+                    parallel={"nodes": 1, "procs_per_node": 1})
+    res = cli("train", "--config", write_config(tmp_path / "run.yaml", **cfg), timeout=120)
+    line = _refused(res, "lora.target_modules", "['qkv_proj']")
+    assert "q_proj, up_proj, v_proj" in line, line
+    assert not (tmp_path / "runs").exists()
