@@ -264,8 +264,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from enn_cluster.client.status import format_status, run_status
-
+    from enn_cluster.client.status import run_status
+    from enn_cluster.client.status_text import format_status
     from enn_cluster.storage.rundir import RunDir
 
     path = RunDir.existing(args.run_dir).path
@@ -281,7 +281,8 @@ def _follow_status(path: Path, interval: float) -> int:
     """Redraw one line in place on a terminal; elsewhere print a line when it changes."""
     import time
 
-    from enn_cluster.client.status import live, progress_line, run_status
+    from enn_cluster.client.status import run_status
+    from enn_cluster.client.status_text import live, progress_line
     from enn_cluster.cluster.slurm_watch import SlurmWatch
 
     tty, previous, verified = sys.stdout.isatty(), None, {}

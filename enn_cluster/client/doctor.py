@@ -144,7 +144,8 @@ def _non_finite(value) -> bool:
 
 
 def check_precision(run: RunDir, reports: list[dict], q: str) -> Finding:
-    from enn_cluster.client.status import nonfinite_dumps, nonfinite_line
+    from enn_cluster.client.status import nonfinite_dumps
+    from enn_cluster.client.status_text import nonfinite_line
 
     more = f"grep '\"kind\": \"train\"' {q}/metrics.jsonl | tail -n 5"
     train = list(read_metrics(run.metrics, "train"))

@@ -38,7 +38,8 @@ def test_train_from_preset_weights_and_load_model(tmp_path):
         assert torch.equal(value, final[key]), key
     assert not torch.equal(trained.state_dict()["head.weight"], model.state_dict()["head.weight"])
     assert [(r["step"], r.get("initial_weights")) for r in run.metrics("resume")] == [(0, True)]
-    from enn_cluster.client.status import format_status, run_status
+    from enn_cluster.client.status import run_status
+    from enn_cluster.client.status_text import format_status
 
     assert "restarts:        0 resume(s), 1 launch(es)" in format_status(run_status(run.path))
     again = enn_cluster.Run.open(run.path)

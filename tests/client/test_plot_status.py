@@ -123,7 +123,8 @@ def test_status_escapes_terminal_controls_from_run_files(tmp_path):
 def test_a_nonfinite_dump_of_the_wrong_shape_is_reported_not_a_crash(tmp_path):
     """A run directory is untrusted: a dump that is valid JSON but not the record the trainer
     writes (a list, rows that are a number, shards that are a list) still gives one line."""
-    from enn_cluster.client.status import nonfinite_dumps, nonfinite_line
+    from enn_cluster.client.status import nonfinite_dumps
+    from enn_cluster.client.status_text import nonfinite_line
 
     folder = tmp_path / "nonfinite"
     folder.mkdir()

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from enn_cluster.client import status as status_mod
-from enn_cluster.client.status import progress_line, slurm_lines
+from enn_cluster.client.status_text import pending_fix_lines, progress_line, slurm_lines
 from enn_cluster.cluster.slurm_watch import Backoff, SlurmWatch, node_hint, wait_for_job
 from enn_cluster.cluster.submit_slurm import check_slurm_here, slurm_problem
 from enn_cluster.errors import UserError
@@ -144,7 +144,7 @@ def test_a_job_waiting_for_a_down_node_says_which_and_what_to_run():
         slurm.pending_why(named)
     assert "waits for nodes that Slurm has down" in slurm.pending_why(unnamed)
     st = {**_status(unnamed), "run_dir": "/runs/a b"}
-    (fix,) = status_mod.pending_fix_lines(st)
+    (fix,) = pending_fix_lines(st)
     assert "enn-submit cancel '/runs/a b', then enn-submit resume '/runs/a b' --nodes 2" in fix
     assert "pending:         waits for nodes" in "\n".join(slurm_lines(unnamed))
 
@@ -153,7 +153,7 @@ def test_waiting_its_turn_names_the_reason_and_asks_nothing_of_anyone():
     waiting = job("13")
     assert slurm.pending_why(waiting) == \
         "waits behind jobs of higher priority (Reason=Priority)"
-    assert status_mod.pending_fix_lines({**_status(waiting), "run_dir": "/r"}) == []
+    assert pending_fix_lines({**_status(waiting), "run_dir": "/r"}) == []
     limit = {**waiting, "reason": "QOSMaxNodePerUserLimit"}
     assert "leave room under a limit (Reason=QOSMaxNodePerUserLimit)" in slurm.pending_why(limit)
     assert slurm.pending_why(job("8")) is None  # held until a time: held_until says so
@@ -163,7 +163,7 @@ def test_waiting_its_turn_names_the_reason_and_asks_nothing_of_anyone():
 def test_a_job_that_can_never_start_says_what_to_change():
     never = job("14")
     assert slurm.never_starts(never) and "never start it as asked" in slurm.pending_why(never)
-    (fix,) = status_mod.pending_fix_lines({**_status(never), "run_dir": "/r"})
+    (fix,) = pending_fix_lines({**_status(never), "run_dir": "/r"})
     assert fix.startswith("to run:          enn-submit cancel /r, then enn-submit resume /r")
 
 

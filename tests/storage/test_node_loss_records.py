@@ -12,7 +12,8 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 
-from enn_cluster.client.status import node_loss_lines, progress_line, with_last_step
+from enn_cluster.client.status import with_last_step
+from enn_cluster.client.status_text import node_loss_lines, progress_line
 from enn_cluster.cluster.job_spec import JobSpec, render_batch_script
 from enn_cluster.storage import node_loss
 from enn_cluster.storage.job_record import JobRecord
@@ -158,7 +159,7 @@ def test_a_refusal_note_is_written_by_the_worker_and_read_as_one_printable_line(
 def test_status_names_the_slurm_job_that_holds_the_run_not_a_pid_0():
     """Issue 37 section 4: a Slurm job's lock reads "Slurm job J (at step S)", never
     "pid 0 on slurm"; a local launcher's names its pid and host."""
-    from enn_cluster.client.status import format_status
+    from enn_cluster.client.status_text import format_status
 
     st = {"run_dir": "/r", "last_step": 190, "last_loss": 0.5, "last_eval_loss": None,
           "checkpoints": [180], "last_checkpoint": 180, "corrupt_checkpoints": {},
