@@ -27,6 +27,7 @@ import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -99,14 +100,19 @@ def _lose_a_node(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, cluste
             "first_step": first["time"] - resumed["time"]}
 
 
+def training_nodes(log: str) -> Optional[list[str]]:
+    """The nodes a batch shell with spares trains on, from its "enn: training on n1,n2, 1
+    spare node(s) held" line (train.sbatch); None before it is written. The one reader of
+    that line, for this benchmark and tests/slurm/test_node_loss_continue.py."""
+    if "enn: training on " not in log:
+        return None
+    return log.split("enn: training on ")[1].split()[0].rstrip(",").split(",")
+
+
 def _training_nodes(run: Path, job: str) -> list[str]:
-    """The nodes the batch shell trains on, from its "enn: training on n1,n2, ..." line."""
     def read():
         path = layout.batch_log(run, job)
-        text = path.read_text(errors="replace") if path.exists() else ""
-        if "enn: training on " not in text:
-            return None
-        return text.split("enn: training on ")[1].split()[0].rstrip(",").split(",")
+        return training_nodes(path.read_text(errors="replace") if path.exists() else "")
     return _wait(read, 60, 0.2)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.node_loss import training_nodes
 from enn_cluster.storage import commits as store
 from enn_cluster.storage import layout
 from enn_cluster.storage import node_loss
@@ -257,8 +258,7 @@ def test_a_spare_takes_the_lost_nodes_place_at_the_same_world_size(slurm_cluster
     wait_train_step(run, 25, timeout=180)
     assert metrics(run, "start")[0]["world_size"] == 4
     log = _batch_log(run, job)
-    trained = log.split("enn: training on ")[1].split(",", 2)[:2]
-    trained[1] = trained[1].split()[0]
+    trained = training_nodes(log)
     (spare,) = {"n1", "n2", "n3"} - set(trained)
     victim = trained[1]  # not the batch shell's node (the first): the job would end with it
     try:
