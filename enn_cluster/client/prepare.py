@@ -17,6 +17,7 @@ from enn_cluster.config.launch_shape import (  # noqa: F401  (shape_from_flags: 
     shape_from_flags,
 )
 from enn_cluster.cluster.slurm import lock_liveness
+from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage.data_sources import check_data_sources
@@ -77,12 +78,31 @@ def prepare_run_and_config(plan: LaunchPlan, arrays: Optional[dict] = None,
     return create_run_dir(cfg, populate), cfg
 
 
+# What shapes the model a run's checkpoints hold. Dropout and LoRA's alpha may change on
+# resume; an hf: model's folder may move (the workers check the base weights).
+MODEL_SHAPE_FIELDS = ("model.task", "model.hidden_sizes", "model.d_model", "model.n_layers",
+                      "model.n_heads", "model.kwargs", "lora.r", "lora.target_modules")
+
+
 def resumed_config(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """A run's config (as loaded) with `resume --set` overrides applied."""
+    """A run's config (as loaded) with `resume --set` overrides applied; one that changes the
+    model the checkpoints hold is refused before the config is re-frozen (its workers would
+    find no step that loads)."""
     from enn_cluster.config.loading import apply_overrides, config_from_dict, config_to_dict
 
-    return config_from_dict(apply_overrides(config_to_dict(cfg), overrides)) if overrides \
-        else cfg
+    if not overrides:
+        return cfg
+    new = config_from_dict(apply_overrides(config_to_dict(cfg), overrides))
+    old_name, new_name = cfg.model.name, new.model.name
+    moved = old_name != new_name and not (is_hf_model(old_name) and is_hf_model(new_name))
+    for key in ("model.name",) * moved + MODEL_SHAPE_FIELDS:
+        section, name = key.split(".")
+        was, now = getattr(getattr(cfg, section), name), getattr(getattr(new, section), name)
+        if was != now:
+            raise UserError(f"{key}: the run's checkpoints hold a model of {key} {was!r}, not "
+                            f"{str(now)[:80]!r}; a resume keeps the run's model: drop that "
+                            "--set, or start a new run (enn-submit train) for the new model")
+    return new
 
 
 def prepare_resume(run: RunDir, cfg: RunConfig, plan: LaunchPlan) -> RunConfig:

@@ -223,6 +223,10 @@ def choose_resume(root: Path, lanes: Lanes, step: Optional[int] = None) -> Optio
     return None
 
 
+class NoStepLoads(UserError):
+    """Committed steps, none of which loads: a resume from scratch would write over them."""
+
+
 class CorruptCheckpoint(Exception):
     """Shards whose bytes, read while loading, disagree with the commit record."""
 
@@ -243,7 +247,10 @@ def resume(root: Path, model, optimizer, lanes: Lanes,
     (metadata, trainer and RNG state) are verified first, the shards while they load
     (`load(verify_against=record)`). A step that fails either way is skipped for the next
     older one, whose load overwrites everything the failed one wrote. Returns (step,
-    trainer state)."""
+    trainer state); None when no step was ever committed. Committed steps none of which
+    loads (damaged, or a model changed since they were written) are refused: training from
+    scratch would write over them."""
+    newest = None
     for cand in _candidates(root, lanes):
         path = store.step_dir(root, cand)
         record = store.read_commit(path)
@@ -257,6 +264,13 @@ def resume(root: Path, model, optimizer, lanes: Lanes,
             except CheckpointException as exc:  # raised on every rank alike
                 problems = _load_failures(exc)
         _skipped(cand, problems, lanes)
+        newest = newest or (cand, problems)
+    if newest is not None:
+        step, problems = newest
+        raise NoStepLoads(f"checkpoints: no committed step of this run loads (newest, step-{step}: "
+                        f"{'; '.join(problems[:2])[:400]}); it would train from scratch over "
+                        "them: resume with the model config they were saved with, restore the "
+                        "checkpoint directory, or start a new run")
     return None
 
 
