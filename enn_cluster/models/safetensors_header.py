@@ -2,8 +2,8 @@
 length, little-endian, then that much JSON naming each tensor's dtype, shape and offsets).
 
 The folder is user input: a header length past the file or past safetensors' own limit, a
-header that is not JSON, or an entry that is not a tensor is one line naming the file; no
-tensor data is read. `shapes` is what `model.name`'s check compares with the model its
+header that is not JSON, an entry that is not a tensor, or one whose bytes lie past the end
+of the file (a copy cut short) is one line naming the file; no tensor data is read. `shapes` is what `model.name`'s check compares with the model its
 config.json describes, so a tensor of the wrong shape is refused at `prepare`, by name,
 instead of as a multi-line size mismatch on every rank. `encode_header` is the writing
 side, for a file whose tensors are written one at a time after it (`export --format hf`).
@@ -21,6 +21,9 @@ HEADER_LIMIT = 100_000_000  # safetensors' own bound on a header (its MAX_HEADER
 CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
          "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
          "bool": "BOOL"}
+# safetensors' dtype code -> bytes per element (codes not listed: size not checked)
+ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+              "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def encode_header(entries: list[tuple[str, str, tuple, int]]) -> bytes:
@@ -59,12 +62,46 @@ def read_header(path: Path, field: str = "model.name") -> dict:
     if not isinstance(header, dict):
         raise UserError(f"{field}: {path} has a safetensors header that is not a mapping; {fix}")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    data = size - 8 - length
     for name, entry in tensors.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise UserError(f"{field}: {path}: tensor {name[:200]!r} has no valid shape in its "
                             f"header; {fix}")
+        _check_extent(path, name, entry, field)
+    end = max((e["data_offsets"][1] for e in tensors.values()), default=0)
+    if end > data:
+        raise UserError(f"{field}: {path} is cut short: its header places tensor data up to "
+                        f"byte {8 + length + end}, but the file has {size} bytes (a copy that "
+                        "stopped?); copy the weights folder again")
+    if end < data:  # safetensors itself refuses a file its tensors do not cover
+        raise UserError(f"{field}: {path} has {data - end} bytes past its last tensor, which "
+                        f"safetensors refuses; {fix}")
     return tensors
+
+
+def _check_extent(path: Path, name: str, entry: dict, field: str) -> None:
+    """The tensor's offsets are as many bytes as its shape and dtype need (read_header then
+    checks they lie inside the file: a file cut short is refused there, not as a DCP error
+    on every rank)."""
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(type(o) is int and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
+        raise UserError(f"{field}: {path}: tensor {name[:200]!r} has no valid data_offsets in "
+                        "its header; restore the file save_pretrained wrote")
+    item = ITEM_BYTES.get(entry.get("dtype"))
+    need = item * _count(entry["shape"]) if item else None
+    if need is not None and offsets[1] - offsets[0] != need:
+        raise UserError(f"{field}: {path}: tensor {name[:200]!r} holds "
+                        f"{offsets[1] - offsets[0]} bytes, but its shape {entry['shape']} of "
+                        f"{entry['dtype']} needs {need}; restore the file save_pretrained wrote")
+
+
+def _count(shape: list) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def shapes(folder: Path, field: str = "model.name") -> dict[str, tuple[tuple, Path]]:

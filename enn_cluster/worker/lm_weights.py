@@ -18,6 +18,7 @@ from torch import nn
 from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.errors import UserError
 from enn_cluster.models.causal_lm import CausalLM, base_targets, is_adapter
+from enn_cluster.models.safetensors_header import check_shapes
 from enn_cluster.storage.base_weights import identity
 from enn_cluster.storage.dcp_io import SafeLoadPlanner
 from enn_cluster.worker.meta_init import copy_local, name_generator
@@ -57,14 +58,21 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 
 def load_base(model: nn.Module, weights: Path, group) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 
     targets = base_targets(model)
+    # the headers again (prepare checked them): the folder may have changed since, and an
+    # external launcher makes no client check; a file cut short is one line, not DCP's trace
+    check_shapes(weights, {n: tuple(t.shape) for n, t in targets.items()})
     try:
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(weights)),
                  planner=SafeLoadPlanner(), process_group=group)
-    except Exception as exc:  # DCP wraps every rank's error; the first line says which key
-        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    # DCP wraps every rank's error in a CheckpointException (a BaseException)
+    except (Exception, CheckpointException) as exc:
+        failures = getattr(exc, "failures", None) or {}
+        inner = next(iter(failures.values()), (exc,))[0]
+        first = next((line for line in str(inner).splitlines() if line.strip()),
+                     type(inner).__name__)
         raise UserError(f"model.name: the weights in {weights} do not fit the model its "
                         f"config.json describes ({first[:200]}); point hf: at the directory "
                         "save_pretrained wrote") from None
