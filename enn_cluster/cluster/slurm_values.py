@@ -19,6 +19,10 @@ MANAGED_SBATCH = frozenset({
 # real sbatch options that are also the start of a managed one (sbatch takes exact names first)
 _EXACT_OPTIONS = frozenset({"gpus", "ntasks"})
 MANAGED_SRUN = ("--container-", "--no-container-", "--output", "--error", "--kill-on-bad-exit")
+# srun options that place the tasks: the step's nodes and task counts follow the job (spares,
+# node ranges), and the (replicate, shard) mesh needs ranks laid out node by node (block)
+PLACEMENT_SRUN = ("--distribution", "-m", "--nodes", "-N", "--nodelist", "-w", "--ntasks",
+                  "-n")
 
 MAX_TIME_MINUTES = 366 * 24 * 60
 MAX_GPUS_PER_NODE = 1024  # no node has more; beyond it a value is a typo
@@ -107,6 +111,10 @@ def check_srun_arg(arg: str, flag: str = "--srun-arg") -> str:
     if arg.startswith(MANAGED_SRUN):
         raise _fail(flag, f"{arg!r} is set by enn_cluster",
                     "use the container/image flags or site keys instead")
+    if arg.startswith(PLACEMENT_SRUN):
+        raise _fail(flag, f"{arg!r} is set by enn_cluster (tasks placed node by node, as the "
+                          "job's nodes and --gpus-per-node say)",
+                    "drop it; give --nodes and --gpus-per-node to enn-submit")
     return arg
 
 
