@@ -182,3 +182,21 @@ class WrappedCausalLM(nn.Module):
 
 def wrapped_llm(n_features: int, n_outputs: int, path: str) -> WrappedCausalLM:
     return WrappedCausalLM(path)
+
+
+def not_a_module(n_features: int, n_outputs: int) -> dict:
+    """A factory that returns weights, not a module (refused before anything is written)."""
+    return {"weight": [[0.0] * n_features] * n_outputs}
+
+
+def sized(n_features: int, n_outputs: int, width: int = 8) -> TinyRegressor:
+    """A factory with a keyword of its own (model.kwargs: {width: N})."""
+    return TinyRegressor(n_features, width, n_outputs)
+
+
+def meta_refusing(n_features: int, n_outputs: int) -> TinyRegressor:
+    """Like a factory that calls from_pretrained: it reads its weights' values, which the
+    meta device has none of (its workers build it whole)."""
+    model = TinyRegressor(n_features, 16, n_outputs)
+    float(model.head.bias.detach().sum())  # fails on the meta device
+    return model

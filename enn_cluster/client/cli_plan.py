@@ -45,6 +45,11 @@ def cmd_plan(args) -> int:
     if not 0 < mem <= 2**20:
         raise UserError(f"--gpu-mem-gb: {mem:g} must be the GB of memory of one GPU, e.g. 80")
     model = model_shape(cfg)
+    if model is None:
+        raise UserError(f"model.name: {cfg.model.name} cannot be built on the meta device, so "
+                        "its memory plan is not known before the run (its workers build it "
+                        "whole); to plan it, let the factory build under "
+                        "torch.device('meta') (no from_pretrained inside it)")
     plan = memory_plan(cfg, model, shape.nodes, shape.procs_per_node, mem)
     if args.json:
         print(json.dumps(plan.as_json()))

@@ -8,26 +8,33 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from enn_cluster.config.lm_config import is_hf_model
 from enn_cluster.config.memory_plan import DEFAULT_GPU_MEM_GB, ModelShape, memory_refusal
 from enn_cluster.config.run_config import RunConfig
 
 
 def check_fits(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_mem_gb: Optional[float],
                arrays_given: bool = False) -> None:
-    """`train` and `prepare` on GPUs: a run whose memory plan does not fit one GPU is refused
-    in one line naming the fixes, before anything is written. Left to the run: a module
-    given to the API as an object, and a model whose shape comes from arrays the API feeds
-    it (known at staging)."""
+    """`train` and `prepare`: a user's factory is built on the meta device, so that what it
+    returns is checked here rather than on every rank; on GPUs, a run whose memory plan
+    does not fit one GPU is refused in one line naming the fixes. Both before anything is
+    written. Left to the run: a module given to the API as an object, a model whose shape
+    comes from arrays the API feeds it (known at staging), and a factory that cannot build
+    on the meta device (the workers build it whole)."""
     from enn_cluster.models import kind_of
 
-    if gpus_per_node <= 0 or (arrays_given and kind_of(cfg).uses_data_shape()):
+    user_factory = ":" in cfg.model.name and not is_hf_model(cfg.model.name)
+    if (gpus_per_node <= 0 and not user_factory) or (arrays_given
+                                                     and kind_of(cfg).uses_data_shape()):
         return
     from enn_cluster.storage.model_structure import FACTORY  # imports torch
 
     if cfg.model.name == FACTORY:
         return
-    why = memory_refusal(cfg, model_shape(cfg), nodes, gpus_per_node,
-                         gpu_mem_gb or DEFAULT_GPU_MEM_GB)
+    shape = model_shape(cfg)
+    if shape is None or gpus_per_node <= 0:
+        return
+    why = memory_refusal(cfg, shape, nodes, gpus_per_node, gpu_mem_gb or DEFAULT_GPU_MEM_GB)
     if why:
         raise why
 
@@ -42,16 +49,29 @@ def replica_fits(cfg: RunConfig, gpus_per_node: int, gpu_mem_gb: Optional[float]
         return True
     from enn_cluster.config.memory_plan import usable_bytes
 
-    return model_shape(cfg).params * 2 <= usable_bytes(gpu_mem_gb or DEFAULT_GPU_MEM_GB)
+    shape = model_shape(cfg)
+    return shape is None or shape.params * 2 <= usable_bytes(gpu_mem_gb or DEFAULT_GPU_MEM_GB)
 
 
-def model_shape(cfg: RunConfig) -> ModelShape:
+def model_shape(cfg: RunConfig) -> Optional[ModelShape]:
     """The shape of `cfg.model`, as its kind measures it on the meta device: a Hugging Face
     model from its config.json, a built-in model or factory from the data's shape
-    (synthetic, or the arrays' headers; no data is read)."""
-    from enn_cluster.models import kind_of
+    (synthetic, or the arrays' headers; no data is read). None for a user's factory that
+    cannot build there (one calling from_pretrained): its workers build it whole."""
+    from enn_cluster.errors import UserError
+    from enn_cluster.models import ARRAYS, kind_of
 
-    return kind_of(cfg).meta_shape(cfg, lambda: _data_shape(cfg))
+    kind = kind_of(cfg)
+    if kind is ARRAYS:
+        kind.check(cfg)  # a factory's keywords, before it is called
+    try:
+        return kind.meta_shape(cfg, lambda: _data_shape(cfg))
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - the factory's own error on the meta device
+        if ":" not in cfg.model.name or is_hf_model(cfg.model.name):
+            raise
+        return None
 
 
 def _data_shape(cfg: RunConfig) -> tuple[tuple, int]:

@@ -55,3 +55,23 @@ def check_factory(name: str) -> object:
         raise UserError(f"model.name: {name} is a {type(obj).__name__}, not a model factory "
                         "(a class or Python function returning an nn.Module)")
     return obj
+
+
+def check_call(name: str, kwargs: dict) -> None:
+    """The factory takes `n_features`, `n_outputs` and model.kwargs, by its signature (no
+    call): a keyword it lacks is one line here rather than a TypeError on every rank."""
+    import inspect
+
+    obj = import_factory(name)
+    if not (inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismethod(obj)):
+        return
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin or C extension: nothing to read
+        return
+    try:
+        signature.bind(n_features=1, n_outputs=1, **kwargs)
+    except TypeError as exc:
+        raise UserError(f"model.kwargs: {name}{str(signature)[:160]} cannot be called with "
+                        f"n_features, n_outputs and {sorted(kwargs)} ({exc}); give model.kwargs "
+                        "the keywords it takes") from None

@@ -127,6 +127,13 @@ class ArraysKind(ModelKind):
     """The built-in models (mlp, transformer) and `module:factory` models, fed arrays (a
     factory's module is imported, and so checked, by kind_of)."""
 
+    def check(self, cfg: RunConfig) -> None:
+        """A factory takes the keywords it will be called with."""
+        if ":" in cfg.model.name:
+            from enn_cluster.models.factory import check_call
+
+            check_call(cfg.model.name, cfg.model.kwargs)
+
     def build(self, cfg: RunConfig, input_shape: tuple, n_outputs: int):
         from enn_cluster.models.builtin import build_model
 
