@@ -40,6 +40,16 @@ def cli(*args, timeout=300, env=None, cwd=None) -> subprocess.CompletedProcess:
     return forked if forked is not None else fresh_cli(argv, full_env, where, timeout)
 
 
+def refused(res: subprocess.CompletedProcess, *words: str) -> str:
+    """A command refused its input as the brief says: exit 2, no traceback, one line on
+    stderr holding every one of `words`. Returns that line."""
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), res.stderr[-3000:]
+    return lines[0]
+
+
 def full_state(state: dict) -> dict:
     """A (nested) state dict as flat name -> whole tensor: DTensors gathered (a collective:
     every rank calls it), copies that a later load cannot change."""

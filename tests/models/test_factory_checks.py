@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import ROOT, cli, small_config, write_config
+from helpers import ROOT, cli, refused, small_config, write_config
 
 SHAPES = {"cpu": ("--gpus-per-node", "0", "--procs-per-node", "2"),
           "gpu": ("--gpus-per-node", "2")}
@@ -21,25 +21,17 @@ def _prepare(tmp_path, model: dict, shape: str, command: str = "prepare"):
     return cli(command, "--config", path, "--nodes", "1", *SHAPES[shape], cwd=ROOT / "tests")
 
 
-def _refused(res, words: str) -> str:
-    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
-    assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], res.stderr[-3000:]
-    return lines[0]
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_factory_that_returns_no_module_is_refused(tmp_path, shape):
     res = _prepare(tmp_path, {"name": "api_models:not_a_module"}, shape)
-    _refused(res, "model.name: api_models:not_a_module returned dict, not an nn.Module")
+    refused(res, "model.name: api_models:not_a_module returned dict, not an nn.Module")
     assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_keyword_the_factory_does_not_take_is_refused(tmp_path, shape):
     res = _prepare(tmp_path, {"name": "api_models:sized", "kwargs": {"widht": 4}}, shape)
-    line = _refused(res, "model.kwargs: api_models:sized(n_features: int, n_outputs: int, "
+    line = refused(res, "model.kwargs: api_models:sized(n_features: int, n_outputs: int, "
                          "width: int = 8)")
     assert "'widht'" in line, line
     assert not (tmp_path / "runs").exists()
@@ -54,4 +46,4 @@ def test_a_factory_that_cannot_build_on_meta_prepares_trains_and_is_not_planned(
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "cpu" / "runs" / "fac" / "checkpoints" / "step-1" / "commit.json").exists()
     res = _prepare(tmp_path / "plan", {"name": "api_models:meta_refusing"}, "gpu", "plan")
-    _refused(res, "cannot be built on the meta device, so its memory plan is not known")
+    refused(res, "cannot be built on the meta device, so its memory plan is not known")

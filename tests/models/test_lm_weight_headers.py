@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from helpers import cli, write_config
+from helpers import cli, refused, write_config
 from lm_support import PRECISIONS, bf16_training, copy_model, lm_config, tiny_model
 
 TENSOR = "model.embed_tokens.weight"
@@ -56,14 +56,6 @@ def _config(tmp_path, model, precision):
     return write_config(tmp_path / "run.yaml", **cfg)
 
 
-def _refused(res, *words) -> str:
-    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
-    assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and all(w in lines[0] for w in words), res.stderr[-3000:]
-    return lines[0]
-
-
 @pytest.mark.parametrize("command", ["prepare", "train"])
 def test_a_transposed_tensor_is_refused_by_name_before_any_run(saved, tmp_path, command):
     model, precision = saved
@@ -71,7 +63,7 @@ def test_a_transposed_tensor_is_refused_by_name_before_any_run(saved, tmp_path, 
     _rewrite(bad, _transposed)
     vocab, hidden = json.loads((bad / "config.json").read_text())["vocab_size"], 64
     res = cli(command, "--config", _config(tmp_path, bad, precision), timeout=120)
-    _refused(res, "model.name", str(bad / "model.safetensors"), TENSOR,
+    refused(res, "model.name", str(bad / "model.safetensors"), TENSOR,
              f"shape [{hidden}, {vocab}]", f"needs [{vocab}, {hidden}]")
     assert not (tmp_path / "runs").exists()
 
@@ -108,7 +100,7 @@ def test_a_damaged_header_is_one_line(tmp_path_factory, tmp_path, damage, words)
         body = json.dumps({TENSOR: {"dtype": "F32", "shape": "big", "data_offsets": [0, 0]}})
         _header(bad, len(body), body.encode())
     res = cli("prepare", "--config", _config(tmp_path, bad, precision), timeout=120)
-    _refused(res, "model.name", *words)
+    refused(res, "model.name", *words)
     assert not (tmp_path / "runs").exists()
 
 
@@ -127,7 +119,7 @@ def test_a_lora_target_the_model_lacks_is_refused_before_any_run(saved, tmp_path
                     training={"max_steps": 2, **bf16_training(precision)},
                     parallel={"nodes": 1, "procs_per_node": 1})
     res = cli("train", "--config", write_config(tmp_path / "run.yaml", **cfg), timeout=120)
-    line = _refused(res, "lora.target_modules", "['qkv_proj']")
+    line = refused(res, "lora.target_modules", "['qkv_proj']")
     assert "q_proj, up_proj, v_proj" in line, line
     assert not (tmp_path / "runs").exists()
 
