@@ -77,16 +77,28 @@ def bare_lm(name: str) -> nn.Module:
 
 
 def check_lora_targets(lm: nn.Module, lora: LoraConfig) -> None:
-    """Every target names a module of the model (the client asks this of the model built on
-    the meta device, so that a typo is refused before anything is submitted)."""
-    missing = [t for t in lora.target_modules
-               if not any(n.rsplit(".", 1)[-1] == t for n, _ in lm.named_modules())]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules()  # and Conv1D
-                         if getattr(m, "weight", None) is not None and m.weight.dim() == 2
-                         and not isinstance(m, nn.Embedding)})
-        raise UserError(f"lora.target_modules: {missing} match no module of the model; pick "
-                        f"from its linear layers ({', '.join(linear)[:200]})")
+    """Every target names (as peft matches it: the module's name or its end, after a dot) a
+    layer of the model that LoRA adapts (a linear, embedding or convolution layer: peft
+    refuses a norm or a whole block). The client asks this of the model built on the meta
+    device, so that a typo is refused before anything is submitted."""
+    def hits(target: str, adaptable: bool) -> bool:
+        return any((n == target or n.endswith("." + target)) and (_adaptable(m) or not adaptable)
+                   for n, m in lm.named_modules())
+
+    wrong = [t for t in lora.target_modules if not hits(t, True)]
+    if wrong:
+        linear = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
+                  if _adaptable(m) and not isinstance(m, nn.Embedding)}
+        what = "name no layer LoRA adapts (a linear, embedding or convolution layer)" \
+            if any(hits(t, False) for t in wrong) else "match no module of the model"
+        raise UserError(f"lora.target_modules: {wrong} {what}; pick from its linear layers "
+                        f"({', '.join(sorted(linear))[:200]})")
+
+
+def _adaptable(module: nn.Module) -> bool:
+    """A layer peft's LoRA wraps (transformers' Conv1D, GPT-2's linear, by name)."""
+    return isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)) \
+        or type(module).__name__ == "Conv1D"
 
 
 def with_lora(lm: nn.Module, lora: LoraConfig) -> nn.Module:

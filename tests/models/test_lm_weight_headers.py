@@ -154,3 +154,22 @@ def test_weights_cut_short_after_prepare_are_one_line_from_the_worker(tmp_path_f
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
     assert "model.name:" in last and f"{weights}/model.safetensors is cut short" in last, last
+
+
+@pytest.mark.parametrize("targets,words", [
+    (["q_proj", "input_layernorm"], "['input_layernorm'] name no layer LoRA adapts"),
+    (["self_attn.q_proj", "v_proj"], None),  # peft's own match: a name's end, after a dot
+])
+def test_lora_targets_are_the_layers_peft_adapts(tmp_path_factory, tmp_path, targets, words):
+    """On the users' bf16 model: a norm is a module but not a layer LoRA adapts (peft
+    raised on every rank); a dotted name's end is a target as peft matches it."""
+    model = tiny_model(tmp_path_factory.getbasetemp() / "bf16-headers", precision="bf16")
+    cfg = lm_config(tmp_path, model, "bad", rows=16, length=16, lora={"target_modules": targets},
+                    training={"max_steps": 2, **bf16_training("bf16")},
+                    parallel={"nodes": 1, "procs_per_node": 1})
+    res = cli("prepare", "--config", write_config(tmp_path / "run.yaml", **cfg), timeout=120)
+    if words is None:
+        assert res.returncode == 0, res.stderr[-3000:]
+    else:
+        refused(res, "lora.target_modules:", words)
+        assert not (tmp_path / "runs").exists()
