@@ -70,6 +70,7 @@ def prepare_run_and_config(plan: LaunchPlan, arrays: Optional[dict] = None,
             print(striped, file=sys.stderr)
         manifest = stage_run_data(cfg.data, cfg.model, run.data_dir, arrays, progress=sys.stderr,
                                   text=text)
+        kind_of(cfg).check_staged(cfg, run.data_dir, manifest)
         batch_plans(cfg, plan.shape, plan.meshes,
                     manifest["train_rows"][1] - manifest["train_rows"][0])
         if populate_extra is not None:

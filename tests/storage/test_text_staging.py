@@ -304,6 +304,11 @@ BAD = {  # name: (write the input under tmp, extra data keys, what the one line 
         {}, ["c.jsonl line 41 nests JSON deeper"]),
     "tokenizer without files": (lambda t: llm_assets.write_texts(t / "c.jsonl", TEXTS),
                                 {"tokenizer": "EMPTY"}, ["data.tokenizer:", "has no tokenizer files"]),
+    # another model's tokenizer, of a larger vocabulary: its ids have no embedding row
+    "tokenizer past the vocabulary": (
+        lambda t: llm_assets.write_texts(t / "c.jsonl", TEXTS),
+        {"tokenizer": "LARGER"}, ["data.tokenizer: the tokenizer in", "gives token id",
+                                  "past the model's vocabulary (vocab_size"]),
 }
 
 
@@ -314,6 +319,10 @@ def test_bad_text_input_is_one_line_exit_2_and_no_run(tmp_path, users_model_dir,
     if extra.get("tokenizer") == "EMPTY":
         (tmp_path / "empty").mkdir()
         extra = dict(extra, tokenizer=str(tmp_path / "empty"))
+    if extra.get("tokenizer") == "LARGER":
+        vocab = json.loads((users_model_dir / "config.json").read_text())["vocab_size"]
+        llm_assets.write_tokenizer(tmp_path / "larger", TEXTS, reserved=vocab)
+        extra = dict(extra, tokenizer=str(tmp_path / "larger"))
     res = prepare(tmp_path, lm_config(tmp_path, users_model_dir, source, **extra))
     assert_refused_before_any_run(res, tmp_path, needles)
 
@@ -356,3 +365,38 @@ def test_a_jsonl_that_starts_with_a_byte_order_mark_stages_as_without(tmp_path, 
         rows[name] = staged(out)
     for a, b in zip(rows["plain"], rows["marked"]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("change,needles", [
+    ("id at vocab_size", ["data.train_path: train_x holds token id {vocab}, past the model's "
+                          "vocabulary (vocab_size {vocab})"]),
+    ("negative label", ["data.train_targets_path: train_y holds token id -7"]),
+    ("float ids", ["data.train_path: train_x holds dtype float32, not token ids"]),
+    ("ignored labels", None),  # -100: the loss skips them
+])
+def test_token_arrays_are_ids_the_model_embeds(tmp_path, users_model_dir, change, needles):
+    """Token ids given as arrays (not text) for a causal LM: each has a row of the
+    embedding (vocab_size of config.json), labels may be -100; else one line at staging, no
+    run (it was an IndexError, a device assert on GPUs, on every rank)."""
+    from lm_support import packed_tokens
+
+    vocab = json.loads((users_model_dir / "config.json").read_text())["vocab_size"]
+    x = packed_tokens(users_model_dir, 16, 32)
+    y = x.copy()
+    if change == "id at vocab_size":
+        x[3, 5] = vocab
+    elif change == "negative label":
+        y[2, 0] = -7
+    elif change == "float ids":
+        x = x.astype(np.float32)
+    else:
+        y[:, :4] = -100
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    cfg = lm_config(tmp_path, users_model_dir, tmp_path / "x.npy",
+                    train_targets_path=str(tmp_path / "y.npy"))
+    res = prepare(tmp_path, cfg)
+    if needles is None:
+        assert res.returncode == 0, res.stderr[-3000:]
+    else:
+        assert_refused_before_any_run(res, tmp_path, [n.format(vocab=vocab) for n in needles])
