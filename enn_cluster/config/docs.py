@@ -58,7 +58,8 @@ DESCRIPTIONS = {
     "model.n_layers": "Transformer encoder layers (> 0).",
     "model.n_heads": "Transformer attention heads (> 0).",
     "model.dropout": "Dropout probability for the built-in models, in [0, 1).",
-    "model.kwargs": "Extra keyword arguments passed to a user `module:factory`.",
+    "model.kwargs": "Extra keyword arguments passed to a user `module:factory`; checked "
+                    "against its signature before anything is written.",
     # data
     "data.train_path": "`.npy`/`.npz` path or fsspec URL of the training inputs, or "
                        "`synthetic`.",
@@ -90,7 +91,8 @@ DESCRIPTIONS = {
                     "when false, one document per row, truncated or padded with pads masked "
                     "out of the loss.",
     "data.tokenizer": "Causal LM: directory of the tokenizer files; empty: the model's "
-                      "weights directory.",
+                      "weights directory. Every id it gives must be below the model's "
+                      "`vocab_size` (checked at staging).",
     "lora.r": "Adapter rank; 0 (the default) fine-tunes every weight, > 0 trains LoRA "
               "adapters only. Initialisation (whatever the world size): each `lora_A` "
               "uniform in [-1/sqrt(in), 1/sqrt(in)] (in: its input features) from a "
@@ -99,7 +101,10 @@ DESCRIPTIONS = {
     "lora.alpha": "LoRA scaling numerator (the update is scaled by alpha / r).",
     "lora.dropout": "Dropout on the adapters' input, in [0, 1).",
     "lora.target_modules": "Names of the linear modules that get adapters (peft's "
-                           "`target_modules`), e.g. `[q_proj, k_proj, v_proj, o_proj]`.",
+                           "`target_modules`, matched as peft does: a module's name or its "
+                           "end after a dot), e.g. `[q_proj, k_proj, v_proj, o_proj]`; each "
+                           "must name a linear, embedding or convolution layer of the model "
+                           "(checked before anything is written).",
     "data.allow_nonfinite": "Stage NaN and inf values as they are; by default staging "
                             "refuses them, naming the array, the first column and the row "
                             "count.",
