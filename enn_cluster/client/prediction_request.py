@@ -179,6 +179,8 @@ def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chu
                    sharded: bool = False) -> PredictionRequest:
     """Stage the input and write the request under a temporary name, then rename it into
     place; the temporary directory goes on every exit path."""
+    from enn_cluster.models import kind_of
+
     tmp = run.predictions / f".staging-{os.getpid()}-{time.time_ns()}"
     run.predictions.mkdir(mode=DIR_MODE, exist_ok=True)
     key = cfg.data.x_key if str(source).endswith(".npz") else None
@@ -186,6 +188,8 @@ def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chu
     try:
         entry = stage_array(source, tmp / pm.INPUT, key=key, progress=sys.stderr)
         _check_input(entry, run)
+        kind_of(cfg).check_staged(cfg, tmp, {"entries": {pm.INPUT.removesuffix(".npy"): entry}},
+                                  field=INPUT)
         name = name or default_name(source, step, entry["checksum"])
         final = run.predictions / name
         existing = _existing(run, name)

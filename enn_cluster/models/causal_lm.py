@@ -347,14 +347,19 @@ class CausalLMKind(ModelKind):
     def check_built(self, cfg: RunConfig, model) -> None:
         """What the config asks of the model itself (built on the meta device)."""
 
-    def check_staged(self, cfg: RunConfig, data_dir: Path, manifest: dict) -> None:
+    def check_staged(self, cfg: RunConfig, data_dir: Path, manifest: dict,
+                     field=None) -> None:
         """Every staged token id has a row in the model's embedding (vocab_size of its
         config.json): a tokenizer of another vocabulary, or token arrays past it, raised an
-        IndexError (a device assert on GPUs) on every rank."""
+        IndexError (a device assert on GPUs) on every rank. `field`: the input the arrays
+        came from (a prediction's, whose rows may be padded with PAD), else the data paths by
+        array name (whose labels may be IGNORE_INDEX)."""
         from enn_cluster.storage.staging import token_ids_outside
 
         vocab = int(hf_config(weights_dir(cfg.model.name)).get_text_config().vocab_size)
-        bad = token_ids_outside(data_dir, manifest["entries"], vocab, IGNORE_INDEX)
+        also = {name: PAD if field is not None else IGNORE_INDEX
+                for name in manifest["entries"] if field is not None or name.endswith("_y")}
+        bad = token_ids_outside(data_dir, manifest["entries"], vocab, also)
         if bad is None:
             return
         name, value = bad
@@ -364,13 +369,16 @@ class CausalLMKind(ModelKind):
                             f"{value}, past the model's vocabulary (vocab_size {vocab} in "
                             f"{cfg.model.name[len(HF_PREFIX):]}/config.json); use the model's "
                             "own tokenizer (leave data.tokenizer out) or one of its vocabulary")
-        field = "data.eval_path" if name.startswith("eval") else "data.train_path"
-        if name.endswith("_y") and cfg.data.train_targets_path and field == "data.train_path":
-            field = "data.train_targets_path"
+        if field is None:
+            field = "data.eval_path" if name.startswith("eval") else "data.train_path"
+            if name.endswith("_y") and cfg.data.train_targets_path and name.startswith("train"):
+                field = "data.train_targets_path"
         what = (f"holds {value}, not token ids" if value.startswith("dtype") else
                 f"holds token id {value}, past the model's vocabulary (vocab_size {vocab})")
-        raise UserError(f"{field}: {name} {what}; give integer ids from 0 to {vocab - 1} "
-                        f"(labels may be {IGNORE_INDEX}, which the loss skips)")
+        skipped = (f"{PAD} pads a row" if name in also and also[name] == PAD else
+                   f"labels may be {IGNORE_INDEX}, which the loss skips")
+        raise UserError.on(field, f"{name} {what}",
+                           f"give integer ids from 0 to {vocab - 1} ({skipped})")
 
     def load_code(self, cfg: RunConfig) -> None:
         import transformers  # noqa: F401  (its kernel choices, as the model will see them)

@@ -49,9 +49,11 @@ class ModelKind:
     def check(self, cfg: RunConfig) -> None:
         """What the client checks before anything is written (one UserError line)."""
 
-    def check_staged(self, cfg: RunConfig, data_dir: Path, manifest: dict) -> None:
+    def check_staged(self, cfg: RunConfig, data_dir: Path, manifest: dict,
+                     field=None) -> None:
         """What the staged data must hold for this model, checked before the run directory
-        is put in place (one UserError line)."""
+        (or a prediction's) is put in place: one UserError line naming `field`, the input
+        the arrays came from, else the data paths."""
 
     def load_code(self, cfg: RunConfig) -> None:
         """Import the code the model runs (a worker does before it reports its kernels: an

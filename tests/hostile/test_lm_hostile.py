@@ -240,3 +240,26 @@ def test_resume_refuses_other_lora_targets_and_keeps_its_config(lm_run):
     refused(res, "lora.target_modules: the run's checkpoints hold a model of "
                  "lora.target_modules ['q_proj', 'k_proj', 'v_proj', 'o_proj']")
     assert config.read_bytes() == before
+
+
+@pytest.mark.parametrize("bad", ["past the vocabulary", "float"])
+def test_predict_refuses_token_ids_the_model_cannot_embed(lm_run, tmp_path, bad):
+    """An --input of token ids holding one past vocab_size (or floats) is one line before
+    anything of the prediction is written (it was an IndexError on every rank)."""
+    import numpy as np
+
+    from lm_support import packed_tokens
+
+    vocab = json.loads((lm_run["model"] / "config.json").read_text())["vocab_size"]
+    x = packed_tokens(lm_run["model"], 4, 16)
+    if bad == "float":
+        x = x.astype(np.float32)
+    else:
+        x[1, 2] = vocab
+    np.save(tmp_path / "x.npy", x)
+    before = sorted(p.name for p in (lm_run["run"] / "predictions").iterdir())
+    res = cli("predict", lm_run["run"], "--input", tmp_path / "x.npy", "--name", "bad",
+              "--gpus-per-node", "0", "--procs-per-node", "1", timeout=120)
+    refused(res, "--input: input holds " + ("dtype float32, not token ids" if bad == "float"
+                                            else f"token id {vocab}, past the model's vocabulary"))
+    assert sorted(p.name for p in (lm_run["run"] / "predictions").iterdir()) == before
