@@ -38,6 +38,7 @@ from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.models.kinds import ModelKind, measure, shard_units
+from enn_cluster.models.lm_inputs import check_lora_targets, check_token_ids
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
 PAD = -1  # a prediction row's position past its end (input ids and generated tokens)
@@ -74,31 +75,6 @@ def bare_lm(name: str) -> nn.Module:
     except ValueError as exc:
         raise UserError(f"model.name: {name}: {config.model_type!r} is not a causal LM "
                         f"transformers can build ({str(exc).splitlines()[0][:160]})") from None
-
-
-def check_lora_targets(lm: nn.Module, lora: LoraConfig) -> None:
-    """Every target names (as peft matches it: the module's name or its end, after a dot) a
-    layer of the model that LoRA adapts (a linear, embedding or convolution layer: peft
-    refuses a norm or a whole block). The client asks this of the model built on the meta
-    device, so that a typo is refused before anything is submitted."""
-    def hits(target: str, adaptable: bool) -> bool:
-        return any((n == target or n.endswith("." + target)) and (_adaptable(m) or not adaptable)
-                   for n, m in lm.named_modules())
-
-    wrong = [t for t in lora.target_modules if not hits(t, True)]
-    if wrong:
-        linear = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
-                  if _adaptable(m) and not isinstance(m, nn.Embedding)}
-        what = "name no layer LoRA adapts (a linear, embedding or convolution layer)" \
-            if any(hits(t, False) for t in wrong) else "match no module of the model"
-        raise UserError(f"lora.target_modules: {wrong} {what}; pick from its linear layers "
-                        f"({', '.join(sorted(linear))[:200]})")
-
-
-def _adaptable(module: nn.Module) -> bool:
-    """A layer peft's LoRA wraps (transformers' Conv1D, GPT-2's linear, by name)."""
-    return isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)) \
-        or type(module).__name__ == "Conv1D"
 
 
 def with_lora(lm: nn.Module, lora: LoraConfig) -> nn.Module:
@@ -349,36 +325,9 @@ class CausalLMKind(ModelKind):
 
     def check_staged(self, cfg: RunConfig, data_dir: Path, manifest: dict,
                      field=None) -> None:
-        """Every staged token id has a row in the model's embedding (vocab_size of its
-        config.json): a tokenizer of another vocabulary, or token arrays past it, raised an
-        IndexError (a device assert on GPUs) on every rank. `field`: the input the arrays
-        came from (a prediction's, whose rows may be padded with PAD), else the data paths by
-        array name (whose labels may be IGNORE_INDEX)."""
-        from enn_cluster.storage.staging import token_ids_outside
-
+        """Every staged token id has a row in the model's embedding (lm_inputs)."""
         vocab = int(hf_config(weights_dir(cfg.model.name)).get_text_config().vocab_size)
-        also = {name: PAD if field is not None else IGNORE_INDEX
-                for name in manifest["entries"] if field is not None or name.endswith("_y")}
-        bad = token_ids_outside(data_dir, manifest["entries"], vocab, also)
-        if bad is None:
-            return
-        name, value = bad
-        text = manifest.get("text")
-        if text and not value.startswith("dtype"):
-            raise UserError(f"data.tokenizer: the tokenizer in {text['tokenizer']} gives token id "
-                            f"{value}, past the model's vocabulary (vocab_size {vocab} in "
-                            f"{cfg.model.name[len(HF_PREFIX):]}/config.json); use the model's "
-                            "own tokenizer (leave data.tokenizer out) or one of its vocabulary")
-        if field is None:
-            field = "data.eval_path" if name.startswith("eval") else "data.train_path"
-            if name.endswith("_y") and cfg.data.train_targets_path and name.startswith("train"):
-                field = "data.train_targets_path"
-        what = (f"holds {value}, not token ids" if value.startswith("dtype") else
-                f"holds token id {value}, past the model's vocabulary (vocab_size {vocab})")
-        skipped = (f"{PAD} pads a row" if name in also and also[name] == PAD else
-                   f"labels may be {IGNORE_INDEX}, which the loss skips")
-        raise UserError.on(field, f"{name} {what}",
-                           f"give integer ids from 0 to {vocab - 1} ({skipped})")
+        check_token_ids(cfg, data_dir, manifest, vocab, field, PAD, IGNORE_INDEX)
 
     def load_code(self, cfg: RunConfig) -> None:
         import transformers  # noqa: F401  (its kernel choices, as the model will see them)

@@ -246,26 +246,6 @@ def check_finite(name: str, entry: dict, arr: np.ndarray, block_rows: int = 6553
                         "data.allow_nonfinite: true to stage them as they are")
 
 
-def token_ids_outside(data_dir: Path, entries: dict, vocab: int, also: dict,
-                      block_rows: int = 65536) -> Optional[tuple[str, str]]:
-    """The first staged array of token ids holding what an embedding of `vocab` rows cannot
-    take: (array name, the value, or its dtype when it is not an integer type). `also`:
-    array name -> the one negative value it may hold besides (the id a loss skips, a
-    prediction row's padding). None when every id fits. One pass over the staged memmaps."""
-    for name in sorted(entries):
-        arr = np.load(data_dir / f"{name}.npy", mmap_mode="r")
-        if not np.issubdtype(arr.dtype, np.integer):
-            return name, f"dtype {arr.dtype}"
-        for start in range(0, len(arr), block_rows):
-            block = np.asarray(arr[start:start + block_rows])
-            ok = (block >= 0) & (block < vocab)
-            if name in also:
-                ok |= block == also[name]
-            if not ok.all():
-                return name, str(int(block[~ok].flat[0]))
-    return None
-
-
 def _src(path: Optional[str], key: str):
     if path is None or path == "synthetic":
         return None
