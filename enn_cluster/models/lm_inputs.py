@@ -47,8 +47,16 @@ def check_token_ids(cfg: RunConfig, data_dir: Path, manifest: dict, vocab: int, 
     IndexError (a device assert on GPUs) on every rank. `field`: the input the arrays came
     from (a prediction's, whose rows may be padded with `pad`), else the data paths by
     array name (whose labels may be `ignore`, the id the loss skips)."""
+    entries = manifest["entries"]
+    for split in ("train", "eval"):  # token arrays: one label per input token
+        x, y = entries.get(f"{split}_x"), entries.get(f"{split}_y")
+        if field is None and x and y and list(x["shape"]) != list(y["shape"]):
+            key = "data.train_targets_path" if split == "train" else "data.eval_targets_path"
+            raise UserError(f"{key}: {split}_y has shape {tuple(y['shape'])} but {split}_x "
+                            f"{tuple(x['shape'])}; a causal LM's labels are one id per input "
+                            "token (the model shifts them): give arrays of the same shape")
     also = {name: pad if field is not None else ignore
-            for name in manifest["entries"] if field is not None or name.endswith("_y")}
+            for name in entries if field is not None or name.endswith("_y")}
     bad = token_ids_outside(data_dir, manifest["entries"], vocab, also)
     if bad is None:
         return

@@ -372,12 +372,15 @@ def test_a_jsonl_that_starts_with_a_byte_order_mark_stages_as_without(tmp_path, 
                           "vocabulary (vocab_size {vocab})"]),
     ("negative label", ["data.train_targets_path: train_y holds token id -7"]),
     ("float ids", ["data.train_path: train_x holds dtype float32, not token ids"]),
+    ("labels of another shape", ["data.train_targets_path: train_y has shape (16, 1) but "
+                                 "train_x (16, 32); a causal LM's labels are one id per input"]),
     ("ignored labels", None),  # -100: the loss skips them
 ])
 def test_token_arrays_are_ids_the_model_embeds(tmp_path, users_model_dir, change, needles):
     """Token ids given as arrays (not text) for a causal LM: each has a row of the
-    embedding (vocab_size of config.json), labels may be -100; else one line at staging, no
-    run (it was an IndexError, a device assert on GPUs, on every rank)."""
+    embedding (vocab_size of config.json), labels may be -100 and are one per input token;
+    else one line at staging, no run (it was an error on every rank: an IndexError, a
+    device assert on GPUs, a loss of mismatched shapes)."""
     from lm_support import packed_tokens
 
     vocab = json.loads((users_model_dir / "config.json").read_text())["vocab_size"]
@@ -389,6 +392,8 @@ def test_token_arrays_are_ids_the_model_embeds(tmp_path, users_model_dir, change
         y[2, 0] = -7
     elif change == "float ids":
         x = x.astype(np.float32)
+    elif change == "labels of another shape":
+        y = y[:, :1].copy()
     else:
         y[:, :4] = -100
     np.save(tmp_path / "x.npy", x)
