@@ -57,7 +57,7 @@ def check_token_ids(cfg: RunConfig, data_dir: Path, manifest: dict, vocab: int, 
                             "token (the model shifts them): give arrays of the same shape")
     also = {name: pad if field is not None else ignore
             for name in entries if field is not None or name.endswith("_y")}
-    bad = token_ids_outside(data_dir, manifest["entries"], vocab, also)
+    bad = token_ids_outside(data_dir, entries, vocab, also)
     if bad is None:
         return
     name, value = bad

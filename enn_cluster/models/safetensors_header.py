@@ -3,14 +3,16 @@ length, little-endian, then that much JSON naming each tensor's dtype, shape and
 
 The folder is user input: a header length past the file or past safetensors' own limit, a
 header that is not JSON, an entry that is not a tensor, or one whose bytes lie past the end
-of the file (a copy cut short) is one line naming the file; no tensor data is read. `shapes` is what `model.name`'s check compares with the model its
-config.json describes, so a tensor of the wrong shape is refused at `prepare`, by name,
-instead of as a multi-line size mismatch on every rank. `encode_header` is the writing
-side, for a file whose tensors are written one at a time after it (`export --format hf`).
+of the file (a copy cut short) is one line naming the file; no tensor data is read.
+`shapes` is what `model.name`'s check compares with the model its config.json describes,
+so a tensor of the wrong shape is refused at `prepare`, by name, instead of as a multi-line
+size mismatch on every rank. `encode_header` is the writing side, for a file whose tensors
+are written one at a time after it (`export --format hf`).
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -90,18 +92,11 @@ def _check_extent(path: Path, name: str, entry: dict, field: str) -> None:
         raise UserError(f"{field}: {path}: tensor {name[:200]!r} has no valid data_offsets in "
                         "its header; restore the file save_pretrained wrote")
     item = ITEM_BYTES.get(entry.get("dtype"))
-    need = item * _count(entry["shape"]) if item else None
+    need = item * math.prod(entry["shape"]) if item else None
     if need is not None and offsets[1] - offsets[0] != need:
         raise UserError(f"{field}: {path}: tensor {name[:200]!r} holds "
                         f"{offsets[1] - offsets[0]} bytes, but its shape {entry['shape']} of "
                         f"{entry['dtype']} needs {need}; restore the file save_pretrained wrote")
-
-
-def _count(shape: list) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def shapes(folder: Path, field: str = "model.name") -> dict[str, tuple[tuple, Path]]:

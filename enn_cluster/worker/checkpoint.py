@@ -267,10 +267,10 @@ def resume(root: Path, model, optimizer, lanes: Lanes,
         newest = newest or (cand, problems)
     if newest is not None:
         step, problems = newest
-        raise NoStepLoads(f"checkpoints: no committed step of this run loads (newest, step-{step}: "
-                        f"{'; '.join(problems[:2])[:400]}); it would train from scratch over "
-                        "them: resume with the model config they were saved with, restore the "
-                        "checkpoint directory, or start a new run")
+        raise NoStepLoads(f"checkpoints: no committed step of this run loads (newest, "
+                          f"step-{step}: {'; '.join(problems[:2])[:400]}); it would train from "
+                          "scratch over them: resume with the model config they were saved "
+                          "with, restore the checkpoint directory, or start a new run")
     return None
 
 

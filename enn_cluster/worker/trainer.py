@@ -273,9 +273,9 @@ class Trainer:
         try:
             found = ckpt.resume(self.run.checkpoints, self.sm.model, self.optimizer, self.lanes)
         except ckpt.NoStepLoads:
-            found = None
             if not self.sm.weights_from_checkpoint:
                 raise
+            found = None  # its own words below
         if found is None and self.sm.weights_from_checkpoint:  # never train empty storage
             raise UserError(f"checkpoints: no checkpoint of {self.run.path} verifies, and the "
                             "model's weights exist only there (a module given to "
