@@ -23,6 +23,13 @@ ARCHS = {  # tiny shapes: a few hundred thousand parameters, loaded in well unde
     "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, tie_word_embeddings=True),
+    # learned absolute positions, 32 of them (a row may be no longer); no dropout, so that
+    # a run is exact against a plain loop
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                 attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, tie_word_embeddings=True),
+    "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=64,
+                dropout=0.0, attention_dropout=0.0),
 }
 
 

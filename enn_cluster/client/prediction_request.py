@@ -189,7 +189,8 @@ def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chu
         entry = stage_array(source, tmp / pm.INPUT, key=key, progress=sys.stderr)
         _check_input(entry, run)
         kind_of(cfg).check_staged(cfg, tmp, {"entries": {pm.INPUT.removesuffix(".npy"): entry}},
-                                  field=INPUT)
+                                  field=INPUT,
+                                  new_tokens=generate["max_new_tokens"] if generate else 0)
         name = name or default_name(source, step, entry["checksum"])
         final = run.predictions / name
         existing = _existing(run, name)

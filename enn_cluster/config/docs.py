@@ -85,7 +85,10 @@ DESCRIPTIONS = {
                            "assistant turns are learned (their text and the end-of-turn token "
                            "after it). Not with `data.prompt_field`, nor a `data.text_field` "
                            "other than its default; empty: none.",
-    "data.max_length": "Causal LM: tokens per staged row (2 .. 1048576).",
+    "data.max_length": "Causal LM: tokens per staged row (2 .. 1048576); token arrays "
+                       "may be no wider (the memory plan counts rows of this length). A "
+                       "model with learned positions (GPT-2, OPT) takes rows of at most "
+                       "its `max_position_embeddings` (`n_positions`) tokens.",
     "data.packing": "Causal LM: pack many documents per row (no padding; in training each "
                     "attends only to itself, positions restarting after each EOS), or, "
                     "when false, one document per row, truncated or padded with pads masked "

@@ -38,7 +38,9 @@ from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.models.kinds import ModelKind, measure, shard_units
-from enn_cluster.models.lm_inputs import check_lora_targets, check_token_ids
+from enn_cluster.models.lm_inputs import (check_lora_targets, check_max_length,
+                                          check_row_lengths, check_token_ids,
+                                          position_limit, positions_needed)
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
 PAD = -1  # a prediction row's position past its end (input ids and generated tokens)
@@ -321,13 +323,24 @@ class CausalLMKind(ModelKind):
         self.check_built(cfg, model)
 
     def check_built(self, cfg: RunConfig, model) -> None:
-        """What the config asks of the model itself (built on the meta device)."""
+        """What the config asks of the model itself (built on the meta device): text rows
+        within its positions (lm_inputs)."""
+        check_max_length(cfg, position_limit(model))
 
     def check_staged(self, cfg: RunConfig, data_dir: Path, manifest: dict,
-                     field=None) -> None:
-        """Every staged token id has a row in the model's embedding (lm_inputs)."""
-        vocab = int(hf_config(weights_dir(cfg.model.name)).get_text_config().vocab_size)
-        check_token_ids(cfg, data_dir, manifest, vocab, field, PAD, IGNORE_INDEX)
+                     field=None, new_tokens: int = 0) -> None:
+        """Every staged token id has a row in the model's embedding, and every row (with
+        `new_tokens` generated) a position (lm_inputs). The model is built on the meta
+        device only for rows longer than config.json's max_position_embeddings."""
+        config = hf_config(weights_dir(cfg.model.name)).get_text_config()
+        check_token_ids(cfg, data_dir, manifest, int(config.vocab_size), field, PAD,
+                        IGNORE_INDEX)
+        need = positions_needed(data_dir, manifest, field, new_tokens, PAD)
+        limit = None
+        if need and need[2] > (getattr(config, "max_position_embeddings", None) or need[2]):
+            with torch.device("meta"):
+                limit = position_limit(bare_lm(cfg.model.name))
+        check_row_lengths(cfg, manifest, field, new_tokens, need, limit)
 
     def load_code(self, cfg: RunConfig) -> None:
         import transformers  # noqa: F401  (its kernel choices, as the model will see them)
@@ -430,6 +443,7 @@ class LoraKind(CausalLMKind):
         return (*LM_WORKER_IMPORTS, "peft")
 
     def check_built(self, cfg: RunConfig, model) -> None:
+        super().check_built(cfg, model)
         check_lora_targets(model, cfg.lora)
 
     def build(self, cfg: RunConfig, input_shape: tuple = (), n_outputs: int = 0) -> CausalLM:

@@ -50,10 +50,11 @@ class ModelKind:
         """What the client checks before anything is written (one UserError line)."""
 
     def check_staged(self, cfg: RunConfig, data_dir: Path, manifest: dict,
-                     field=None) -> None:
+                     field=None, new_tokens: int = 0) -> None:
         """What the staged data must hold for this model, checked before the run directory
         (or a prediction's) is put in place: one UserError line naming `field`, the input
-        the arrays came from, else the data paths."""
+        the arrays came from, else the data paths; `new_tokens`: a prediction's rows are
+        continued by that many (a causal LM's --generate)."""
 
     def load_code(self, cfg: RunConfig) -> None:
         """Import the code the model runs (a worker does before it reports its kernels: an

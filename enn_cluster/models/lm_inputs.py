@@ -1,6 +1,7 @@
 """A causal LM's inputs as users give them, judged before anything is written (the client)
-or built (the workers): LoRA targets that name layers of the model LoRA adapts, and staged
-token ids that its embedding holds. One line each, naming the field and the fix, where
+or built (the workers): LoRA targets that name layers of the model LoRA adapts, staged
+token ids that its embedding holds, and rows no longer than the positions a model with
+learned positions has (GPT-2's, OPT's). One line each, naming the field and the fix, where
 they were an error on every rank."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Optional
 import numpy as np
 from torch import nn
 
-from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig
+from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
@@ -77,6 +78,90 @@ def check_token_ids(cfg: RunConfig, data_dir: Path, manifest: dict, vocab: int, 
                f"labels may be {ignore}, which the loss skips")
     raise UserError.on(field, f"{name} {what}",
                        f"give integer ids from 0 to {vocab - 1} ({skipped})")
+
+
+def position_limit(lm: nn.Module) -> Optional[tuple[int, str]]:
+    """The positions a model with learned absolute positions has a row for (GPT-2's `wpe`,
+    OPT's and BioGPT's tables past their offset), and the config.json key that says so
+    (`n_positions` for GPT-2): max_position_embeddings, when an embedding other than the
+    token embedding has that many rows. None for rotary and ALiBi models, which take rows
+    of any length (past their training length, at the user's choice)."""
+    config = lm.config.get_text_config()
+    n = getattr(config, "max_position_embeddings", None)
+    if type(n) is not int:
+        return None
+    tokens = lm.get_input_embeddings()
+    tables = [m.num_embeddings - int(getattr(m, "offset", 0) or 0) for m in lm.modules()
+              if isinstance(m, nn.Embedding) and m is not tokens]
+    key = type(config).attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    return (n, key) if n in tables else None
+
+
+def positions_needed(data_dir: Path, manifest: dict, field, new_tokens: int,
+                     pad: int) -> Optional[tuple[str, int, int]]:
+    """(array name, its row width, the positions its longest row needs) of the staged rows
+    needing the most: a row's width (training, scoring: padding is forwarded too), or with
+    `new_tokens` generated, the longest prompt (its ids other than `pad`) and every new
+    token but the last (never fed back). None when nothing is staged as rows."""
+    best = None
+    for name in sorted(manifest["entries"]):
+        if field is None and not name.endswith("_x"):
+            continue  # labels: as wide as their inputs (check_token_ids)
+        arr = np.load(data_dir / f"{name}.npy", mmap_mode="r")
+        if arr.ndim != 2:
+            continue
+        width = need = int(arr.shape[1])
+        if new_tokens:
+            longest = max((int((np.asarray(arr[i:i + 65536]) != pad).sum(axis=1).max())
+                           for i in range(0, len(arr), 65536)), default=0)
+            need = longest + new_tokens - 1
+        if best is None or need > best[2]:
+            best = (name, width, need)
+    return best
+
+
+def check_max_length(cfg: RunConfig, limit: Optional[tuple[int, str]]) -> None:
+    """Text is staged in rows of data.max_length tokens: no more than the positions of a
+    model with learned positions (`limit`: position_limit's), refused before anything is
+    staged."""
+    if limit is not None and is_text_data(cfg.data) and cfg.data.max_length > limit[0]:
+        raise UserError(f"data.max_length: {cfg.data.max_length} tokens is more than the "
+                        f"model's {_positions(cfg, limit)}; set data.max_length to "
+                        f"{limit[0]} or less")
+
+
+def _positions(cfg: RunConfig, limit: tuple[int, str]) -> str:
+    return (f"{limit[0]} positions ({limit[1]} in {cfg.model.name[len(HF_PREFIX):]}/"
+            "config.json: it learns one embedding per position)")
+
+
+def check_row_lengths(cfg: RunConfig, manifest: dict, field, new_tokens: int,
+                      need: Optional[tuple[str, int, int]],
+                      limit: Optional[tuple[int, str]]) -> None:
+    """Token arrays no wider than data.max_length (the memory plan counts rows of that many
+    tokens), and rows within the `limit` positions of a model with learned positions
+    (position_limit: an IndexError on every rank, a device assert on GPUs). `need`:
+    positions_needed's answer; `field`: as for check_token_ids."""
+    if need is None:
+        return
+    name, width, positions = need
+    if field is None and not manifest.get("text") and width > cfg.data.max_length:
+        key = "data.eval_path" if name.startswith("eval") else "data.train_path"
+        raise UserError(f"{key}: {name} has rows of {width} tokens, more than data.max_length "
+                        f"({cfg.data.max_length}), the row length the memory plan counts; set "
+                        f"data.max_length: {width}, or cut the rows")
+    if limit is None or positions <= limit[0]:
+        return
+    if new_tokens:
+        prompt = positions - new_tokens + 1
+        raise UserError(f"--generate: the longest prompt ({prompt} tokens) and {new_tokens} new "
+                        f"tokens need {positions} positions, more than the model's "
+                        f"{_positions(cfg, limit)}; generate at most "
+                        f"{max(limit[0] - prompt + 1, 0)} tokens, or shorten the prompts")
+    if field is None:
+        field = "data.eval_path" if name.startswith("eval") else "data.train_path"
+    raise UserError.on(field, f"{name} has rows of {width} tokens, more than the model's "
+                       f"{_positions(cfg, limit)}", f"cut the rows to {limit[0]} tokens or less")
 
 
 def token_ids_outside(data_dir: Path, entries: dict, vocab: int, also: dict,
