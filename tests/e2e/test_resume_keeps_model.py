@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from enn_cluster.errors import UserError
-from helpers import cli, metrics, small_config, write_config
+from helpers import assert_same_steps, cli, metrics, small_config, write_config
 
 
 def _tree(path: Path) -> dict:
@@ -21,12 +21,15 @@ def _tree(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """16 steps on 1x2 ranks, committed at steps 8 and 16."""
+    """The first 16 of 24 steps on 1x2 ranks (paused there), committed at steps 8 and 16; and
+    the same 24 steps run through (the reference a resume is held to)."""
     tmp = tmp_path_factory.mktemp("keeps-model")
-    cfg = small_config(tmp, "mlp", training={"max_steps": 16},
-                       parallel={"nodes": 1, "procs_per_node": 2})
-    res = cli("train", "--config", write_config(tmp / "run.yaml", **cfg))
-    assert res.returncode == 0, res.stderr[-3000:]
+    for name, pause in (("mlp", {"pause_at_step": 16}), ("through", {})):
+        cfg = small_config(tmp, name, training={"max_steps": 24, **pause},
+                           parallel={"nodes": 1, "procs_per_node": 2})
+        res = cli("train", "--config", write_config(tmp / f"{name}.yaml", **cfg))
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert len(metrics(tmp / "runs" / "mlp", "train")) == 16
     return tmp / "runs" / "mlp"
 
 
@@ -41,7 +44,7 @@ def _one_line(res, *words) -> str:
 def test_resume_set_that_changes_the_model_is_refused_and_writes_nothing(trained):
     before = _tree(trained)
     res = cli("resume", trained, "--nodes", "1", "--procs-per-node", "1",
-              "--set", "model.hidden_sizes=[8,16]", "--set", "training.max_steps=24")
+              "--set", "model.hidden_sizes=[8,16]")
     line = _one_line(res, "model.hidden_sizes")
     assert res.stderr.strip() == line and "[16, 16]" in line and "new run" in line, line
     assert _tree(trained) == before  # config.yaml, its history, checkpoints, metrics
@@ -50,7 +53,8 @@ def test_resume_set_that_changes_the_model_is_refused_and_writes_nothing(trained
 def test_a_model_changed_behind_the_clients_back_is_refused_by_the_workers(trained, tmp_path):
     """config.yaml edited in place: every committed step fails to load into the new model;
     the workers refuse (exit 2) and the checkpoints are as they were. The run then goes on
-    at another world size from its newest step once the config is put back."""
+    at another world size from its newest step once the config is put back, as the run
+    that went through did."""
     config = trained / "config.yaml"
     original = config.read_text()
     assert "  hidden_sizes:\n  - 16\n  - 16\n" in original
@@ -59,19 +63,18 @@ def test_a_model_changed_behind_the_clients_back_is_refused_by_the_workers(train
     config.write_text(original.replace("  hidden_sizes:\n  - 16\n  - 16\n",
                                        "  hidden_sizes:\n  - 8\n  - 16\n"))
     try:
-        res = cli("resume", trained, "--nodes", "1", "--procs-per-node", "1",
-                  "--set", "training.max_steps=24")
+        res = cli("resume", trained, "--nodes", "1", "--procs-per-node", "1")
         line = _one_line(res, "checkpoints: no committed step of this run loads")
         assert "step-16" in line and "Size mismatch" in line, line
         assert _tree(trained / "checkpoints") == steps
         assert len(metrics(trained, "train")) == trains
     finally:
         config.write_text(original)
-    res = cli("resume", trained, "--nodes", "1", "--procs-per-node", "1",
-              "--set", "training.max_steps=24")
+    res = cli("resume", trained, "--nodes", "1", "--procs-per-node", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     resume = metrics(trained, "resume")[-1]
     assert (resume["step"], resume["from_world"], resume["world_size"]) == (16, 2, 1)
+    assert_same_steps(trained, trained.parent / "through", 24)
 
 
 @pytest.mark.parametrize("override,allowed", [
