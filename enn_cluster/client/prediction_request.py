@@ -89,12 +89,14 @@ def _is_text(cfg, source: Any) -> bool:
         and kind_of(cfg).stages_text(cfg)
 
 
-def _check_input(entry: dict, run: RunDir) -> None:
+def _check_input(entry: dict, run: RunDir, same_shape: bool) -> None:
+    """Rows of the training rows' shape; for a model whose rows may be of any length (a
+    causal LM's token ids: `same_shape` False), of as many dimensions."""
     features = read_manifest(run.data_dir)["entries"]["train_x"]["shape"][1:]
-    if entry["shape"][1:] != features:
+    shape = entry["shape"][1:]
+    if shape != features and (same_shape or len(shape) != len(features)):
         raise UserError("rows have shape {shape} but the model was trained on rows of shape "
-                        "{features}", field=INPUT, shape=tuple(entry["shape"][1:]),
-                        features=tuple(features))
+                        "{features}", field=INPUT, shape=tuple(shape), features=tuple(features))
     if entry["shape"][0] < 1:
         raise UserError("has no rows", field=INPUT)
 
@@ -187,7 +189,7 @@ def _stage_request(run: RunDir, cfg, source, name: Optional[str], step: int, chu
     tmp.mkdir(mode=DIR_MODE)
     try:
         entry = stage_array(source, tmp / pm.INPUT, key=key, progress=sys.stderr)
-        _check_input(entry, run)
+        _check_input(entry, run, kind_of(cfg).same_row_shape)
         kind_of(cfg).check_staged(cfg, tmp, {"entries": {pm.INPUT.removesuffix(".npy"): entry}},
                                   field=INPUT,
                                   new_tokens=generate["max_new_tokens"] if generate else 0)

@@ -299,6 +299,7 @@ class CausalLMKind(ModelKind):
     export_formats = ("hf",)  # besides every model's torch and export
     predicts_sharded = True
     compares_fp32 = False  # a second whole LM beside the replica, for the check: not kept
+    same_row_shape = False  # rows of token ids of any length (right-padded with -1)
 
     def check(self, cfg: RunConfig) -> None:
         """The llm extra installed, and a weights directory whose safetensors headers give

@@ -45,6 +45,7 @@ class ModelKind:
     export_formats: tuple = ()  # formats of its own, beside every model's torch and export
     predicts_sharded = False  # `predict --sharded`: the model sharded over the ranks
     compares_fp32 = True  # a bf16 prediction re-runs its first batch in fp32 to compare
+    same_row_shape = True  # a prediction's rows have the training rows' shape (else: ndim)
 
     def check(self, cfg: RunConfig) -> None:
         """What the client checks before anything is written (one UserError line)."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import cli, write_config
+from helpers import cli, refused, write_config
 from lm_support import PRECISIONS, bf16_training, lm_config, tiny_model
 
 # bf16 (the users' world: a bf16 checkpoint, ids above 4000, training and prediction in bf16)
@@ -84,13 +84,17 @@ def _predict(trained, name, *extra):
     return made[name]
 
 
-def _predict_now(trained, name, *extra):
-    x = trained["ids"].copy()
-    x[2, 20:] = -1  # a shorter row, right-padded
-    x[4, 5:] = -1
-    x[5, 1:] = -1  # a one-token prompt: nothing to score (NaN), a continuation to generate
-    np.save(trained["tmp"] / f"{name}.npy", x)
-    res = cli("predict", trained["run"], "--input", trained["tmp"] / f"{name}.npy", "--name", name,
+def _predict_now(trained, name, *extra, path=None):
+    """Rows 0-5 as _predict says, or the rows saved at `path`."""
+    if path is None:
+        x = trained["ids"].copy()
+        x[2, 20:] = -1  # a shorter row, right-padded
+        x[4, 5:] = -1
+        x[5, 1:] = -1  # a one-token prompt: nothing to score (NaN), a continuation to generate
+        path = trained["tmp"] / f"{name}.npy"
+        np.save(path, x)
+    x = np.load(path)
+    res = cli("predict", trained["run"], "--input", path, "--name", name,
               "--nodes", 1, "--procs-per-node", 2, "--gpus-per-node", 0, "--chunk-rows", 2, *extra)
     assert res.returncode == 0, res.stderr[-3000:]
     out = trained["tmp"] / f"{name}-out.npy"
@@ -100,16 +104,25 @@ def _predict_now(trained, name, *extra):
 
 
 def test_predicted_scores_equal_a_plain_transformers_forward(trained):
-    from transformers import AutoModelForCausalLM
-
     x, scores = _predict(trained, "scores")
     logs = trained["logs"]["scores"]
     said = [(logs / f"rank-{r}.log").read_text() for r in range(2)]
     # one node of 2 ranks: rank 0 reads the base weights and the checkpoint, rank 1 receives
     assert "tensors from the checkpoint, the rest from" in said[0], said[0][-2000:]
     assert "LM replica of step-" in said[1] and "received from rank 0" in said[1], said[1][-2000:]
-    model = AutoModelForCausalLM.from_pretrained(str(trained["tmp"] / "hf"),
-                                                 dtype=trained["dtype"]).eval()
+    _assert_transformers_scores(trained, x, scores)
+
+
+def _exported(trained):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(trained["tmp"] / "hf"),
+                                                dtype=trained["dtype"]).eval()
+
+
+def _assert_transformers_scores(trained, x, scores) -> None:
+    """Each row's [mean log-likelihood, n] is the exported model's forward of the row."""
+    model = _exported(trained)
     for row, (mean, n) in zip(x, scores):
         ids = torch.from_numpy(row[row >= 0]).long()[None]
         logp = torch.log_softmax(_logits(model, ids.numpy())[0, :-1].float(), -1)
@@ -123,21 +136,42 @@ def test_predicted_scores_equal_a_plain_transformers_forward(trained):
 
 
 def test_greedy_generation_equals_transformers_generate(trained):
-    from transformers import AutoModelForCausalLM
-
     x, made = _predict(trained, "gen", "--generate", 5)
-    model = AutoModelForCausalLM.from_pretrained(str(trained["tmp"] / "hf"),
-                                                 dtype=trained["dtype"]).eval()
-    assert made.shape == (len(x), 5)
+    _assert_transformers_generate(trained, x, made, 5)
+
+
+def _assert_transformers_generate(trained, x, made, new_tokens: int) -> None:
+    """Each row's continuation is the exported model's greedy `generate`, -1 after EOS."""
+    model = _exported(trained)
+    assert made.shape == (len(x), new_tokens)
     for row, ours in zip(x, made):
         prompt = torch.from_numpy(row[row >= 0]).long()[None]
         with torch.no_grad():
-            theirs = model.generate(prompt, max_new_tokens=5, do_sample=False,
+            theirs = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
                                     pad_token_id=model.config.eos_token_id)[0, prompt.shape[1]:]
         eos = (theirs == model.config.eos_token_id).nonzero()
         keep = int(eos[0]) + 1 if len(eos) else len(theirs)
         assert ours[:keep].tolist() == theirs[:keep].float().tolist()
         assert (ours[keep:] == -1).all()
+
+
+def test_rows_of_any_width_predict_as_transformers_does(trained):
+    """Rows of token ids need not be as wide as the training rows (32 here): prompts 12
+    wide are scored (replicas) and continued (--sharded) as transformers does them; rows
+    of another number of dimensions are refused in one line."""
+    x = trained["ids"][:, :12].copy()
+    x[4, 5:] = -1
+    x[5, 1:] = -1
+    path = trained["tmp"] / "narrow.npy"
+    np.save(path, x)
+    _assert_transformers_scores(trained, x, _predict_now(trained, "narrow", path=path)[1])
+    made = _predict_now(trained, "narrow-gen", "--generate", 4, "--sharded", path=path)[1]
+    _assert_transformers_generate(trained, x, made, 4)
+    np.save(path, x[:, :, None])
+    res = cli("predict", trained["run"], "--input", path, "--name", "cube", "--nodes", 1,
+              "--procs-per-node", 2, "--gpus-per-node", 0)
+    refused(res, "--input: rows have shape (12, 1) but the model was trained on rows of "
+                 "shape (32,)")
 
 
 def test_doctor_reads_an_lm_run(trained):

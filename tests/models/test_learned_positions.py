@@ -112,11 +112,14 @@ def test_generation_up_to_the_last_position_equals_transformers_generate(gpt2_ru
 
 
 def test_prediction_rows_past_the_positions_are_refused(gpt2_run):
-    """Scoring forwards a row whole, padding too: rows 33 wide are refused in one line (as
-    any row of another width than the training rows, which fit the positions)."""
+    """Scoring forwards a row whole, padding too: rows 33 wide are refused in one line,
+    nothing written (rows of token ids may be of any width within the positions)."""
+    run = gpt2_run["run"]
     _, path = _prompts(gpt2_run, "wide", POSITIONS + 1, 8)
     refused(_predict(gpt2_run, "wide", path),
-            "--input: rows have shape (33,) but the model was trained on rows of shape (32,)")
+            "--input: input has rows of 33 tokens, more than the model's 32 positions "
+            "(n_positions in", "cut the rows to 32 tokens or less")
+    assert not any(p.name.startswith(("wide", ".staging")) for p in (run / "predictions").iterdir())
 
 
 @pytest.fixture(scope="module")
