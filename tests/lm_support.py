@@ -15,12 +15,50 @@ PRECISIONS = ("fp32", "bf16")  # every LM test class runs both (pytest params)
 RESERVED_IDS = 4000  # bf16 models: every real token id is above this (bf16 spacing 16-32)
 
 
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+_NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
+# Tiny shapes of the other architectures users bring (llm_assets.ARCHS has llama, qwen2,
+# gpt2, opt), with what their real checkpoints set that changes the math (Granite-3's
+# multipliers and logits_scaling); no dropout, so that runs are exact against transformers;
+# weights drawn wider where the architecture shrinks its logits (Cohere's logit_scale,
+# Granite's logits_scaling), so that a wrong head or documents that see each other change
+# the loss.
+SHAPES = {
+    "mistral": dict(_BASE, num_key_value_heads=2),
+    "qwen3": dict(_BASE, num_key_value_heads=2, head_dim=16),
+    "phi3": dict(_BASE, num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attention_dropout=0.0, original_max_position_embeddings=64),
+    "phi": dict(_BASE, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    "gemma": dict(_BASE, num_key_value_heads=2, head_dim=16),
+    "gemma2": dict(_BASE, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                   query_pre_attn_scalar=16),
+    "gemma3_text": dict(_BASE, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                        query_pre_attn_scalar=16),
+    "olmo2": dict(_BASE, num_key_value_heads=2),
+    "granite": dict(_BASE, num_key_value_heads=2, logits_scaling=8.0, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=0.0625,
+                    initializer_range=0.1),
+    "stablelm": dict(_BASE, num_key_value_heads=2, **_NO_DROPOUT),
+    "starcoder2": dict(_BASE, num_key_value_heads=2, residual_dropout=0.0,
+                       embedding_dropout=0.0, attention_dropout=0.0),
+    "cohere": dict(_BASE, num_key_value_heads=2, initializer_range=0.2),
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **_NO_DROPOUT),
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
+                        embd_pdrop=0.0, resid_pdrop=0.0),
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4, **_NO_DROPOUT),
+    "gpt_neox": dict(_BASE, tie_word_embeddings=False, **_NO_DROPOUT),
+    "mixtral": dict(_BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
 def tiny_model(root: Path, arch: str = "llama", precision: str = "fp32", **shape) -> Path:
     """A tiny model + tokenizer under `root` (made once per root, arch and precision).
     "bf16" is the users' world: weights saved in bf16 (config.json says bfloat16, as every
     Llama-3 and Qwen2.5 does) and a vocabulary whose ids all lie above RESERVED_IDS, where
     bf16 holds only every 16th integer."""
     path = root / (f"tiny-{arch}" if precision == "fp32" else f"tiny-{arch}-{precision}")
+    shape = {**SHAPES.get(arch, {}), **shape}
     if not (path / "config.json").exists():
         if precision == "bf16":
             shape = {"dtype": "bfloat16", "reserved": RESERVED_IDS, **shape}

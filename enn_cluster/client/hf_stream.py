@@ -29,8 +29,9 @@ from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 from enn_cluster.models import kind_of
-from enn_cluster.models.causal_lm import ADAPTER, hf_config, hf_name, is_adapter
+from enn_cluster.models.causal_lm import ADAPTER, hf_config
 from enn_cluster.models.safetensors_header import CODES, encode_header, read_header
+from enn_cluster.models.weight_names import folder_names, hf_name, is_adapter
 from enn_cluster.storage.dcp_io import safe_load
 from enn_cluster.storage.dcp_metadata import tensor_specs
 
@@ -105,7 +106,9 @@ def base_tensors(weights: Path) -> dict:
 
 def plan_entries(model: nn.Module, specs: dict, base: dict, dtype: str) -> list[Entry]:
     """The written tensors of `model` (meta), in its state dict's order: a tied pair once,
-    under its first name; adapters merged, never written. Floating ones in `dtype`."""
+    under its first name (the weights folder's: weight_names); adapters merged, never
+    written. Floating ones in `dtype`."""
+    renamed = folder_names(model, base)
     aliases: dict = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if not is_adapter(name):
@@ -114,7 +117,7 @@ def plan_entries(model: nn.Module, specs: dict, base: dict, dtype: str) -> list[
     for names in aliases.values():
         name, tensor = names[0]
         source = next((n for n, _ in names if n in specs), "")
-        hf = hf_name(name)
+        hf = renamed.get(hf_name(name), hf_name(name))
         if source and specs[source][0] != tuple(tensor.shape):
             raise UserError.on(INPUTS["step"], f"the checkpoint's {source} has shape "
                                f"{list(specs[source][0])}, but the model needs "

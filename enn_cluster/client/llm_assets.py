@@ -69,8 +69,9 @@ def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0,
                      texts: list[str] | None = None, vocab_size: int = 512,
                      dtype: str = "float32", reserved: int = 0, chat_specials: tuple = (),
                      chat_template: str | None = None, **shape_over) -> Path:
-    """A random causal LM of the `arch` shape (`shape_over` changes any of it) plus its
-    tokenizer (`vocab_size` tokens after `reserved` unused ones) in `out_dir`, saved as
+    """A random causal LM of the `arch` shape (`shape_over` changes any of it, or gives the
+    whole shape of a model_type ARCHS lacks) plus its tokenizer (`vocab_size` tokens after
+    `reserved` unused ones) in `out_dir`, saved as
     safetensors by `save_pretrained` in `dtype` (its config.json says so, as every real
     Llama-3 and Qwen2.5 says bfloat16), the tokenizer with `chat_specials` and
     `chat_template` when given; returns `out_dir`."""
@@ -82,7 +83,7 @@ def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0,
     write_tokenizer(out_dir, texts or corpus(400, seed), vocab_size, reserved, chat_specials,
                     chat_template)
     tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
-    shape = {**ARCHS[arch], **shape_over}
+    shape = {**ARCHS.get(arch, {"model_type": arch}), **shape_over}
     config = AutoConfig.for_model(shape.pop("model_type"), vocab_size=len(tok),
                                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, **shape)

@@ -92,7 +92,8 @@ DESCRIPTIONS = {
     "data.packing": "Causal LM: pack many documents per row (no padding; in training each "
                     "attends only to itself, positions restarting after each EOS), or, "
                     "when false, one document per row, truncated or padded with pads masked "
-                    "out of the loss.",
+                    "out of the loss. Packed text is refused for an architecture that does "
+                    "not keep the documents apart (Bloom, MPT, OPT).",
     "data.tokenizer": "Causal LM: directory of the tokenizer files; empty: the model's "
                       "weights directory. Every id it gives must be below the model's "
                       "`vocab_size` (checked at staging).",

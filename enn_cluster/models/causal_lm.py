@@ -15,8 +15,8 @@ workers (sharded first, then each rank reads its own shards of the safetensors: 
 worker/lm_weights.py), on the CPU for export and `Run.load_model`. Weights come from a local
 directory or the local HF cache only; never from the network at run time.
 
-State-dict names are ours (`lm.` + the HF names; under LoRA, peft's): `hf_name` maps a
-parameter back to its name in the safetensors files.
+State-dict names are ours (`lm.` + the HF names; under LoRA, peft's): models/weight_names.py
+maps them to the names in the weights folder's safetensors files.
 
 Training never makes the full logits: `forward(ids, labels)` runs the decoder, then the LM
 head and the cross-entropy over chunks of tokens, each chunk's logits recomputed in the
@@ -39,18 +39,26 @@ from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.models.kinds import ModelKind, measure, shard_units
 from enn_cluster.models.lm_inputs import (check_lora_targets, check_max_length,
-                                          check_row_lengths, check_token_ids,
+                                          check_packing, check_row_lengths, check_token_ids,
                                           position_limit, positions_needed)
+from enn_cluster.models.weight_names import base_targets
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
 PAD = -1  # a prediction row's position past its end (input ids and generated tokens)
-PEFT_PREFIX = "base_model.model."
 LOSS_CHUNK_LOGITS = 1 << 26  # logits per chunk of the loss: 256 MiB in fp32
 # Architectures whose logits are exactly lm_head(final hidden state): the chunked loss is
 # theirs to use. Others (Gemma 2's soft-capping, Cohere's logit scale) compute the logits.
 PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
                               "qwen3_moe", "phi3", "olmo", "olmo2", "granite"})
 ADAPTER = "default"  # peft's adapter name
+# Architectures that keep packed documents apart given positions that restart at each
+# (transformers' packed-sequence mask), each held to its documents run alone in
+# tests/models/test_packed_documents.py. Others ignore the positions (Bloom's and MPT's
+# ALiBi) or build their mask without them (OPT): their packed documents would see one
+# another, so packed text is refused for them (lm_inputs.check_packing).
+PACKS_DOCUMENTS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "phi", "gemma",
+                             "gemma2", "gemma3_text", "olmo2", "granite", "stablelm",
+                             "starcoder2", "cohere", "falcon", "gpt2", "gpt_bigcode"})
 
 
 def hf_config(path: Path):
@@ -136,7 +144,8 @@ class CausalLM(nn.Module):
         config = self.base().config
         return (config.model_type in PLAIN_HEAD_TYPES
                 and not getattr(config, "final_logit_softcapping", None)
-                and getattr(config, "logit_scale", None) in (None, 1.0)
+                and getattr(config, "logit_scale", None) in (None, 1.0)  # Cohere's
+                and getattr(config, "logits_scaling", None) in (None, 1.0)  # Granite's
                 and isinstance(self.base().get_output_embeddings(), nn.Linear))
 
     @staticmethod
@@ -212,27 +221,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [m for m in model.modules()  # by its classes: fully_shard subclasses it
             if any(cls.__name__ in names for cls in type(m).__mro__)]
-
-
-def hf_name(ours: str) -> str:
-    """Our parameter name -> its name in the weights directory's safetensors."""
-    name = ours.removeprefix("lm.").removeprefix(PEFT_PREFIX)
-    return name.replace(".base_layer.", ".")
-
-
-def is_adapter(name: str) -> bool:
-    return ".lora_" in name
-
-
-def base_targets(model: nn.Module) -> dict:
-    """{name in the safetensors files: the tensor} for every base parameter and persistent
-    buffer (a tied pair once: the files hold it once)."""
-    buffers = {n for n, _ in model.named_buffers()} - set(model.state_dict())
-    out = {}
-    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
-        if name not in buffers and not is_adapter(name):
-            out.setdefault(hf_name(name), tensor)
-    return out
 
 
 def score(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
@@ -316,17 +304,20 @@ class CausalLMKind(ModelKind):
         if not any(path.glob("*.safetensors")):
             raise UserError(f"model.name: {path} has no *.safetensors weights; save the model "
                             "with save_pretrained(..., safe_serialization=True) there")
-        from enn_cluster.models.safetensors_header import check_shapes
+        from enn_cluster.models.safetensors_header import check_shapes, shapes
 
         with torch.device("meta"):  # no storage: only the shapes are wanted
             model = bare_lm(name)
-        check_shapes(path, {n: tuple(t.shape) for n, t in base_targets(model).items()})
+        targets = base_targets(model, shapes(path))
+        check_shapes(path, {n: tuple(t.shape) for n, t in targets.items()})
         self.check_built(cfg, model)
 
     def check_built(self, cfg: RunConfig, model) -> None:
         """What the config asks of the model itself (built on the meta device): text rows
-        within its positions (lm_inputs)."""
+        within its positions, packed text only where its documents can be kept apart
+        (lm_inputs)."""
         check_max_length(cfg, position_limit(model))
+        check_packing(cfg, model.config.model_type, PACKS_DOCUMENTS)
 
     def check_staged(self, cfg: RunConfig, data_dir: Path, manifest: dict,
                      field=None, new_tokens: int = 0) -> None:

@@ -1,8 +1,9 @@
 """A causal LM's inputs as users give them, judged before anything is written (the client)
 or built (the workers): LoRA targets that name layers of the model LoRA adapts, staged
-token ids that its embedding holds, and rows no longer than the positions a model with
-learned positions has (GPT-2's, OPT's). One line each, naming the field and the fix, where
-they were an error on every rank."""
+token ids that its embedding holds, rows no longer than the positions a model with
+learned positions has (GPT-2's, OPT's), and packed text only for a model that keeps the
+documents apart. One line each, naming the field and the fix, where they were an error on
+every rank (or, for packing, trained silently on documents that saw each other)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -128,6 +129,18 @@ def check_max_length(cfg: RunConfig, limit: Optional[tuple[int, str]]) -> None:
         raise UserError(f"data.max_length: {cfg.data.max_length} tokens is more than the "
                         f"model's {_positions(cfg, limit)}; set data.max_length to "
                         f"{limit[0]} or less")
+
+
+def check_packing(cfg: RunConfig, model_type: str, packs: frozenset) -> None:
+    """Packed plain text (not chats: their turns see each other by design) only for the
+    architectures that keep packed documents apart (`packs`): elsewhere each document would
+    attend to the ones before it in its row, silently."""
+    if is_text_data(cfg.data) and cfg.data.packing and not cfg.data.messages_field \
+            and model_type not in packs:
+        raise UserError(f"data.packing: a {model_type} model does not keep packed documents "
+                        "apart (its attention does not restart at a document's end), so each "
+                        "would attend to the ones before it in its row; set data.packing: "
+                        "false (one document per row)")
 
 
 def _positions(cfg: RunConfig, limit: tuple[int, str]) -> str:

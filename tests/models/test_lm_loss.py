@@ -77,6 +77,27 @@ def test_the_head_never_sees_more_than_a_chunk_and_the_loss_is_transformers_own(
     assert abs(loss.item() - own.item()) <= tol * abs(own.item()), (loss, own)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("arch", ["granite", "cohere", "gemma2", "gpt2"])
+def test_heads_that_scale_or_cap_their_logits_give_transformers_own_loss(tmp_path, arch,
+                                                                          precision):
+    """Granite-3 divides its logits by logits_scaling (8 here, as granite-3.0-2b), Cohere
+    multiplies them by logit_scale, Gemma 2 soft-caps them, GPT-2's head is not chunked:
+    the training loss is transformers' own whichever path it takes."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    path = tiny_model(tmp_path, arch, precision)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = CausalLM(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype))
+    ids, labels = _ids(model)
+    with torch.no_grad():
+        ours = model(ids, labels)
+        own = model.lm(input_ids=ids, labels=labels, use_cache=False).loss
+    tol = 1e-6 if precision == "fp32" else 2e-3
+    assert abs(ours.item() - own.item()) <= tol * abs(own.item()), (ours, own)
+
+
 def test_a_row_with_nothing_to_learn_gives_zero_and_a_graph(tmp_path):
     model = _model(tmp_path, "fp32")
     ids, _ = _ids(model, rows=2, length=8)
