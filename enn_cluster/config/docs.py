@@ -81,7 +81,9 @@ DESCRIPTIONS = {
                          "is masked out of the loss (prompt/response pairs); empty: none.",
     "data.messages_field": "Causal LM: a column (key) holding a chat, a list of "
                            "`{\"role\", \"content\"}` messages (system, user, assistant), "
-                           "rendered by the tokenizer's own `chat_template`; only the "
+                           "rendered by the tokenizer's own `chat_template` (a message's "
+                           "other keys, such as Qwen3's `reasoning_content`, are handed to "
+                           "it too, as transformers does); only the "
                            "assistant turns are learned (their text and the end-of-turn token "
                            "after it). Not with `data.prompt_field`, nor a `data.text_field` "
                            "other than its default; empty: none.",

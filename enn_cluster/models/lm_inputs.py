@@ -64,6 +64,12 @@ def check_token_ids(cfg: RunConfig, data_dir: Path, manifest: dict, vocab: int, 
         return
     name, value = bad
     text = manifest.get("text")
+    if text and not value.startswith("dtype") and not cfg.data.tokenizer:
+        raise UserError(f"model.name: the model's own tokenizer in {text['tokenizer']} gives "
+                        f"token id {value}, past its vocabulary (vocab_size {vocab} in "
+                        "config.json): tokens were added to the tokenizer (a pad, chat "
+                        "markers) but not to the embedding; save the model again after "
+                        "model.resize_token_embeddings(len(tokenizer))")
     if text and not value.startswith("dtype"):
         raise UserError(f"data.tokenizer: the tokenizer in {text['tokenizer']} gives token id "
                         f"{value}, past the model's vocabulary (vocab_size {vocab} in "

@@ -56,12 +56,14 @@ def conversation_error(value, need_assistant: bool = True) -> Optional[str]:
 
 
 def check_conversation(value, field: str, where: str, need_assistant: bool = True) -> list:
-    """The row's messages as [{"role", "content"}] (other keys dropped), or one line naming
-    the row (`where`: "FILE line N" or "FILE row N") and the field."""
+    """The row's messages, each with every key it holds (a template may read more than
+    role and content: Qwen3's `reasoning_content`, a tool call's `name`, as transformers
+    hands them over), or one line naming the row (`where`: "FILE line N" or "FILE row N")
+    and the field."""
     error = conversation_error(value, need_assistant)
     if error:
         raise UserError(f"{KEY}: {where}: {field!r} {error}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [dict(m) for m in value]
 
 
 def assistant_mask(full: list, turns: list, specials: frozenset) -> Optional[np.ndarray]:

@@ -276,12 +276,27 @@ def _jsonl_object(key: str, path: str, number: int, line: str, data: DataConfig)
     except RecursionError:
         raise UserError.on(key, f"{path} line {number} nests JSON deeper than a reader "
                                 "allows; write one flat object per line") from None
+    if ("\\ud" in line or "\\uD" in line) and not _encodes(record):
+        raise UserError.on(key, f"{path} line {number} holds a lone UTF-16 surrogate escape "
+                                "(half of a character, e.g. an emoji cut in two), which is not "
+                                "text the tokenizer can take; fix or drop the row")
     if not isinstance(record, dict):
         raise UserError.on(key, f"{path} line {number} is a JSON {type(record).__name__}, not "
                                 "an object; write one object per line, e.g. "
                                 + (f'{{"{data.messages_field}": [...]}}' if data.messages_field
                                    else f'{{"{data.text_field}": "..."}}'))
     return record
+
+
+def _encodes(record) -> bool:
+    """Whether a parsed JSON value is all valid text: JSON may escape half of a UTF-16
+    surrogate pair (`\\ud83d`), which Python keeps as a lone surrogate the tokenizer
+    cannot take. Asked only of a line holding such an escape."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _text_of(path: str, number: int, record: dict, data: DataConfig) -> tuple[str, str]:

@@ -56,6 +56,7 @@ class TextCounts:
     tokens: int = 0  # real (non-pad) tokens staged
     rows: int = 0
     truncated_documents: int = 0  # packing off: documents longer than a row
+    learned_tokens: int = 0  # labels the loss learns (not IGNORE) in the staged tokens
     dropped_tokens: int = 0  # packing on: the tail shorter than a row
 
 
@@ -135,6 +136,14 @@ class _Encoder:
         backend.no_truncation()  # what transformers' call does unless asked to truncate/pad
         backend.no_padding()
         self.backend = backend
+        # the special tokens the tokenizer appends (Llama-2-style `add_eos_token`: `</s>`):
+        # cut, since staging ends each document itself, and an EOS between a prompt and
+        # its text would split them into two packed documents that cannot see each other
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+        start = next((i for i in range(len(full) - len(plain) + 1)
+                      if full[i:i + len(plain)] == plain), len(full))
+        self.appended = max(len(full) - start - len(plain), 0)
 
     def __call__(self, texts: list[str], prompts: Optional[list[str]]):
         if prompts is None:  # the tokenizer's default special tokens (BOS) on the text
@@ -142,7 +151,10 @@ class _Encoder:
         return self._ids(prompts, True), self._ids(texts, False)
 
     def _ids(self, texts: list[str], special: bool) -> list:
-        return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=special)]
+        encoded = self.backend.encode_batch_fast(texts, add_special_tokens=special)
+        if special and self.appended:
+            return [e.ids[:-self.appended] for e in encoded]
+        return [e.ids for e in encoded]
 
     def plain(self, texts: list[str]) -> list:
         """Rendered chats: the template wrote every special token they hold."""
@@ -184,6 +196,7 @@ def _tokenize_file(key: str, path: str, data: DataConfig, layout: Layout, encode
                 ids, labels = padded_rows(layout, ids, labels, lengths)
             else:
                 counts.tokens += len(ids)
+            counts.learned_tokens += int((labels != IGNORE).sum())
             fx.write(memoryview(ids).cast("B"))
             fy.write(memoryview(labels).cast("B"))
     if layout.packing:
@@ -237,6 +250,12 @@ def _stage_split(key: str, path: str, split: str, data: DataConfig, layout: Layo
             raise UserError(f"data.max_length: {path} holds {counts.dropped_tokens} tokens, "
                             f"fewer than one row of {layout.max_length}; lower data.max_length "
                             "or add text")
+        if counts.learned_tokens == 0 and counts.truncated_documents:
+            # a run would train on a loss of 0 (eval: NaN), silently
+            raise UserError(f"data.max_length: no token of {path} is learned: "
+                            f"{counts.truncated_documents} of its {counts.documents} documents "
+                            f"are cut at {layout.max_length} tokens before the part the loss "
+                            "learns; raise data.max_length or shorten the prompts")
         entries = {f"{split}_{axis}": _stream_to_memmap(stream, data_dir / f"{split}_{axis}.npy",
                                                         counts.rows, layout.max_length, path,
                                                         progress)

@@ -264,3 +264,38 @@ def test_the_documented_chat_example_stages(tmp_path, users_model_dir):
     y = np.load(out / "train_y.npy").reshape(-1)
     want = [t if m else IGNORE for t, m in zip(ids, mask)] * 8
     assert y.tolist() == want[:len(y)] and (y != IGNORE).any()
+
+
+REASONING_TEMPLATE = (  # Qwen3's way with a turn's reasoning, without its other branches
+    r"""{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' }}"""
+    r"""{%- if message.role == 'assistant' %}{% generation %}"""
+    r"""{%- if message.reasoning_content %}"""
+    r"""{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}{%- endif %}"""
+    r"""{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\n' }}"""
+    r"""{%- else %}{{- message.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"""
+    r"""{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}""")
+
+
+def test_a_key_the_template_reads_besides_role_and_content_is_staged(tmp_path, users_model_dir):
+    """Qwen3's `reasoning_content`: the template renders it inside <think> and the turn's
+    reasoning is learned, as transformers renders and masks it (it was dropped, silently:
+    the model was taught to answer without reasoning)."""
+    plain = with_template(users_model_dir, tmp_path / "plain", unmarked(REASONING_TEMPLATE))
+    marked = with_template(users_model_dir, tmp_path / "marked", REASONING_TEMPLATE)
+    rows = [[{"role": "user", "content": c[0]["content"]},
+             {"role": "assistant", "content": c[-1]["content"],
+              "reasoning_content": f"the scheduler weighs job {i} first"}]
+            for i, c in enumerate(CHATS[:8])]
+    train = write_chats(tmp_path / "train.jsonl", rows)
+    _, out = stage(tmp_path, chat_config(tmp_path, users_model_dir, train, packing=False,
+                                         max_length=512, tokenizer=str(plain)))
+    x, y = np.load(out / "train_x.npy"), np.load(out / "train_y.npy")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(plain), local_files_only=True)
+    for row, messages in enumerate(rows):
+        ids, mask = oracle_chat(marked, messages)
+        assert x[row, :len(ids)].tolist() == ids, row
+        assert y[row, :len(ids)].tolist() == [t if m else IGNORE for t, m in zip(ids, mask)]
+        learned = tok.decode([t for t in y[row] if t != IGNORE])
+        assert f"weighs job {row} first" in learned, learned
