@@ -41,7 +41,7 @@ from enn_cluster.models.kinds import ModelKind, measure, shard_units
 from enn_cluster.models.lm_inputs import (check_lora_targets, check_max_length,
                                           check_packing, check_row_lengths, check_token_ids,
                                           position_limit, positions_needed)
-from enn_cluster.models.weight_names import base_targets
+from enn_cluster.models.weight_names import folder_targets
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
 PAD = -1  # a prediction row's position past its end (input ids and generated tokens)
@@ -304,12 +304,9 @@ class CausalLMKind(ModelKind):
         if not any(path.glob("*.safetensors")):
             raise UserError(f"model.name: {path} has no *.safetensors weights; save the model "
                             "with save_pretrained(..., safe_serialization=True) there")
-        from enn_cluster.models.safetensors_header import check_shapes, shapes
-
         with torch.device("meta"):  # no storage: only the shapes are wanted
             model = bare_lm(name)
-        targets = base_targets(model, shapes(path))
-        check_shapes(path, {n: tuple(t.shape) for n, t in targets.items()})
+        folder_targets(model, path)
         self.check_built(cfg, model)
 
     def check_built(self, cfg: RunConfig, model) -> None:

@@ -76,7 +76,7 @@ def check_token_ids(cfg: RunConfig, data_dir: Path, manifest: dict, vocab: int, 
                         f"{cfg.model.name[len(HF_PREFIX):]}/config.json); use the model's own "
                         "tokenizer (leave data.tokenizer out) or one of its vocabulary")
     if field is None:
-        field = "data.eval_path" if name.startswith("eval") else "data.train_path"
+        field = _data_key(name)
         if name.endswith("_y") and cfg.data.train_targets_path and name.startswith("train"):
             field = "data.train_targets_path"
     what = (f"holds {value}, not token ids" if value.startswith("dtype") else
@@ -149,6 +149,11 @@ def check_packing(cfg: RunConfig, model_type: str, packs: frozenset) -> None:
                         "false (one document per row)")
 
 
+def _data_key(name: str) -> str:
+    """The config key a staged array (`train_x`, `eval_y`) came from."""
+    return "data.eval_path" if name.startswith("eval") else "data.train_path"
+
+
 def _positions(cfg: RunConfig, limit: tuple[int, str]) -> str:
     return (f"{limit[0]} positions ({limit[1]} in {cfg.model.name[len(HF_PREFIX):]}/"
             "config.json: it learns one embedding per position)")
@@ -165,10 +170,9 @@ def check_row_lengths(cfg: RunConfig, manifest: dict, field, new_tokens: int,
         return
     name, width, positions = need
     if field is None and not manifest.get("text") and width > cfg.data.max_length:
-        key = "data.eval_path" if name.startswith("eval") else "data.train_path"
-        raise UserError(f"{key}: {name} has rows of {width} tokens, more than data.max_length "
-                        f"({cfg.data.max_length}), the row length the memory plan counts; set "
-                        f"data.max_length: {width}, or cut the rows")
+        raise UserError(f"{_data_key(name)}: {name} has rows of {width} tokens, more than "
+                        f"data.max_length ({cfg.data.max_length}), the row length the memory "
+                        f"plan counts; set data.max_length: {width}, or cut the rows")
     if limit is None or positions <= limit[0]:
         return
     if new_tokens:
@@ -177,10 +181,9 @@ def check_row_lengths(cfg: RunConfig, manifest: dict, field, new_tokens: int,
                         f"tokens need {positions} positions, more than the model's "
                         f"{_positions(cfg, limit)}; generate at most "
                         f"{max(limit[0] - prompt + 1, 0)} tokens, or shorten the prompts")
-    if field is None:
-        field = "data.eval_path" if name.startswith("eval") else "data.train_path"
-    raise UserError.on(field, f"{name} has rows of {width} tokens, more than the model's "
-                       f"{_positions(cfg, limit)}", f"cut the rows to {limit[0]} tokens or less")
+    raise UserError.on(field or _data_key(name), f"{name} has rows of {width} tokens, more "
+                       f"than the model's {_positions(cfg, limit)}",
+                       f"cut the rows to {limit[0]} tokens or less")
 
 
 def token_ids_outside(data_dir: Path, entries: dict, vocab: int, also: dict,

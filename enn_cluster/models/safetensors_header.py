@@ -108,10 +108,12 @@ def shapes(folder: Path, field: str = "model.name") -> dict[str, tuple[tuple, Pa
     return out
 
 
-def check_shapes(folder: Path, expected: dict[str, tuple], field: str = "model.name") -> None:
+def check_shapes(folder: Path, expected: dict[str, tuple], field: str = "model.name",
+                 found: dict | None = None) -> None:
     """Every tensor the model needs (`expected`: name -> shape) is in a file of `folder`,
-    with that shape; tensors the model does not use are left alone."""
-    found = shapes(folder, field)
+    with that shape; tensors the model does not use are left alone. `found`: its `shapes`,
+    when already read."""
+    found = shapes(folder, field) if found is None else found
     for name, want in expected.items():
         if name not in found:
             raise UserError(f"{field}: no safetensors file in {folder} holds tensor {name}, "

@@ -9,11 +9,13 @@ line: the per-rank reads of the files cannot merge them.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 from torch import nn
 
 from enn_cluster.errors import UserError
+from enn_cluster.models.safetensors_header import check_shapes, shapes
 
 PEFT_PREFIX = "base_model.model."
 
@@ -70,3 +72,12 @@ def base_targets(model: nn.Module, in_files: Iterable[str]) -> dict:
             hf = hf_name(name)
             out.setdefault(renamed.get(hf, hf), tensor)
     return out
+
+
+def folder_targets(model: nn.Module, folder: Path) -> dict:
+    """base_targets under the names the files of `folder` hold, each there in the shape
+    the model needs (one read of the headers; the client's check and the workers' read)."""
+    found = shapes(folder)
+    targets = base_targets(model, found)
+    check_shapes(folder, {n: tuple(t.shape) for n, t in targets.items()}, found=found)
+    return targets

@@ -18,8 +18,7 @@ from torch import nn
 from enn_cluster.config.hf_name import weights_dir
 from enn_cluster.errors import UserError
 from enn_cluster.models.causal_lm import CausalLM
-from enn_cluster.models.safetensors_header import check_shapes, shapes
-from enn_cluster.models.weight_names import base_targets, is_adapter
+from enn_cluster.models.weight_names import folder_targets, is_adapter
 from enn_cluster.storage.base_weights import identity
 from enn_cluster.storage.dcp_io import SafeLoadPlanner
 from enn_cluster.worker.meta_init import copy_local, name_generator
@@ -61,10 +60,9 @@ def load_base(model: nn.Module, weights: Path, group) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 
-    targets = base_targets(model, shapes(weights))  # the folder's names (weight_names)
     # the headers again (prepare checked them): the folder may have changed since, and an
     # external launcher makes no client check; a file cut short is one line, not DCP's trace
-    check_shapes(weights, {n: tuple(t.shape) for n, t in targets.items()})
+    targets = folder_targets(model, weights)  # under the folder's names (weight_names)
     try:
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(weights)),
                  planner=SafeLoadPlanner(), process_group=group)
