@@ -85,7 +85,9 @@ DESCRIPTIONS = {
                            "other keys, such as Qwen3's `reasoning_content`, are handed to "
                            "it too, as transformers does); only the "
                            "assistant turns are learned (their text and the end-of-turn token "
-                           "after it). Not with `data.prompt_field`, nor a `data.text_field` "
+                           "after it; a template that renders earlier turns otherwise once "
+                           "a later one exists, as Qwen3 drops their reasoning, stages each "
+                           "assistant turn as the conversation through it). Not with `data.prompt_field`, nor a `data.text_field` "
                            "other than its default; empty: none.",
     "data.max_length": "Causal LM: tokens per staged row (2 .. 1048576); token arrays "
                        "may be no wider (the memory plan counts rows of this length). A "

@@ -4,12 +4,16 @@ chat template, and masked so that only the assistant turns are learned.
 Real templates (Qwen2.5, Llama-3) carry no `{% generation %}` markers, so the assistant spans
 are found without them: a conversation is rendered whole, and, for each assistant turn, once
 up to it with the generation prompt (where a model starts to write) and once through it.
-Each rendering must be a prefix of the whole in tokens; a template that renders earlier
-turns otherwise once a later one exists is refused, since no span of it could be trusted. A
-turn's learned tokens run from the end of the first rendering to the last special token of
-the second (its end of turn: `<|im_end|>`, `<|eot_id|>`); what the template writes after
-that (ChatML's newline) is layout a model never generates, and is not learned. A turn with
-no special token is learned to its end.
+When each rendering is a prefix of the whole in tokens, the conversation is one document
+with every assistant turn learned. A template that renders earlier turns otherwise once a
+later one exists (Qwen3 drops their reasoning once a user turn follows) has no such spans:
+its conversation is staged as one document per assistant turn, the conversation through
+that turn with only it learned, which is what a model answers each turn from at inference
+(the earlier turns are context, as the template renders them then). A template whose generation prompt does not start a turn as it renders one is
+refused, since no span of it could be trusted. A turn's learned tokens run from the end of
+the first rendering to the last special token of the second (its end of turn: `<|im_end|>`,
+`<|eot_id|>`); what the template writes after that (ChatML's newline) is layout a model
+never generates, and is not learned. A turn with no special token is learned to its end.
 
 Rendering is transformers' own (`apply_chat_template`, its sandboxed jinja); the tokens are
 the fast tokenizer's batched encoding of the rendered text without added special tokens, as
@@ -114,8 +118,10 @@ class ChatEncoder:
                             f"conversation ({type(exc).__name__}: {str(exc)[:200]}); fix the "
                             "row") from None
 
-    def __call__(self, conversations: list, wheres: list) -> tuple[list, list]:
-        """(ids, learned mask) of each conversation: one batched encode of every rendering."""
+    def __call__(self, conversations: list, wheres: list) -> tuple[list, list, int]:
+        """(ids, learned mask) of each staged document, and how many conversations were
+        staged one document per assistant turn (`per_turn`); one batched encode of every
+        rendering."""
         texts, plan = [], []
         for messages, where in zip(conversations, wheres):
             first = len(texts)
@@ -126,20 +132,29 @@ class ChatEncoder:
                     texts.append(self.render(messages[:i + 1], False, where))
             plan.append((first, len(texts), where))
         encoded = self.encode(texts)
-        docs, masks = [], []
+        docs, masks, split = [], [], 0
         for first, end, where in plan:
             full = encoded[first]
-            mask = assistant_mask(full, list(zip(encoded[first + 1:end:2],
-                                                 encoded[first + 2:end:2])), self.specials)
-            if mask is None:
-                raise UserError(f"{KEY}: {where}: the chat template in {self.dir} renders the "
-                                "conversation up to an assistant turn as other than the start "
-                                "of the whole (in tokens), so its assistant tokens cannot be "
-                                "told apart; use a template that renders each turn alike "
-                                "whatever follows, or give text with data.prompt_field")
-            docs.append(full)
-            masks.append(mask)
-        return docs, masks
+            turns = list(zip(encoded[first + 1:end:2], encoded[first + 2:end:2]))
+            mask = assistant_mask(full, turns, self.specials)
+            if mask is not None:
+                docs.append(full)
+                masks.append(mask)
+                continue
+            split += 1
+            for number, (before, through) in enumerate(turns, 1):
+                mask = assistant_mask(through, [(before, through)], self.specials)
+                if mask is None:
+                    raise UserError(
+                        f"{KEY}: {where}: the chat template in {self.dir} renders assistant "
+                        f"turn {number} otherwise than it renders the conversation up to it "
+                        "with the generation prompt (in tokens), so the turn's tokens cannot "
+                        "be told apart; use a template whose generation prompt starts an "
+                        "assistant turn as it renders one, or give text with "
+                        "data.prompt_field")
+                docs.append(through)
+                masks.append(mask)
+        return docs, masks, split
 
     def prompts(self, conversations: list, wheres: list) -> list:
         """Prediction input: each conversation rendered as it stands, with the generation

@@ -58,6 +58,7 @@ class TextCounts:
     truncated_documents: int = 0  # packing off: documents longer than a row
     learned_tokens: int = 0  # labels the loss learns (not IGNORE) in the staged tokens
     dropped_tokens: int = 0  # packing on: the tail shorter than a row
+    per_turn_conversations: int = 0  # chats staged one document per assistant turn
 
 
 @dataclass(frozen=True)
@@ -163,12 +164,16 @@ class _Encoder:
 
 def _batches(key: str, path: str, data: DataConfig, layout: Layout, encoder: _Encoder,
              chats: Optional[ChatEncoder], batch: int):
-    """(raw batches of the file, the function that lays one out as (ids, labels, lengths))."""
+    """(raw batches of the file, the function that lays one out as (ids, labels, lengths,
+    conversations staged one document per assistant turn))."""
     if chats is not None:
-        return (iter_conversations(key, path, data, batch),
-                lambda rows: chat_documents(*chats(*rows)))
+        def chat_batch(rows):
+            docs, masks, per_turn = chats(*rows)
+            return (*chat_documents(docs, masks), per_turn)
+
+        return iter_conversations(key, path, data, batch), chat_batch
     return (iter_documents(key, path, data, batch),
-            lambda docs: document_tokens(layout, *encoder(*docs)))
+            lambda docs: (*document_tokens(layout, *encoder(*docs)), 0))
 
 
 def _tokenize_file(key: str, path: str, data: DataConfig, layout: Layout, encoder: _Encoder,
@@ -187,8 +192,9 @@ def _tokenize_file(key: str, path: str, data: DataConfig, layout: Layout, encode
             if encoded is None:
                 break
             nxt = pool.submit(_encode_next, batches, lay_out)
-            ids, labels, lengths = encoded
+            ids, labels, lengths, per_turn = encoded
             counts.documents += len(lengths)
+            counts.per_turn_conversations += per_turn
             if not layout.packing:
                 ended = 0 if chats is not None else 1  # the EOS staging adds may be cut
                 counts.truncated_documents += int((lengths - ended > layout.max_length).sum())
@@ -294,6 +300,7 @@ def stage_text_data(data: DataConfig, model: ModelConfig, data_dir: Path,
         "prompt_field": data.prompt_field, "messages_field": data.messages_field,
         "truncated_documents": train.truncated_documents,
         "dropped_tokens": train.dropped_tokens,
+        "per_turn_conversations": train.per_turn_conversations,
     }
     if "eval" in counts:
         manifest["text"]["eval"] = asdict(counts["eval"])

@@ -175,10 +175,10 @@ def test_predict_rows_end_with_the_generation_prompt(tmp_path, users_model_dir):
 
 
 GOOD = CHATS[:3]
-ROLE_LAST = (  # renders an assistant turn otherwise once a later turn exists (as Qwen3
-    # drops earlier reasoning): no prefix of the whole, so no span can be trusted
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and not "
-    "loop.last %}(earlier) {% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+OTHER_START = (  # its generation prompt starts a turn otherwise than it renders one: no
+    # span of an assistant turn can be trusted, whole or turn by turn
+    "{% for m in messages %}<|im_start|>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 BAD = {  # name: (rows or a writer, extra data keys, what the one line says)
     "missing field": (lambda t: write_chats(t / "c.jsonl", GOOD, field="chat"), {},
@@ -208,9 +208,10 @@ BAD = {  # name: (rows or a writer, extra data keys, what the one line says)
     "no chat template": (GOOD, {"tokenizer": None},
                          ["data.messages_field: the tokenizer in", "has no chat_template",
                           "set data.tokenizer"]),
-    "a template that rewrites earlier turns": (
-        GOOD, {"tokenizer": ROLE_LAST},
-        ["c.jsonl line 3: the chat template in", "cannot be told apart"]),
+    "a generation prompt that starts no turn": (
+        GOOD, {"tokenizer": OTHER_START},
+        ["c.jsonl line 1: the chat template in", "renders assistant turn 1 otherwise",
+         "cannot be told apart"]),
     "a template that refuses the row": (
         GOOD, {"tokenizer": "{{ raise_exception('roles must alternate') }}"},
         ["c.jsonl line 1: the chat template in", "refuses the conversation",
@@ -299,3 +300,88 @@ def test_a_key_the_template_reads_besides_role_and_content_is_staged(tmp_path, u
         assert y[row, :len(ids)].tolist() == [t if m else IGNORE for t, m in zip(ids, mask)]
         learned = tok.decode([t for t in y[row] if t != IGNORE])
         assert f"weighs job {row} first" in learned, learned
+
+
+# ---------------------------------------------------------------------------------------
+# Templates that render earlier turns otherwise once a later one exists: one document per
+# assistant turn
+
+
+QWEN3_TEMPLATE = (  # Qwen3's way with reasoning, without tools: a <think> block on the turns
+    # after the last user turn (always on the last one), none on earlier turns
+    r"""{%- set ns = namespace(last_query=-1) %}{%- for message in messages %}"""
+    r"""{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"""
+    r"""{%- endfor %}{%- for message in messages %}{%- if message.role == 'assistant' %}"""
+    r"""{{- '<|im_start|>assistant\n' }}{% generation %}"""
+    r"""{%- set reasoning = message.reasoning_content if message.reasoning_content is defined"""
+    r""" and message.reasoning_content is not none else '' %}"""
+    r"""{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"""
+    r"""{{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' }}{%- endif %}"""
+    r"""{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\n' }}"""
+    r"""{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"""
+    r"""{%- endif %}{%- endfor %}"""
+    r"""{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}""")
+
+
+def last_turn(mask: list) -> list:
+    """The mask with only its last learned span kept."""
+    start = max(i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
+    return [m and i >= start for i, m in enumerate(mask)]
+
+
+def reasoning_chats() -> list:
+    """CHATS, every assistant turn of every other one with its reasoning."""
+    return [[dict(m, reasoning_content=f"thought {i} {j}") if m["role"] == "assistant"
+             and i % 2 == 0 else m for j, m in enumerate(messages)]
+            for i, messages in enumerate(CHATS)]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_template_that_drops_earlier_reasoning_learns_each_turn_as_it_is_answered(
+        tmp_path, model_dir, packing, monkeypatch):
+    """Qwen3 drops an assistant turn's reasoning once a user turn follows it, so the whole
+    conversation holds no span of what the model wrote at that turn (it was refused). Each
+    assistant turn is staged as the conversation through it, with only it learned, as
+    transformers renders and masks it: what the model answers that turn from at inference,
+    and the turn's reasoning with it."""
+    monkeypatch.setattr(text_staging, "BATCH_DOCS", 7)
+    plain = with_template(model_dir, tmp_path / "plain", unmarked(QWEN3_TEMPLATE))
+    marked = with_template(model_dir, tmp_path / "marked", QWEN3_TEMPLATE)
+    rows = reasoning_chats()
+    train = write_chats(tmp_path / "train.jsonl", rows)
+    width = 64 if packing else 512
+    manifest, out = stage(tmp_path, chat_config(tmp_path, model_dir, train, packing=packing,
+                                                max_length=width, tokenizer=str(plain)))
+    docs = []
+    for messages in rows:
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                ids, mask = oracle_chat(marked, messages[:i + 1])
+                docs.append((ids, last_turn(mask)))
+    if "bf16" in str(model_dir):
+        assert min(min(ids) for ids, _ in docs) > RESERVED_IDS
+    x, y = np.load(out / "train_x.npy"), np.load(out / "train_y.npy")
+    if packing:
+        stream = [t for ids, _ in docs for t in ids]
+        labels = [t if m else IGNORE for ids, mask in docs for t, m in zip(ids, mask)]
+        assert x.reshape(-1).tolist() == stream[:x.size]
+        assert y.reshape(-1).tolist() == labels[:y.size]
+    else:
+        assert x.shape[0] == len(docs)
+        for row, (ids, mask) in enumerate(docs):
+            assert x[row, :len(ids)].tolist() == ids, row
+            assert y[row].tolist() == [t if m else IGNORE for t, m in zip(ids, mask)] + \
+                [IGNORE] * (width - len(ids)), row
+    multi = sum(sum(m["role"] == "assistant" for m in c) > 1 for c in rows)
+    text = manifest["text"]
+    assert text["documents"] == len(docs) and text["per_turn_conversations"] == multi > 0
+    if not packing:  # each turn learns its own reasoning, which no later rendering holds
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(plain), local_files_only=True)
+        turn = iter((i, j) for i, c in enumerate(rows) for j, m in enumerate(c)
+                    if m["role"] == "assistant")
+        for row in range(len(docs)):
+            i, j = next(turn)
+            learned = tok.decode([t for t in y[row] if t != IGNORE])
+            assert ("thought %d %d" % (i, j) in learned) == (i % 2 == 0), (row, learned)
