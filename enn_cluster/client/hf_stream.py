@@ -30,7 +30,7 @@ from enn_cluster.config.inputs import INPUTS
 from enn_cluster.errors import UserError
 from enn_cluster.models import kind_of
 from enn_cluster.models.causal_lm import ADAPTER, hf_config
-from enn_cluster.models.safetensors_header import CODES, encode_header, read_header
+from enn_cluster.models.safetensors_header import CODES, encode_header, tensors
 from enn_cluster.models.weight_names import folder_names, hf_name, is_adapter
 from enn_cluster.storage.dcp_io import safe_load
 from enn_cluster.storage.dcp_metadata import tensor_specs
@@ -83,25 +83,17 @@ def shard_files(count: int) -> list[str]:
 
 def base_dtype(weights: Path, base: Optional[dict] = None) -> str:
     """The dtype the weights folder holds: config.json's, else the safetensors' floating
-    tensors' (most bytes), else float32. `base`: its `base_tensors`, when already read."""
+    tensors' (most bytes), else float32. `base`: its `tensors`, when already read."""
     said = str(getattr(hf_config(weights), "dtype", None) or "").removeprefix("torch.")
     if said in DTYPES:
         return said
     count: dict = {}
-    held = base if base is not None else base_tensors(weights)
-    for _name, (_file, code, shape) in held.items():
-        if code in _FLOATS:
-            count[_FLOATS[code]] = count.get(_FLOATS[code], 0) + math.prod(shape)
+    held = base if base is not None else tensors(weights)
+    for found in held.values():
+        if found.dtype in _FLOATS:
+            code = _FLOATS[found.dtype]
+            count[code] = count.get(code, 0) + math.prod(found.shape)
     return max(count, key=count.get) if count else "float32"
-
-
-def base_tensors(weights: Path) -> dict:
-    """{name: (file, safetensors dtype code, shape)} over the weights folder's files."""
-    out = {}
-    for file in sorted(Path(weights).glob("*.safetensors")):
-        for name, entry in read_header(file).items():
-            out[name] = (file, entry.get("dtype"), tuple(entry["shape"]))
-    return out
 
 
 def plan_entries(model: nn.Module, specs: dict, base: dict, dtype: str) -> list[Entry]:
@@ -126,9 +118,9 @@ def plan_entries(model: nn.Module, specs: dict, base: dict, dtype: str) -> list[
             raise UserError(f"model.name: no safetensors file of the weights folder holds "
                             f"{hf}, and the checkpoint does not either; restore the files "
                             "save_pretrained wrote")
-        floating = specs[source][1].is_floating_point if source else base[hf][1] in _FLOATS
+        floating = specs[source][1].is_floating_point if source else base[hf].dtype in _FLOATS
         own = str(specs[source][1]).removeprefix("torch.") if source else \
-            _DTYPE_OF.get(base[hf][1], "float32")
+            _DTYPE_OF.get(base[hf].dtype, "float32")
         lora = name.removesuffix(_LORA_BASE) if name.endswith(_LORA_BASE) else ""
         out.append(Entry(hf, dtype if floating else own, tuple(tensor.shape), source, lora))
     return out
@@ -184,7 +176,7 @@ def write_streamed(cfg, step_dir: Path, out: Path, dtype: Optional[str] = None,
     from enn_cluster.storage.base_weights import check_step_base
 
     weights = weights_dir(cfg.model.name)
-    base = base_tensors(weights)  # every header read once
+    base = tensors(weights)  # every header read once
     dtype = dtype or base_dtype(weights, base)
     with torch.device("meta"):
         model = kind_of(cfg).build(cfg)
@@ -205,7 +197,7 @@ def write_streamed(cfg, step_dir: Path, out: Path, dtype: Optional[str] = None,
         else:  # each time opened and closed: a file kept mapped stays in the RSS as it is read
             from safetensors import safe_open
 
-            with safe_open(str(base[e.name][0]), framework="pt") as fh:
+            with safe_open(str(base[e.name].file), framework="pt") as fh:
                 t = fh.get_tensor(e.name)
         if e.lora:  # peft's merge: the fp32 base += get_delta_weight, then the cast
             t = t.float() + model.get_submodule(e.lora).get_delta_weight(ADAPTER)

@@ -4,7 +4,7 @@ length, little-endian, then that much JSON naming each tensor's dtype, shape and
 The folder is user input: a header length past the file or past safetensors' own limit, a
 header that is not JSON, an entry that is not a tensor, or one whose bytes lie past the end
 of the file (a copy cut short) is one line naming the file; no tensor data is read.
-`shapes` is what `model.name`'s check compares with the model its config.json describes,
+`tensors` is what `model.name`'s check compares with the model its config.json describes,
 so a tensor of the wrong shape is refused at `prepare`, by name, instead of as a multi-line
 size mismatch on every rank. `encode_header` is the writing side, for a file whose tensors
 are written one at a time after it (`export --format hf`).
@@ -15,6 +15,7 @@ import json
 import math
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 from enn_cluster.errors import UserError
 
@@ -99,27 +100,34 @@ def _check_extent(path: Path, name: str, entry: dict, field: str) -> None:
                         f"{entry['dtype']} needs {need}; restore the file save_pretrained wrote")
 
 
-def shapes(folder: Path, field: str = "model.name") -> dict[str, tuple[tuple, Path]]:
-    """{tensor name: (shape, file)} over every *.safetensors file in `folder`."""
+class FolderTensor(NamedTuple):
+    """One tensor of a weights folder, as its file's header gives it."""
+    shape: tuple
+    file: Path
+    dtype: str  # safetensors' code (BF16, F32, ...)
+
+
+def tensors(folder: Path, field: str = "model.name") -> dict[str, FolderTensor]:
+    """{tensor name: FolderTensor} over every *.safetensors file in `folder`."""
     out = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         for name, entry in read_header(file, field).items():
-            out[name] = (tuple(entry["shape"]), file)
+            out[name] = FolderTensor(tuple(entry["shape"]), file, entry.get("dtype"))
     return out
 
 
 def check_shapes(folder: Path, expected: dict[str, tuple], field: str = "model.name",
                  found: dict | None = None) -> None:
     """Every tensor the model needs (`expected`: name -> shape) is in a file of `folder`,
-    with that shape; tensors the model does not use are left alone. `found`: its `shapes`,
+    with that shape; tensors the model does not use are left alone. `found`: its `tensors`,
     when already read."""
-    found = shapes(folder, field) if found is None else found
+    found = tensors(folder, field) if found is None else found
     for name, want in expected.items():
         if name not in found:
             raise UserError(f"{field}: no safetensors file in {folder} holds tensor {name}, "
                             "which the model its config.json describes needs; restore the "
                             "files save_pretrained wrote")
-        shape, file = found[name]
+        shape, file, _ = found[name]
         if shape != tuple(want):
             raise UserError(f"{field}: {file}: tensor {name} has shape {list(shape)}, but the "
                             f"model its config.json describes needs {list(want)}; restore "

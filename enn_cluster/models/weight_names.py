@@ -15,7 +15,7 @@ from typing import Iterable
 from torch import nn
 
 from enn_cluster.errors import UserError
-from enn_cluster.models.safetensors_header import check_shapes, shapes
+from enn_cluster.models.safetensors_header import check_shapes, tensors
 
 PEFT_PREFIX = "base_model.model."
 
@@ -77,7 +77,7 @@ def base_targets(model: nn.Module, in_files: Iterable[str]) -> dict:
 def folder_targets(model: nn.Module, folder: Path) -> dict:
     """base_targets under the names the files of `folder` hold, each there in the shape
     the model needs (one read of the headers; the client's check and the workers' read)."""
-    found = shapes(folder)
+    found = tensors(folder)
     targets = base_targets(model, found)
     check_shapes(folder, {n: tuple(t.shape) for n, t in targets.items()}, found=found)
     return targets

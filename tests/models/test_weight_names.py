@@ -30,10 +30,10 @@ def test_a_renamed_checkpoint_trains_and_exports_under_its_own_names(tmp_path, p
     from transformers import AutoModelForCausalLM
 
     from enn_cluster import Run
-    from enn_cluster.models.safetensors_header import shapes
+    from enn_cluster.models.safetensors_header import tensors
 
     model_dir = tiny_model(tmp_path, "gpt_neox", precision)
-    assert "embed_out.weight" in shapes(model_dir)  # what save_pretrained wrote
+    assert "embed_out.weight" in tensors(model_dir)  # what save_pretrained wrote
     cfg = lm_config(tmp_path, model_dir, "neox", rows=16, length=32, lora={"r": 0},
                     training={"max_steps": 4, "per_device_train_batch_size": 4,
                               **bf16_training(precision)},
@@ -52,7 +52,7 @@ def test_a_renamed_checkpoint_trains_and_exports_under_its_own_names(tmp_path, p
     assert set(checkpoint_dtypes(run / "checkpoints" / "step-4").values()) == {"float32"}
     res = cli("export", run, "--out", tmp_path / "hf", "--format", "hf", "--dtype", "float32")
     assert res.returncode == 0, res.stderr[-3000:]
-    written = shapes(tmp_path / "hf")
+    written = tensors(tmp_path / "hf")
     assert "embed_out.weight" in written and "lm_head.weight" not in written, sorted(written)
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
                                                     dtype=torch.float32).eval()
