@@ -70,7 +70,7 @@ def tiny_model(root: Path, arch: str = "llama", precision: str = "fp32", **shape
 # transformers' assistant mask (the oracle) learns; `unmarked` strips them, as Qwen2.5's and
 # Llama-3's own templates have none.
 CHAT_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
-                 "<|eot_id|>")
+                 "<|eot_id|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 QWEN_TEMPLATE = (  # Qwen2.5's, without tools: a default system turn, ChatML's newline after
     r"""{%- if messages[0]['role'] == 'system' %}"""
     r"""{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"""

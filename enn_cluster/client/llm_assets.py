@@ -39,6 +39,12 @@ def corpus(n_docs: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))) for _ in range(n_docs)]
 
 
+# Llama-3's pre-tokenizer split (Qwen2's but for digits): a run of newlines is one piece,
+# joined with the whitespace before it, as users' tokenizers cut text
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512,
                     reserved: int = 0, chat_specials: tuple = (),
                     chat_template: str | None = None) -> None:
@@ -47,17 +53,21 @@ def write_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 512,
     e.g. <|im_start|>, with `chat_template`). `reserved` unused special tokens come first,
     so every real id is at least that large: a real vocabulary (128k-151k) has ids far above
     256, the last integer bf16 holds exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     specials = [f"<reserved_{i}>" for i in range(reserved)] + ["<pad>", "<s>", "</s>",
                                                                 *chat_specials]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size + reserved, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
+    # paragraphs too, so that newlines merge as in a real vocabulary ("\n\n" one token)
+    tok.train_from_iterator([*texts, *("\n\n".join(texts[i:i + 4]) + "\n"
+                                       for i in range(0, len(texts), 4))], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>")
     if chat_template:

@@ -74,3 +74,30 @@ def check_model_files(folder: Path, field: str) -> Path:
             raise UserError(f"{field}: {entry} is {st.st_size} bytes, more than such a file "
                             "can hold; restore the file save_pretrained wrote")
     return Path(folder).resolve()
+
+
+def end_token_ids(folder: Path) -> list[int]:
+    """The tokens at which the model's own `generate` stops: generation_config.json's
+    `eos_token_id` (one id or a list), else config.json's, as transformers' from_pretrained
+    reads them. They differ in real folders: Llama-3-Instruct's config.json names
+    <|end_of_text|> and its generation_config.json <|eot_id|> too (where a chat turn ends),
+    Phi-3's adds <|end|>. One line when the value is not token ids."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            raise UserError(f"model.name: {path} is not readable JSON "
+                            f"({str(exc).splitlines()[0][:120]}); restore the file "
+                            "save_pretrained wrote") from None
+        ids = data.get("eos_token_id") if isinstance(data, dict) else None
+        ids = [ids] if type(ids) is int else ids
+        if ids is None:
+            continue
+        if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
+            raise UserError(f"model.name: {path}: eos_token_id {str(ids)[:80]} is not a token "
+                            "id or a list of them; restore the file save_pretrained wrote")
+        return ids
+    return []

@@ -1,14 +1,8 @@
 """Hugging Face causal LMs (`model.name: hf:DIR`): built from the weights directory's
-config.json, LoRA adapters from peft, the next-token loss with masked labels, what a
-prediction computes of a row (mean log-likelihood, or generated tokens), and the two kinds
-(models/kinds.py) that answer for such a run: CausalLMKind (every weight trains) and
-LoraKind (peft adapters over a frozen base).
-
-Prediction rows are token ids right-padded with -1 (staged so by the client from text, or
-given as an array). A row's score is the mean log-likelihood of its tokens after the first
-and their count (`[mean_logprob, n]`); with `generate` the row's prompt is continued by up
-to N tokens (greedy, or sampled from a generator seeded by the request's seed and the row's
-index, so a restarted chunk draws the same), padded with -1 after the end-of-sequence token.
+config.json (and generation_config.json, as from_pretrained reads it), LoRA adapters from
+peft, the next-token loss with masked labels, and the two kinds (models/kinds.py) that
+answer for such a run: CausalLMKind (every weight trains) and LoraKind (peft adapters over
+a frozen base). What a prediction computes of a row is models/lm_outputs.py's.
 
 The module is built wherever the caller's default device says: on the meta device in the
 workers (sharded first, then each rank reads its own shards of the safetensors: see
@@ -33,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enn_cluster.config.hf_name import weights_dir
+from enn_cluster.config.hf_name import end_token_ids, weights_dir
 from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
@@ -41,10 +35,10 @@ from enn_cluster.models.kinds import ModelKind, measure, shard_units
 from enn_cluster.models.lm_inputs import (check_lora_targets, check_max_length,
                                           check_packing, check_row_lengths, check_token_ids,
                                           position_limit, positions_needed)
+from enn_cluster.models.lm_outputs import PAD, generate, generate_in_step, score
 from enn_cluster.models.weight_names import folder_targets
 
 IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
-PAD = -1  # a prediction row's position past its end (input ids and generated tokens)
 LOSS_CHUNK_LOGITS = 1 << 26  # logits per chunk of the loss: 256 MiB in fp32
 # Architectures whose logits are exactly lm_head(final hidden state): the chunked loss is
 # theirs to use. Others (Gemma 2's soft-capping, Cohere's logit scale) compute the logits.
@@ -79,12 +73,28 @@ def bare_lm(name: str) -> nn.Module:
     default device, weights random; no LoRA."""
     from transformers import AutoModelForCausalLM
 
-    config = hf_config(weights_dir(name))
+    folder = weights_dir(name)
+    config = hf_config(folder)
     try:
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        lm = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except ValueError as exc:
         raise UserError(f"model.name: {name}: {config.model_type!r} is not a causal LM "
                         f"transformers can build ({str(exc).splitlines()[0][:160]})") from None
+    if (folder / "generation_config.json").is_file():  # as from_pretrained: its end tokens,
+        lm.generation_config = generation_config(folder)  # its sampling settings
+    return lm
+
+
+def generation_config(folder: Path):
+    """The folder's generation_config.json as transformers reads it; one line when not."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"model.name: {folder}/generation_config.json does not load "
+                        f"({str(exc).splitlines()[0][:160]}); restore the file "
+                        "save_pretrained wrote") from None
 
 
 def with_lora(lm: nn.Module, lora: LoraConfig) -> nn.Module:
@@ -223,56 +233,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             if any(cls.__name__ in names for cls in type(m).__mro__)]
 
 
-def score(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """[rows, 2]: mean log-likelihood of each row's tokens after the first, and their count
-    (NaN and 0 for a row of one token: nothing was predicted, so no score, not a perfect
-    0.0). Right padding never changes an earlier position's logits (causal attention)."""
-    ids = ids.long()
-    valid = ids[:, 1:] >= 0
-    logits = model(ids.clamp(min=0)).float()[:, :-1]
-    logp = F.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].clamp(min=0).unsqueeze(-1))[..., 0]
-    n = valid.sum(dim=1)
-    mean = torch.where(n > 0, (logp * valid).sum(dim=1) / n.clamp(min=1), float("nan"))
-    return torch.stack([mean, n.to(mean.dtype)], dim=1)
-
-
-def generate(model: CausalLM, ids: torch.Tensor, new_tokens: int, seed, first_row: int,
-             eos_id) -> torch.Tensor:
-    """[rows, new_tokens]: each row's continuation (one row at a time: rows differ in length),
-    -1 after the end-of-sequence token."""
-    out = torch.full((len(ids), new_tokens), PAD, dtype=torch.float32)
-    for i, row in enumerate(ids.long()):
-        prompt = row[row >= 0][None]
-        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=0, pad_token_id=eos_id,
-                      do_sample=seed is not None)
-        if seed is not None:
-            torch.manual_seed(int(seed) * 1_000_003 + first_row + i)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        made = model.lm.generate(prompt, **kwargs)[0, prompt.shape[1]:]
-        stop = (made == eos_id).nonzero()
-        keep = int(stop[0]) + 1 if len(stop) and eos_id is not None else len(made)
-        out[i, :keep] = made[:keep].float()
-    return out
-
-
-def generate_in_step(model, ids: torch.Tensor, new_tokens: int, eos_id) -> torch.Tensor:
-    """Greedy continuation by full forwards, every row exactly `new_tokens` of them whatever
-    it draws (a sharded model's forwards are collectives: every rank must run as many);
-    -1 after the end-of-sequence token, as `generate` writes."""
-    out = torch.full((len(ids), new_tokens), PAD, dtype=torch.float32)
-    for i, row in enumerate(ids.long()):
-        cur = row[row >= 0][None]
-        for t in range(new_tokens):
-            nxt = model(cur)[0, -1].argmax()
-            out[i, t] = float(nxt)
-            cur = torch.cat([cur, nxt.view(1, 1)], dim=1)
-        stop = (out[i] == eos_id).nonzero() if eos_id is not None else []
-        if len(stop):
-            out[i, int(stop[0]) + 1:] = PAD
-    return out
-
-
 MAX_NEW_TOKENS = 1 << 16  # predict --generate
 
 
@@ -387,9 +347,8 @@ class CausalLMKind(ModelKind):
             raise UserError(f"--generate: {new_tokens} must be between 1 and {MAX_NEW_TOKENS}")
         if seed is not None and not 0 <= seed < 2**31:
             raise UserError(f"--seed: {seed} must be between 0 and {2**31 - 1}")
-        eos = hf_config(weights_dir(cfg.model.name)).eos_token_id
-        eos = eos[0] if isinstance(eos, list) else eos
-        return {"max_new_tokens": int(new_tokens), "seed": seed, "eos_token_id": eos}
+        return {"max_new_tokens": int(new_tokens), "seed": seed,
+                "eos_token_id": end_token_ids(weights_dir(cfg.model.name))}
 
     def predict(self, model, xb, request: dict, first_row: int, sharded: bool = False):
         gen = request.get("generate")

@@ -3,17 +3,21 @@ chat template, and masked so that only the assistant turns are learned.
 
 Real templates (Qwen2.5, Llama-3) carry no `{% generation %}` markers, so the assistant spans
 are found without them: a conversation is rendered whole, and, for each assistant turn, once
-up to it with the generation prompt (where a model starts to write) and once through it.
-When each rendering is a prefix of the whole in tokens, the conversation is one document
-with every assistant turn learned. A template that renders earlier turns otherwise once a
-later one exists (Qwen3 drops their reasoning once a user turn follows) has no such spans:
-its conversation is staged as one document per assistant turn, the conversation through
-that turn with only it learned, which is what a model answers each turn from at inference
-(the earlier turns are context, as the template renders them then). A template whose generation prompt does not start a turn as it renders one is
-refused, since no span of it could be trusted. A turn's learned tokens run from the end of
-the first rendering to the last special token of the second (its end of turn: `<|im_end|>`,
-`<|eot_id|>`); what the template writes after that (ChatML's newline) is layout a model
-never generates, and is not learned. A turn with no special token is learned to its end.
+up to it with the generation prompt (where a model starts to write) and once through it. A
+turn's learned tokens run from the end of the first rendering to the first of the model's
+end tokens in the second (where its `generate` stops: `<|im_end|>`, `<|eot_id|>`, Phi-3's
+`<|end|>`), else to its last special token; what the template writes after that (ChatML's
+newline, Phi-3's EOS) is layout a model never generates, and is not learned. A turn with no
+special token is learned to its end.
+
+When each turn's span is in the whole rendering as in the turn's own, the conversation is
+one document with every assistant turn learned. A template that renders earlier turns
+otherwise once a later one exists (Qwen3 drops their reasoning once a user turn follows)
+has no such spans: its conversation is staged as one document per assistant turn, the
+conversation through that turn with only it learned, which is what a model answers each
+turn from at inference (the earlier turns are context, as the template renders them then).
+A template whose rendering up to a turn is not the start of its rendering through it is
+refused, since no span of it could be trusted.
 
 Rendering is transformers' own (`apply_chat_template`, its sandboxed jinja); the tokens are
 the fast tokenizer's batched encoding of the rendered text without added special tokens, as
@@ -22,7 +26,7 @@ the fast tokenizer's batched encoding of the rendered text without added special
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -70,19 +74,46 @@ def check_conversation(value, field: str, where: str, need_assistant: bool = Tru
     return [dict(m) for m in value]
 
 
-def assistant_mask(full: list, turns: list, specials: frozenset) -> Optional[np.ndarray]:
-    """Which tokens of `full` (a conversation's ids) are learned, given each assistant turn
-    as (ids rendered up to it with the generation prompt, ids rendered through it); None
-    when a rendering is not a prefix of `full`."""
-    mask = np.zeros(len(full), bool)
-    for before, through in turns:
-        if len(before) > len(through) or full[:len(through)] != through \
-                or through[:len(before)] != before:
+def turn_span(before: list, through: list, joined: bool, specials: frozenset,
+              ends: frozenset) -> Optional[tuple[int, int]]:
+    """(start, end) of an assistant turn's learned tokens in `through` (the conversation's
+    ids rendered through the turn), given `before` (rendered up to it with the generation
+    prompt) and `joined` (before's text is the start of through's); None when `before` is
+    not the start of `through`.
+    From the end of `before`, or from its last token when the turn's first characters
+    merge with it into one token (Qwen2's and Llama-3's newline after the role header and a
+    reply that starts with one: a single "\n\n"), which transformers' assistant mask
+    marks too. To the first of the model's end tokens (`ends`: where its `generate` stops,
+    so Phi-3's <|end|> and not the EOS its template writes after), else to the last special
+    token, else to the end."""
+    start = len(before)
+    if start > len(through) or not joined:
+        return None
+    if through[:start] != before:
+        if start == 0 or through[:start - 1] != before[:-1]:
             return None
+        start -= 1
+    end = next((i + 1 for i in range(start, len(through)) if through[i] in ends), None)
+    if end is None:
         end = len(through)
-        while end > len(before) and through[end - 1] not in specials:
+        while end > start and through[end - 1] not in specials:
             end -= 1
-        mask[len(before):end if end > len(before) else len(through)] = True
+        end = end if end > start else len(through)
+    return start, end
+
+
+def assistant_mask(full: list, turns: list, specials: frozenset,
+                   ends: frozenset = frozenset()) -> Optional[np.ndarray]:
+    """Which tokens of `full` (a conversation's ids) are learned, given each assistant turn
+    as (ids rendered up to it with the generation prompt, ids rendered through it, whether
+    the first text starts the second); None when a turn's span is not found (turn_span) or
+    `full` does not hold it as rendered through the turn."""
+    mask = np.zeros(len(full), bool)
+    for before, through, joined in turns:
+        span = turn_span(before, through, joined, specials, ends)
+        if span is None or full[:span[1]] != through[:span[1]]:
+            return None
+        mask[span[0]:span[1]] = True
     return mask
 
 
@@ -104,10 +135,12 @@ class ChatEncoder:
     """Conversations to (ids, learned mask) per row, in batches; `encode` is the fast
     tokenizer's batched encoding without added special tokens."""
 
-    def __init__(self, tok, tokenizer_dir: Path, encode: Callable[[list], list]) -> None:
+    def __init__(self, tok, tokenizer_dir: Path, encode: Callable[[list], list],
+                 ends: Iterable[int] = ()) -> None:
         require_chat_template(tok, tokenizer_dir)
         self.tok, self.dir, self.encode = tok, tokenizer_dir, encode
         self.specials = special_ids(tok)
+        self.ends = frozenset(ends)  # the model's end tokens (hf_name.end_token_ids)
 
     def render(self, messages: list, generation_prompt: bool, where: str) -> str:
         try:
@@ -135,23 +168,26 @@ class ChatEncoder:
         docs, masks, split = [], [], 0
         for first, end, where in plan:
             full = encoded[first]
-            turns = list(zip(encoded[first + 1:end:2], encoded[first + 2:end:2]))
-            mask = assistant_mask(full, turns, self.specials)
+            turns = [(encoded[i], encoded[i + 1], texts[i + 1].startswith(texts[i]))
+                     for i in range(first + 1, end, 2)]
+            mask = assistant_mask(full, turns, self.specials, self.ends)
             if mask is not None:
                 docs.append(full)
                 masks.append(mask)
                 continue
             split += 1
-            for number, (before, through) in enumerate(turns, 1):
-                mask = assistant_mask(through, [(before, through)], self.specials)
+            for number, turn in enumerate(turns, 1):
+                through = turn[1]
+                mask = assistant_mask(through, [turn], self.specials, self.ends)
                 if mask is None:
                     raise UserError(
-                        f"{KEY}: {where}: the chat template in {self.dir} renders assistant "
-                        f"turn {number} otherwise than it renders the conversation up to it "
-                        "with the generation prompt (in tokens), so the turn's tokens cannot "
-                        "be told apart; use a template whose generation prompt starts an "
-                        "assistant turn as it renders one, or give text with "
-                        "data.prompt_field")
+                        f"{KEY}: {where}: the chat template in {self.dir} renders the "
+                        f"conversation up to assistant turn {number} with the generation "
+                        "prompt as other than the start of the conversation through that "
+                        "turn, so the turn's tokens cannot be told apart (a generation prompt "
+                        "unlike the turn's start, a system message placed only before a "
+                        "last user turn); use a template that renders a conversation's start "
+                        "alike whatever follows, or give text with data.prompt_field")
                 docs.append(through)
                 masks.append(mask)
         return docs, masks, split

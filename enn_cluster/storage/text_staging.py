@@ -31,6 +31,7 @@ from typing import Optional, TextIO
 
 import numpy as np
 
+from enn_cluster.config.hf_name import end_token_ids, weights_dir
 from enn_cluster.config.run_config import DataConfig, ModelConfig
 from enn_cluster.errors import UserError
 from enn_cluster.storage.chat_tokens import ChatEncoder
@@ -280,8 +281,9 @@ def stage_text_data(data: DataConfig, model: ModelConfig, data_dir: Path,
     layout = Layout(data.max_length, data.packing, eos,
                     eos if tok.pad_token_id is None else int(tok.pad_token_id))
     encoder = _Encoder(tok)
-    encoders = (encoder, ChatEncoder(tok, tok_dir, encoder.plain) if data.messages_field
-                else None)
+    encoders = (encoder, ChatEncoder(tok, tok_dir, encoder.plain,
+                                     [*end_token_ids(weights_dir(model.name)), eos])
+                if data.messages_field else None)
     entries: dict = {}
     counts: dict = {}
     for key, path in text_files(data):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +84,23 @@ def test_assistant_mask_by_hand():
     full = [1, 2, 3, 4, 9, 5, 6, 7, 9, 5]
     # turn 1: rendered up to it [1, 2], through it [1, 2, 3, 4, 9, 5]: learned 3, 4, 9 (the
     # template's 5 after its end-of-turn 9 is not); turn 2: no special, learned to its end
-    mask = assistant_mask(full, [([1, 2], full[:6]), (full[:7], full[:8])], specials)
+    mask = assistant_mask(full, [([1, 2], full[:6], True), (full[:7], full[:8], True)],
+                          specials)
     assert mask.tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 0, 0]
-    assert assistant_mask(full, [([1, 3], full[:6])], specials) is None  # not a prefix
-    assert assistant_mask(full, [([1, 2], [1, 2, 4])], specials) is None
+    assert assistant_mask(full, [([1, 3], full[:6], False)], specials) is None  # not a prefix
+    assert assistant_mask(full, [([7, 2], full[:6], True)], specials) is None
+    assert assistant_mask(full, [([1, 2], [1, 2, 4], True)], specials) is None
+    # an end token (where the model's generate stops) ends the turn before a later special
+    # the template writes (Phi-3's EOS after <|end|>), so the whole need not hold that one
+    ends = frozenset({4})
+    mask = assistant_mask(full, [([1, 2], [1, 2, 3, 4, 9, 8], True)], specials, ends)
+    assert mask.tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
+    # the generation prompt's last token merged with the turn's first characters: learned
+    # from that token, when the text says it starts the turn
+    merged = [1, 20, 3, 4, 9]
+    assert assistant_mask(merged, [([1, 2], merged, True)], specials).tolist() == \
+        [0, 1, 1, 1, 1]
+    assert assistant_mask(merged, [([1, 2], merged, False)], specials) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -210,8 +224,8 @@ BAD = {  # name: (rows or a writer, extra data keys, what the one line says)
                           "set data.tokenizer"]),
     "a generation prompt that starts no turn": (
         GOOD, {"tokenizer": OTHER_START},
-        ["c.jsonl line 1: the chat template in", "renders assistant turn 1 otherwise",
-         "cannot be told apart"]),
+        ["c.jsonl line 1: the chat template in", "renders the conversation up to assistant "
+         "turn 1 with the generation prompt as other than the start", "cannot be told apart"]),
     "a template that refuses the row": (
         GOOD, {"tokenizer": "{{ raise_exception('roles must alternate') }}"},
         ["c.jsonl line 1: the chat template in", "refuses the conversation",
@@ -385,3 +399,79 @@ def test_a_template_that_drops_earlier_reasoning_learns_each_turn_as_it_is_answe
             i, j = next(turn)
             learned = tok.decode([t for t in y[row] if t != IGNORE])
             assert ("thought %d %d" % (i, j) in learned) == (i % 2 == 0), (row, learned)
+
+
+# ---------------------------------------------------------------------------------------
+# Where a turn starts and ends in the tokens users' tokenizers and templates make
+
+
+def test_a_reply_that_starts_with_a_newline_is_learned_as_transformers_marks_it(
+        tmp_path, model_dir):
+    """Qwen2.5's template writes a newline after the role header; a reply that starts with
+    one merges with it into one token ("\n\n": Qwen2's and Llama-3's split), so the rendering
+    up to the turn is no token prefix of the rendering through it. Such a row was refused,
+    and the whole file with it; now the merged token starts the learned span, as
+    transformers' assistant mask marks it."""
+    plain, marked = templates(tmp_path, model_dir, "qwen2.5")
+    rows = [[dict(m, content=("\n" * (1 + i % 2)) + m["content"]) if m["role"] == "assistant"
+             else m for m in messages] for i, messages in enumerate(CHATS[:12])]
+    train = write_chats(tmp_path / "train.jsonl", rows)
+    manifest, out = stage(tmp_path, chat_config(tmp_path, model_dir, train, packing=False,
+                                                max_length=512, tokenizer=str(plain)))
+    x, y = np.load(out / "train_x.npy"), np.load(out / "train_y.npy")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(plain), local_files_only=True)
+    (merged,) = tok.encode("\n\n", add_special_tokens=False)  # one token, as users' vocabularies
+    assert x.shape[0] == len(rows) and manifest["text"]["per_turn_conversations"] == 0
+    for row, messages in enumerate(rows):
+        ids, mask = oracle_chat(marked, messages)
+        assert x[row, :len(ids)].tolist() == ids, row
+        assert y[row, :len(ids)].tolist() == [t if m else IGNORE for t, m in zip(ids, mask)]
+    assert merged in y[1]  # the header's newline and the reply's, learned as one token
+
+
+PHI3_TEMPLATE = (  # Phi-3-mini's: <|end|> ends each turn; EOS after the last, unless prompted
+    r"""{% for message in messages %}{% if message['role'] == 'assistant' %}"""
+    r"""{{ '<|assistant|>\n' }}{% generation %}{{ message['content'] + '<|end|>' }}"""
+    r"""{% endgeneration %}{{ '\n' }}{% else %}"""
+    r"""{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}{% endif %}"""
+    r"""{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}"""
+    r"""{% else %}{{ eos_token }}{% endif %}""")
+
+
+def with_end_tokens(model_dir: Path, dest: Path, tokens: list) -> Path:
+    """A copy of the model whose generation_config.json names `tokens` as end tokens too
+    (Phi-3's lists <|end|>, Llama-3-Instruct's <|eot_id|>)."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, dest)
+    tok = AutoTokenizer.from_pretrained(str(dest), local_files_only=True)
+    gen = json.loads((dest / "generation_config.json").read_text())
+    gen["eos_token_id"] = [tok.eos_token_id, *tok.convert_tokens_to_ids(tokens)]
+    (dest / "generation_config.json").write_text(json.dumps(gen))
+    return dest
+
+
+def test_a_turn_ends_where_the_models_generate_stops(tmp_path, model_dir):
+    """Phi-3's template writes EOS after the last turn only, and its model stops at <|end|>
+    (its generation_config.json's end tokens). The EOS after <|end|> was learned (a token
+    the model never writes), and every conversation of more than one turn was staged turn by
+    turn (its tokens growing with the square of its turns). Now each turn is learned to
+    <|end|>, as transformers marks it, and a conversation is one document."""
+    model = with_end_tokens(model_dir, tmp_path / "phi3", ["<|end|>"])
+    plain = with_template(model, tmp_path / "plain", unmarked(PHI3_TEMPLATE))
+    marked = with_template(model, tmp_path / "marked", PHI3_TEMPLATE)
+    train = write_chats(tmp_path / "train.jsonl", CHATS)
+    manifest, out = stage(tmp_path, chat_config(tmp_path, model, train, packing=False,
+                                                max_length=512, tokenizer=str(plain)))
+    x, y = np.load(out / "train_x.npy"), np.load(out / "train_y.npy")
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(str(plain), local_files_only=True).eos_token_id
+    assert x.shape[0] == len(CHATS) and manifest["text"]["per_turn_conversations"] == 0
+    for row, messages in enumerate(CHATS):
+        ids, mask = oracle_chat(marked, messages)
+        assert ids[-1] == eos and not mask[-1]
+        assert x[row, :len(ids)].tolist() == ids, row
+        assert y[row, :len(ids)].tolist() == [t if m else IGNORE for t, m in zip(ids, mask)]

@@ -5,8 +5,8 @@ ranks (HSDP 1x2, emulated float8 on CPU), a tiny Llama saved in fp32 and one sav
 - the sharded model's logits and gradients are torchao's own unsharded float8 model's, bit
   for bit in fp32 (which differ from the same model's without float8 by about 6 %); in
   bf16 (every parameter computing in bf16, the float8 weights cast from fp32 masters, as
-  FSDP2's mixed precision and float8 all-gather do) a third as far from them as from the
-  model without float8;
+  FSDP2's mixed precision and float8 all-gather do) less than half as far from them as
+  from the model without float8;
 - the scales precomputed for the next all-gather (one all-reduce) give the logits the
   per-weight dynamic scales gave, bit for bit;
 - only the decoder layers' linears are swapped: the embedding and head are not, and every
@@ -151,7 +151,8 @@ def test_sharded_float8_is_torchaos_float8(tmp_path, precision):
             assert near < 1e-6, near
             for name, ref in f8_grads.items():
                 assert _off(g["grads"][name], ref) < 1e-6, name
-        else:  # bf16 roundings move a few float8 ones: near, not equal
-            assert near < far / 3, (near, far)
+        else:  # bf16 roundings move a few float8 ones: near, not equal (0.24 to 0.46 of
+            # the way to the model without float8 over the tiny model's seeds 0-3)
+            assert near < far / 2, (near, far)
             for name, ref in f8_grads.items():  # e5m2 gradients: 2 mantissa bits
                 assert _off(g["grads"][name], ref) < 0.2, name
