@@ -35,7 +35,7 @@ from enn_cluster.storage import layout
 
 from .measure import BenchContext, Result, Series, mlp_run
 from .overhead import _data, _sizes
-from .submit_latency import _idle, _records, _wait
+from .slurm_poll import idle, records, wait_for
 
 NAME = "node loss on the local Slurm: node death -> first step on the survivors"
 NAME_SPARE = "node loss with a spare on the local Slurm: node death -> first step"
@@ -69,20 +69,20 @@ def _lose_a_node(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, cluste
     job = res.stdout.strip().splitlines()[-1]
     run = ctx.workdir / "runs" / name
     try:
-        began = _wait(lambda: (_records(run, "start", 0) or [None])[0], 300)
+        began = wait_for(lambda: (records(run, "start", 0) or [None])[0], 300)
         if began["world_size"] != (4 if spare else 6):
             raise RuntimeError(f"the job started at world {began['world_size']}")
         victim = _training_nodes(run, job)[1] if spare else "n3"  # not the batch shell's
-        _wait(lambda: True if any(r["step"] >= DIE_AFTER for r in _records(run, "train", 0))
+        wait_for(lambda: True if any(r["step"] >= DIE_AFTER for r in records(run, "train", 0))
               else None, 300, 0.2)
         died = time.time()
         down = subprocess.run(["bash", cluster_sh, "node-down", state, victim],
                               capture_output=True, text=True, timeout=120)
         if down.returncode != 0:
             raise RuntimeError(f"cluster.sh node-down exited {down.returncode}: {down.stderr}")
-        lost = _wait(lambda: (_records(run, "node_lost", died) or [None])[0], 240)
-        resumed = _wait(lambda: (_records(run, "resume", died) or [None])[0], 240)
-        first = _wait(lambda: (_records(run, "train", resumed["time"]) or [None])[0], 240)
+        lost = wait_for(lambda: (records(run, "node_lost", died) or [None])[0], 240)
+        resumed = wait_for(lambda: (records(run, "resume", died) or [None])[0], 240)
+        first = wait_for(lambda: (records(run, "train", resumed["time"]) or [None])[0], 240)
         worker = _first_log_line(run / "logs" / f"slurm-{job}-r0-k{lost['relaunch']}")
     finally:
         subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
@@ -113,7 +113,7 @@ def _training_nodes(run: Path, job: str) -> list[str]:
     def read():
         path = layout.batch_log(run, job)
         return training_nodes(path.read_text(errors="replace") if path.exists() else "")
-    return _wait(read, 60, 0.2)
+    return wait_for(read, 60, 0.2)
 
 
 def _first_log_line(logs: Path) -> float:
@@ -140,9 +140,9 @@ def results(ctx: BenchContext, env: dict, cluster_sh: str, state: str,
     out = []
     for spare, name in ((False, NAME), (True, NAME_SPARE)):
         try:
-            _idle(env)
+            idle(env)
             ours = _lose_a_node(ctx, s, x, y, env, cluster_sh, state, spare)
-            _idle(env)
+            idle(env)
         except Exception as exc:  # noqa: BLE001 - reported in the table, not raised
             out.append(Result("submit", name,
                               skipped=f"failed: {type(exc).__name__}: {exc}"[:400]))

@@ -31,6 +31,7 @@ from enn_cluster.storage.metrics import scan_metrics
 
 from .measure import BenchContext, Result, Series, alternating, mlp_run, ratios
 from .overhead import _data, _sizes
+from .slurm_poll import idle, records, wait_for
 
 EXIT_BUSY = 3  # cluster.sh: every network slot is taken
 BARE = """\
@@ -56,25 +57,6 @@ def _missing() -> str | None:
     return f"missing {' '.join(missing)} (slurm/dev/install-deps.sh)" if missing else None
 
 
-def _wait(what, timeout: float, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = what()
-        if found is not None:
-            return found
-        time.sleep(poll)
-    raise RuntimeError(f"timed out after {timeout:.0f} s")
-
-
-def _idle(env: dict) -> None:
-    def check():
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
-                             env=env).stdout.split()
-        jobs = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=env).stdout
-        return True if out and all(s == "idle" for s in out) and not jobs.strip() else None
-    _wait(check, 120, 0.2)
-
-
 def _first_train(metrics: Path):
     return next((r["time"] for r in scan_metrics(metrics)[0] if r["kind"] == "train"), None)
 
@@ -93,7 +75,7 @@ def _ours(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict, i: int) -> di
     if res.returncode != 0:
         raise RuntimeError(f"enn-submit train exited {res.returncode}: {res.stderr[-800:]}")
     run = ctx.workdir / "runs" / name
-    first = _wait(lambda: _first_train(run / "metrics.jsonl"), 300)
+    first = wait_for(lambda: _first_train(run / "metrics.jsonl"), 300)
     log = next((run / "logs").rglob("rank-0.log")).read_text().splitlines()[0]
     worker = datetime.strptime(log[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # local time
     start = next(json.loads(line)["time"] for line in (run / "metrics.jsonl").read_text()
@@ -119,7 +101,7 @@ def _bare(ctx: BenchContext, x: Path, y: Path, env: dict, i: int, port: int) -> 
                          timeout=60)
     if res.returncode != 0:
         raise RuntimeError(f"sbatch exited {res.returncode}: {res.stderr[-400:]}")
-    first = _wait(lambda: float(stamp.read_text()) if stamp.exists() and stamp.read_text()
+    first = wait_for(lambda: float(stamp.read_text()) if stamp.exists() and stamp.read_text()
                   else None, 300)
     return first - began
 
@@ -127,13 +109,6 @@ def _bare(ctx: BenchContext, x: Path, y: Path, env: dict, i: int, port: int) -> 
 def _job(env: dict, job: str) -> str:
     return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
                           env=env).stdout
-
-
-def _records(run: Path, kind: str, after: float) -> list:
-    """The run's `kind` records after `after`, read as the job appends (scan_metrics leaves
-    out a line still being written)."""
-    return [r for r in scan_metrics(run / "metrics.jsonl")[0]
-            if r["kind"] == kind and r["time"] > after]
 
 
 def _preempted(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict) -> dict:
@@ -154,14 +129,14 @@ def _preempted(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict) -> dict:
     job = res.stdout.strip().splitlines()[-1]
     run = ctx.workdir / "runs" / name
     try:
-        _wait(lambda: True if len(_records(run, "train", 0)) >= 3 else None, 300)
+        wait_for(lambda: True if len(records(run, "train", 0)) >= 3 else None, 300)
         signalled = time.time()
         sig = subprocess.run(["scancel", "--batch", "--signal=USR2", job], capture_output=True,
                              text=True, env=env)
         if sig.returncode != 0:
             raise RuntimeError(f"scancel --signal=USR2 exited {sig.returncode}: {sig.stderr}")
-        saved = _wait(lambda: (_records(run, "checkpoint", signalled) or [None])[0], 120)["time"]
-        pending = _wait(lambda: time.time() if "JobState=PENDING" in _job(env, job) else None,
+        saved = wait_for(lambda: (records(run, "checkpoint", signalled) or [None])[0], 120)["time"]
+        pending = wait_for(lambda: time.time() if "JobState=PENDING" in _job(env, job) else None,
                         120)
         text = _job(env, job)  # Reason=BeginTime: eligible only at EligibleTime
         begin = text.split("EligibleTime=", 1)[1].split()[0] if "EligibleTime=2" in text \
@@ -173,8 +148,8 @@ def _preempted(ctx: BenchContext, s: dict, x: Path, y: Path, env: dict) -> dict:
         if lift.returncode != 0:
             raise RuntimeError(f"scontrol update StartTime=now: {lift.stderr.strip()}")
         released = time.time()
-        resumed = _wait(lambda: (_records(run, "resume", released) or [None])[0], 120)["time"]
-        first = _wait(lambda: (_records(run, "train", resumed) or [None])[0], 300)["time"]
+        resumed = wait_for(lambda: (records(run, "resume", released) or [None])[0], 120)["time"]
+        first = wait_for(lambda: (records(run, "train", resumed) or [None])[0], 300)["time"]
     finally:
         subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
     return {"total": (pending - signalled) + (first - released), "saved": saved - signalled,
@@ -207,14 +182,14 @@ def run(ctx: BenchContext) -> list[Result]:
             raise RuntimeError(f"cluster.sh up exited {up.returncode}: {up.stderr[-800:]}")
         ours, bare = [], []
         for i, side in alternating(1 if ctx.quick else 3):
-            _idle(env)
+            idle(env)
             if side == "ours":
                 ours.append(_ours(ctx, s, x, y, env, i))
             else:
                 bare.append(_bare(ctx, x, y, env, i, free_port()))
-        _idle(env)
+        idle(env)
         preempt = _preempted(ctx, s, x, y, env)
-        _idle(env)
+        idle(env)
         lost = node_loss.results(ctx, env, cluster_sh, state, preempt)
     finally:
         subprocess.run(["bash", cluster_sh, "down", state], capture_output=True, timeout=120)
