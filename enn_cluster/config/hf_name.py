@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -101,3 +102,28 @@ def end_token_ids(folder: Path) -> list[int]:
                             "id or a list of them; restore the file save_pretrained wrote")
         return ids
     return []
+
+
+# generation_config.json's sampling settings that `--seed` draws with, and what each must be
+# (transformers loads any value and fails on it inside `generate`, on every rank)
+SAMPLING = {"temperature": ("a number above 0", lambda v: v > 0),
+            "top_p": ("a number above 0, at most 1", lambda v: 0 < v <= 1),
+            "top_k": ("a whole number, 0 or more", lambda v: v >= 0 and v == int(v))}
+
+
+def check_sampling(folder: Path) -> None:
+    """The sampling settings of the folder's generation_config.json are usable; one line
+    naming the first that is not."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return  # end_token_ids, read first, names what is wrong with it
+    for key, (what, ok) in SAMPLING.items():
+        value = data.get(key) if isinstance(data, dict) else None
+        if value is not None and not (type(value) in (int, float) and math.isfinite(value)
+                                      and ok(value)):
+            raise UserError(f"model.name: {path}: {key} {repr(value)[:40]} is not {what}; "
+                            "fix it, or predict greedily (without --seed)")

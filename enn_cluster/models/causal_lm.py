@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enn_cluster.config.hf_name import end_token_ids, weights_dir
+from enn_cluster.config.hf_name import check_sampling, end_token_ids, weights_dir
 from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
@@ -347,8 +347,11 @@ class CausalLMKind(ModelKind):
             raise UserError(f"--generate: {new_tokens} must be between 1 and {MAX_NEW_TOKENS}")
         if seed is not None and not 0 <= seed < 2**31:
             raise UserError(f"--seed: {seed} must be between 0 and {2**31 - 1}")
-        return {"max_new_tokens": int(new_tokens), "seed": seed,
-                "eos_token_id": end_token_ids(weights_dir(cfg.model.name))}
+        folder = weights_dir(cfg.model.name)
+        ends = end_token_ids(folder)
+        if seed is not None:
+            check_sampling(folder)
+        return {"max_new_tokens": int(new_tokens), "seed": seed, "eos_token_id": ends}
 
     def predict(self, model, xb, request: dict, first_row: int, sharded: bool = False):
         gen = request.get("generate")

@@ -97,3 +97,76 @@ def test_generation_stops_at_every_end_token_of_the_generation_config(trained):
     assert sampled == _continuations(model, x, seed=3) and sampled != want
     model.generation_config.update(temperature=1.0, top_k=50)  # config.json's defaults
     assert sampled != _continuations(model, x, seed=3)  # so the folder's settings drew it
+
+
+@pytest.mark.parametrize("gen,config,want", [
+    ({"eos_token_id": [7, 9]}, {"eos_token_id": 7}, [7, 9]),  # Llama-3-Instruct's way
+    ({"eos_token_id": 9}, {"eos_token_id": [7]}, [9]),
+    (None, {"eos_token_id": [7, 8]}, [7, 8]),  # no generation_config.json: config.json's
+    ({"do_sample": True}, {"eos_token_id": 7}, [7]),  # it names none: config.json's
+    (None, {}, []),
+])
+def test_end_tokens_are_the_generation_configs_else_the_configs(tmp_path, gen, config, want):
+    from enn_cluster.config.hf_name import end_token_ids
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if gen is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    assert end_token_ids(tmp_path) == want
+
+
+@pytest.mark.parametrize("text,says", [
+    ("{not json", "generation_config.json is not readable JSON"),
+    ('{"eos_token_id": "</s>"}', "eos_token_id </s> is not a token id or a list of them"),
+    ('{"eos_token_id": [2, -1]}', "eos_token_id [2, -1] is not a token id"),
+    ('{"eos_token_id": [2, true]}', "is not a token id"),
+])
+def test_a_broken_generation_config_is_one_line(tmp_path, text, says):
+    from enn_cluster.config.hf_name import end_token_ids
+    from enn_cluster.errors import UserError
+
+    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(UserError, match="^model.name: ") as caught:
+        end_token_ids(tmp_path)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_generate_over_a_broken_generation_config_predicts_nothing(trained):
+    """The weights folder is user input: --generate over a generation_config.json that is
+    not JSON is refused in one line naming the file, exit 2, nothing predicted."""
+    from helpers import refused
+
+    path = trained["base"] / "generation_config.json"
+    kept = path.read_text()
+    path.write_text("{not json")
+    try:
+        res = cli("predict", trained["run"], "--input", trained["tmp"] / "rows.npy", "--name",
+                  "broken", "--nodes", 1, "--procs-per-node", 1, "--gpus-per-node", 0,
+                  "--generate", 2)
+    finally:
+        path.write_text(kept)
+    refused(res, "model.name: ", str(path), "restore the file save_pretrained wrote")
+    assert not (trained["run"] / "predictions" / "broken").exists()
+
+
+@pytest.mark.parametrize("settings,says", [
+    ({"temperature": "hot"}, "temperature 'hot' is not a number above 0"),
+    ({"temperature": 0}, "temperature 0 is not a number above 0"),
+    ({"top_p": 1.5}, "top_p 1.5 is not a number above 0, at most 1"),
+    ({"top_k": 2.5}, "top_k 2.5 is not a whole number"),
+    ({"top_k": float("inf")}, "top_k inf is not a whole number"),
+])
+def test_sampling_settings_that_generate_would_fail_on_are_one_line(tmp_path, settings, says):
+    """--seed draws with generation_config.json's settings; transformers loads any value
+    and fails inside `generate` on every rank, so an unusable one is refused first."""
+    from enn_cluster.config.hf_name import check_sampling
+    from enn_cluster.errors import UserError
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(settings))
+    with pytest.raises(UserError, match="^model.name: ") as caught:
+        check_sampling(tmp_path)
+    assert says in str(caught.value) and "without --seed" in str(caught.value)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": [1, 2]}))
+    check_sampling(tmp_path)  # Qwen2.5-Instruct's settings
