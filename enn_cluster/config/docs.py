@@ -108,11 +108,18 @@ DESCRIPTIONS = {
               "each `lora_B` zero, so training starts from the base model's output.",
     "lora.alpha": "LoRA scaling numerator (the update is scaled by alpha / r).",
     "lora.dropout": "Dropout on the adapters' input, in [0, 1).",
-    "lora.target_modules": "Names of the linear modules that get adapters (peft's "
-                           "`target_modules`, matched as peft does: a module's name or its "
-                           "end after a dot), e.g. `[q_proj, k_proj, v_proj, o_proj]`; each "
-                           "must name a linear, embedding or convolution layer of the model "
-                           "(checked before anything is written).",
+    "lora.target_modules": "The layers that get adapters: `attention`, the decoder "
+                           "layers' attention projections whatever the architecture names "
+                           "them (Llama's, Qwen's, Mistral's `q_proj, k_proj, v_proj, "
+                           "o_proj`, Phi-3's `qkv_proj, o_proj`, GPT-NeoX's and Falcon's "
+                           "`query_key_value, dense`, GPT-2's `c_attn, attn.c_proj`); "
+                           "`all-linear`, every linear layer of the decoder layers (the "
+                           "MLP's too); or a list of module names (peft's `target_modules`, "
+                           "matched as peft does: a module's name or its end after a dot), "
+                           "e.g. `[q_proj, v_proj]`, each naming a linear, embedding or "
+                           "convolution layer of the model. Checked before anything is "
+                           "written; the peft export's adapter_config.json lists the names "
+                           "the words stood for.",
     "data.allow_nonfinite": "Stage NaN and inf values as they are; by default staging "
                             "refuses them, naming the array, the first column and the row "
                             "count.",

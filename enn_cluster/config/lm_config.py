@@ -2,7 +2,8 @@
 and the `lora` section (peft adapters over a frozen base)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Union
 
 from enn_cluster.config.checks import _bounded, _non_negative
 from enn_cluster.errors import UserError
@@ -31,6 +32,10 @@ def is_text_data(data) -> bool:
 
 
 MAX_LORA_RANK = 4096
+# lora.target_modules given as a word: the decoder layers' attention projections (whatever
+# the architecture calls them: Llama's q/k/v/o_proj, Phi-3's qkv_proj, GPT-NeoX's
+# query_key_value, GPT-2's c_attn) or every linear of the layers (peft's "all-linear")
+LORA_TARGET_WORDS = ("attention", "all-linear")
 
 
 @dataclass
@@ -38,8 +43,7 @@ class LoraConfig:
     r: int = 0  # 0: full fine-tune; > 0: LoRA adapters of rank r, base weights frozen
     alpha: float = 32.0
     dropout: float = 0.05
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
-                                                          "o_proj"])
+    target_modules: Union[str, list] = "attention"  # a LORA_TARGET_WORDS, or module names
 
     @property
     def enabled(self) -> bool:
@@ -53,7 +57,12 @@ class LoraConfig:
             raise UserError(f"lora.alpha: {self.alpha!r} must be a number > 0, e.g. 32")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise UserError(f"lora.dropout: {self.dropout!r} must be in [0, 1), e.g. 0.05")
-        if not self.target_modules or not all(
+        if isinstance(self.target_modules, str):
+            if self.target_modules not in LORA_TARGET_WORDS:
+                raise UserError(f"lora.target_modules: {self.target_modules[:40]!r} must be "
+                                "attention, all-linear or a list of module names, e.g. "
+                                "[q_proj, v_proj]")
+        elif not self.target_modules or not all(
                 isinstance(m, str) and m.replace("_", "").replace(".", "").isalnum()
                 for m in self.target_modules):
             raise UserError("lora.target_modules: must be a non-empty list of module names, "

@@ -23,10 +23,16 @@ from enn_cluster.errors import Said, UserError, did_you_mean
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check one leaf against its annotated type; ints are accepted where floats are."""
     origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
+    if origin is typing.Union:  # Optional[X], or one of several (a word or a list)
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        if len(args) > 1:
+            if any(isinstance(value, typing.get_origin(a) or a) for a in args):
+                return value
+            raise UserError(f"{key}: expected {' or '.join(a.__name__ for a in args)}, got "
+                            f"{shown(key, value)}")
+        tp = args[0]
         origin = typing.get_origin(tp)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         try:

@@ -73,6 +73,7 @@ class ModelShape:
     intermediate: int = 0  # the MLP's width (0: 4 x hidden)
     gated: bool = False  # a gated MLP (SwiGLU: gate_proj and up_proj)
     loss_chunk_tokens: int = 0  # tokens whose logits the chunked loss holds (0: all of them)
+    lora_targets: tuple = ()  # the module names LoRA adapts (lora.target_modules resolved)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def memory_plan(cfg: RunConfig, model: ModelShape, nodes: int, gpus_per_node: in
     bf16 = cfg.training.bf16 != "false"  # auto: bf16 on GPUs
     compute = 2 if bf16 else 4
     if cfg.lora.enabled:
-        trainable = lora_params(model.linears, cfg.lora.target_modules, cfg.lora.r)
+        trainable = lora_params(model.linears, model.lora_targets, cfg.lora.r)
         stored = model.params * compute + trainable * 4
     else:
         trainable = model.params

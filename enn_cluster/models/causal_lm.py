@@ -32,9 +32,9 @@ from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 from enn_cluster.models.kinds import ModelKind, measure, shard_units
-from enn_cluster.models.lm_inputs import (check_lora_targets, check_max_length,
-                                          check_packing, check_row_lengths, check_token_ids,
-                                          position_limit, positions_needed)
+from enn_cluster.models.lm_inputs import (check_max_length, check_packing, check_row_lengths,
+                                          check_token_ids, lora_targets, position_limit,
+                                          positions_needed)
 from enn_cluster.models.lm_outputs import PAD, generate, generate_in_step, score
 from enn_cluster.models.weight_names import folder_targets
 
@@ -101,9 +101,9 @@ def with_lora(lm: nn.Module, lora: LoraConfig) -> nn.Module:
     """peft's LoRA on the target modules; every base parameter frozen."""
     from peft import LoraConfig as PeftLora, get_peft_model
 
-    check_lora_targets(lm, lora)
     spec = PeftLora(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                    target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+                    target_modules=lora_targets(lm, lora, decoder_layers(lm)),
+                    task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft asks transformers a deprecated question
         warnings.filterwarnings("ignore", category=FutureWarning)
         return get_peft_model(lm, spec, adapter_name=ADAPTER)
@@ -373,6 +373,10 @@ class CausalLMKind(ModelKind):
         tokens 0: a row is data.max_length tokens."""
         with torch.device("meta"):
             model = bare_lm(cfg.model.name)
+        return self.shape_of(cfg, model)
+
+    def shape_of(self, cfg: RunConfig, model):
+        """The memory plan's ModelShape of `model` (the transformers model)."""
         config = model.config.get_text_config()
         vocab = int(config.vocab_size)
         chunk = loss_chunk_tokens(vocab) if CausalLM(model).loss_in_forward else 0
@@ -395,7 +399,15 @@ class LoraKind(CausalLMKind):
 
     def check_built(self, cfg: RunConfig, model) -> None:
         super().check_built(cfg, model)
-        check_lora_targets(model, cfg.lora)
+        lora_targets(model, cfg.lora, decoder_layers(model))
+
+    def shape_of(self, cfg: RunConfig, model):
+        """The base model's shape, and the names the adapters go on (the memory plan counts
+        their parameters)."""
+        from dataclasses import replace
+
+        return replace(super().shape_of(cfg, model),
+                       lora_targets=tuple(lora_targets(model, cfg.lora, decoder_layers(model))))
 
     def build(self, cfg: RunConfig, input_shape: tuple = (), n_outputs: int = 0) -> CausalLM:
         """peft's LoRA on the target modules, every base parameter frozen."""

@@ -17,19 +17,61 @@ from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
 
+def lora_targets(lm: nn.Module, lora: LoraConfig, layers: list[nn.Module]) -> list[str]:
+    """The module names peft adapts (its `target_modules`), one value for the adapters, the
+    memory plan and the peft export: lora.target_modules as given, every name checked
+    (check_lora_targets); or for a word (LORA_TARGET_WORDS) the linear layers inside the
+    decoder `layers`' attention modules (`attention`) or inside the layers (`all-linear`),
+    each by the shortest end of its name that matches no other module. The client asks
+    this of the model built on the meta device, before anything is submitted."""
+    if not isinstance(lora.target_modules, str):
+        check_lora_targets(lm, lora)
+        return list(lora.target_modules)
+    inside = set()
+    for layer in layers:
+        within = layer if lora.target_modules == "all-linear" else _attention(layer)
+        inside |= {id(m) for m in within.modules() if _linear(m)} if within is not None else set()
+    if not inside:
+        linear = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if _linear(m)}
+        raise UserError(f"lora.target_modules: {type(lm).__name__} has no attention module "
+                        "with linear layers in its decoder layers; name the layers instead, "
+                        f"from {', '.join(sorted(linear))[:200]}")
+    named = [(n, m) for n, m in lm.named_modules() if _adaptable(m)]
+    targets = []
+    for name in (n for n, m in named if id(m) in inside):
+        parts = name.split(".")  # the shortest end that is theirs (the whole name is)
+        end = next(e for e in (".".join(parts[-k:]) for k in range(1, len(parts) + 1))
+                   if all(id(m) in inside for n, m in named if n == e or n.endswith("." + e)))
+        if end not in targets:
+            targets.append(end)
+    return targets
+
+
+def _attention(layer: nn.Module):
+    """A decoder layer's attention: the outermost module named as one (LlamaAttention,
+    GPTNeoXAttention, GPT2Attention, ...) that holds linear layers; None when none does
+    (a state-space layer)."""
+    for _, m in layer.named_modules():
+        if "Attention" in type(m).__name__ and any(_linear(d) for d in m.modules()):
+            return m
+    return None
+
+
+def _linear(module: nn.Module) -> bool:
+    return _adaptable(module) and not isinstance(module, nn.Embedding)
+
+
 def check_lora_targets(lm: nn.Module, lora: LoraConfig) -> None:
     """Every target names (as peft matches it: the module's name or its end, after a dot) a
     layer of the model that LoRA adapts (a linear, embedding or convolution layer: peft
-    refuses a norm or a whole block). The client asks this of the model built on the meta
-    device, so that a typo is refused before anything is submitted."""
+    refuses a norm or a whole block)."""
     def hits(target: str, adaptable: bool) -> bool:
         return any((n == target or n.endswith("." + target)) and (_adaptable(m) or not adaptable)
                    for n, m in lm.named_modules())
 
     wrong = [t for t in lora.target_modules if not hits(t, True)]
     if wrong:
-        linear = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
-                  if _adaptable(m) and not isinstance(m, nn.Embedding)}
+        linear = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if _linear(m)}
         what = "name no layer LoRA adapts (a linear, embedding or convolution layer)" \
             if any(hits(t, False) for t in wrong) else "match no module of the model"
         raise UserError(f"lora.target_modules: {wrong} {what}; pick from its linear layers "

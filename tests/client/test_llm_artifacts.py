@@ -4,6 +4,8 @@ adapter give the same logits; prediction's scores and greedy generations equal a
 transformers forward and `generate` of the exported model."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +67,9 @@ def test_hf_export_load_model_and_peft_merge_give_the_same_logits(trained):
     torch.testing.assert_close(loaded, reference, rtol=1e-5, atol=1e-5)
     untrained = AutoModelForCausalLM.from_pretrained(str(trained["base"]), **fp32).eval()
     assert (reference - _logits(untrained, ids)).abs().max() > 1e-3  # the adapters learned
+    # the default targets, `attention`, as the names peft wrapped
+    spec = json.loads((trained["tmp"] / "peft" / "adapter_config.json").read_text())
+    assert sorted(spec["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     tok = AutoTokenizer.from_pretrained(str(trained["tmp"] / "hf"))
     assert tok("the cluster").input_ids == \
         AutoTokenizer.from_pretrained(str(trained["base"]))("the cluster").input_ids

@@ -129,9 +129,13 @@ def test_the_activation_estimate_is_what_autograd_saves_for_a_llama_layer(tmp_pa
     assert one - (two - one) <= LOGIT_BYTES * s * vocab
 
 
-def test_the_lora_count_is_peft_s(tmp_path):
+@pytest.mark.parametrize("arch,targets,peft_targets", [
+    ("llama", ["q_proj", "v_proj", "down_proj"], ["q_proj", "v_proj", "down_proj"]),
+    ("phi3", "attention", ["qkv_proj", "o_proj"]),  # the default, as Phi-3 names it
+])
+def test_the_lora_count_is_peft_s(tmp_path, arch, targets, peft_targets):
     """r x (in + out) per targeted Linear equals the trainable parameters peft gives a tiny
-    Llama (built on the CPU, as the run would wrap it)."""
+    model (built on the CPU, as the run would wrap it) on the layers the targets name."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -139,18 +143,19 @@ def test_the_lora_count_is_peft_s(tmp_path):
     from enn_cluster.client.llm_assets import ARCHS
     from enn_cluster.client.model_shape import model_shape
 
-    arch = dict(ARCHS["llama"])
-    config = AutoConfig.for_model(arch.pop("model_type"), vocab_size=300, **arch)
+    shape = dict(ARCHS.get(arch, ARCHS["llama"]), model_type=arch)
+    config = AutoConfig.for_model(shape.pop("model_type"), vocab_size=300, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2, **shape)
     config.save_pretrained(str(tmp_path / "tiny"))
-    targets = ["q_proj", "v_proj", "down_proj"]
     torch.manual_seed(0)
     peft_model = get_peft_model(AutoModelForCausalLM.from_config(config),
-                                LoraConfig(r=8, target_modules=targets))
+                                LoraConfig(r=8, target_modules=peft_targets))
     trainable, total = peft_model.get_nb_trainable_parameters()
     cfg = config_from_dict(small_config(tmp_path, model={"name": f"hf:{tmp_path / 'tiny'}"},
                                         lora={"r": 8, "target_modules": targets}))
     shape = model_shape(cfg)
-    assert lora_params(shape.linears, targets, 8) == trainable
+    assert sorted(shape.lora_targets) == sorted(peft_targets)
+    assert lora_params(shape.linears, shape.lora_targets, 8) == trainable
     assert shape.params == total - trainable
 
 
