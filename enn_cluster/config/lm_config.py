@@ -32,6 +32,13 @@ def is_text_data(data) -> bool:
 
 
 MAX_LORA_RANK = 4096
+
+
+def peft_matches(name: str, target: str) -> bool:
+    """Whether peft's `target_modules` entry `target` names the module `name`: the whole
+    name, or its end after a dot."""
+    return name == target or name.endswith("." + target)
+
 # lora.target_modules given as a word: the decoder layers' attention projections (whatever
 # the architecture calls them: Llama's q/k/v/o_proj, Phi-3's qkv_proj, GPT-NeoX's
 # query_key_value, GPT-2's c_attn) or every linear of the layers (peft's "all-linear")

@@ -44,7 +44,7 @@ from itertools import combinations
 from typing import Optional
 
 from enn_cluster.config.inputs import INPUTS
-from enn_cluster.config.lm_config import takes_lora
+from enn_cluster.config.lm_config import peft_matches, takes_lora
 from enn_cluster.config.run_config import CHECKPOINTING_MODES, RunConfig, plan_mesh
 from enn_cluster.config.schedule import plan_batch, requested_global_batch
 from enn_cluster.errors import Said, UserError
@@ -115,7 +115,7 @@ class MemoryPlan:
 def lora_params(linears, target_modules, r: int) -> int:
     """r x (in + out) for every nn.Linear whose name is a target (peft's suffix match)."""
     return sum(r * (fan_in + fan_out) for name, fan_in, fan_out in linears
-               if any(name == t or name.endswith("." + t) for t in target_modules))
+               if any(peft_matches(name, t) for t in target_modules))
 
 
 def layer_bytes_per_token(model: ModelShape) -> float:

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 from torch import nn
 
-from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data
+from enn_cluster.config.lm_config import HF_PREFIX, LoraConfig, is_text_data, peft_matches
 from enn_cluster.config.run_config import RunConfig
 from enn_cluster.errors import UserError
 
@@ -32,16 +32,15 @@ def lora_targets(lm: nn.Module, lora: LoraConfig, layers: list[nn.Module]) -> li
         within = layer if lora.target_modules == "all-linear" else _attention(layer)
         inside |= {id(m) for m in within.modules() if _linear(m)} if within is not None else set()
     if not inside:
-        linear = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if _linear(m)}
         raise UserError(f"lora.target_modules: {type(lm).__name__} has no attention module "
                         "with linear layers in its decoder layers; name the layers instead, "
-                        f"from {', '.join(sorted(linear))[:200]}")
+                        f"from {_linear_names(lm)}")
     named = [(n, m) for n, m in lm.named_modules() if _adaptable(m)]
     targets = []
     for name in (n for n, m in named if id(m) in inside):
         parts = name.split(".")  # the shortest end that is theirs (the whole name is)
         end = next(e for e in (".".join(parts[-k:]) for k in range(1, len(parts) + 1))
-                   if all(id(m) in inside for n, m in named if n == e or n.endswith("." + e)))
+                   if all(id(m) in inside for n, m in named if peft_matches(n, e)))
         if end not in targets:
             targets.append(end)
     return targets
@@ -61,21 +60,26 @@ def _linear(module: nn.Module) -> bool:
     return _adaptable(module) and not isinstance(module, nn.Embedding)
 
 
+def _linear_names(lm: nn.Module) -> str:
+    """The model's linear layers by their own names, as a refusal offers them."""
+    names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if _linear(m)}
+    return ", ".join(sorted(names))[:200]
+
+
 def check_lora_targets(lm: nn.Module, lora: LoraConfig) -> None:
     """Every target names (as peft matches it: the module's name or its end, after a dot) a
     layer of the model that LoRA adapts (a linear, embedding or convolution layer: peft
     refuses a norm or a whole block)."""
     def hits(target: str, adaptable: bool) -> bool:
-        return any((n == target or n.endswith("." + target)) and (_adaptable(m) or not adaptable)
+        return any(peft_matches(n, target) and (_adaptable(m) or not adaptable)
                    for n, m in lm.named_modules())
 
     wrong = [t for t in lora.target_modules if not hits(t, True)]
     if wrong:
-        linear = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if _linear(m)}
         what = "name no layer LoRA adapts (a linear, embedding or convolution layer)" \
             if any(hits(t, False) for t in wrong) else "match no module of the model"
         raise UserError(f"lora.target_modules: {wrong} {what}; pick from its linear layers "
-                        f"({', '.join(sorted(linear))[:200]})")
+                        f"({_linear_names(lm)})")
 
 
 def _adaptable(module: nn.Module) -> bool:
