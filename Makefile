@@ -30,9 +30,12 @@ demo: venv
 demo-llm: venv
 	$(BIN)/python -m enn_cluster.client.demo_llm
 
-# Two workers (pytest-xdist): the Slurm and podman tests on one, the rest spread over both
-# (tests/conftest.py); the cluster tests mostly wait, so the second core fills that time.
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist) on CI's two cores: the Slurm and podman tests on one
+# (tests/conftest.py), which runs about one core's worth (its jobs' ranks in bursts, then
+# Slurm's and the containers' waits), the rest spread over all three. Measured on 2 cores,
+# image cache warm: 25 min with 3 workers, the CPU 98 % busy; with 2 the waits left a core
+# idle (tests/README.md, "How long a run takes").
+TEST_WORKERS ?= 3
 test: venv system-deps
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 

@@ -16,7 +16,7 @@ CLUSTER_MARKS = ("slurm", "podman")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_itemcollected(item):
-    """Under pytest-xdist's `loadgroup` (`make test` runs two workers) every test needing the
+    """Under pytest-xdist's `loadgroup` (`make test` runs three workers) every test needing the
     local Slurm cluster or podman goes to one worker, which alone boots the session's
     clusters and builds its images, and every other module stays whole on one worker (its
     module fixtures are made once). Marked here, at collection: xdist's worker reads the

@@ -1,6 +1,8 @@
-"""Watch a Slurm job politely: `--wait` and `status --follow` ask the controller at 0, 2,
-4, 8, 16 ... s after the job last changed, then once a minute (submitit's InfoWatcher), and
-ask once per poll for everything they show (the job, then its nodes while it runs).
+"""Watch a Slurm job politely: `--wait` and `status --follow` ask the controller at 0, 1, 2,
+3, 4, 5.3, 7.1 ... s after the job last changed (each wait a quarter of the time since the
+change, so a job that ends is seen within a quarter of its time in that state), then once a
+minute (submitit's InfoWatcher cap), and ask once per poll for everything they show (the
+job, then its nodes while it runs).
 
 `Backoff` decides when (pure: the clock is passed in); `SlurmWatch` asks and keeps the
 answers in between; `wait_for_job` is `--wait`'s loop. Tests drive both with a fake clock.
@@ -21,30 +23,38 @@ from enn_cluster.cluster import slurm
 from enn_cluster.storage import layout
 
 MAX_DELAY_S = 60.0  # submitit's InfoWatcher default
+MIN_DELAY_S = 1.0
+# Of the time since the last change, the wait before the next ask. submitit's 1/2 doubles
+# the time between asks, so a job's end is seen up to its own duration late (an 8.1 s step
+# seen at 16 s); 1/4 asks about twice as often in the first minutes and is 1/3 late at most.
+DELAY_FRACTION = 0.25
 
 
 @dataclass
 class Backoff:
-    """When to ask next: not before min(MAX, max(2, half the time since the last change))
-    has passed since the last ask (submitit's refresh_delay). `changed` starts it over."""
+    """When to ask next: not before min(MAX, max(MIN, a quarter of the time since the last
+    change)) has passed since the last ask (submitit's refresh_delay, with a quarter for
+    its half). `changed` starts it over."""
 
     start: float
     max_delay_s: float = MAX_DELAY_S
     last_ask: Optional[float] = None
 
     def delay(self, now: float) -> float:
-        return min(self.max_delay_s, max(2.0, (now - self.start) / 2))
+        return min(self.max_delay_s, max(MIN_DELAY_S, (now - self.start) * DELAY_FRACTION))
 
     def due(self, now: float) -> bool:
         return self.last_ask is None or now - self.last_ask >= self.delay(now)
 
     def wait_s(self, now: float) -> float:
         """Seconds until the next ask is due (0: now): the first t with
-        t - last_ask >= delay(t), so 0, 2, 4, 8 ... 64, 124, 184 as `due` polled finds it."""
+        t - last_ask >= delay(t), as `due` polled finds it: t - last = f (t - start) gives
+        t = (last - f start) / (1 - f)."""
         if self.last_ask is None:
             return 0.0
-        last = self.last_ask
-        due_at = min(last + self.max_delay_s, max(last + 2.0, 2 * last - self.start))
+        last, f = self.last_ask, DELAY_FRACTION
+        due_at = min(last + self.max_delay_s,
+                     max(last + MIN_DELAY_S, (last - f * self.start) / (1 - f)))
         return max(0.0, due_at - now)
 
     def asked(self, now: float) -> None:

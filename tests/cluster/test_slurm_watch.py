@@ -186,7 +186,7 @@ class FakeClock:
         self.now += seconds
 
 
-def test_backoff_asks_at_0_2_4_8_16_then_once_a_minute():
+def test_backoff_asks_at_0_1_2_3_4_then_a_quarter_of_the_time_since_then_once_a_minute():
     clock, asked = FakeClock(), []
     backoff = Backoff(start=clock())
     while clock.now < 1000 + 300:
@@ -194,9 +194,24 @@ def test_backoff_asks_at_0_2_4_8_16_then_once_a_minute():
             asked.append(clock.now - 1000)
             backoff.asked(clock())
         clock.sleep(0.5)
-    assert asked[:6] == [0, 2, 4, 8, 16, 32]
+    assert asked[:10] == [0, 1, 2, 3, 4, 5.5, 7.5, 10, 13.5, 18]
     gaps = [b - a for a, b in zip(asked, asked[1:])]
     assert max(gaps) == 60 and gaps[-1] == 60  # submitit's InfoWatcher cap
+    assert all(b - a <= max(1, (b - 0) / 4) + 0.5 for a, b in zip(asked, asked[1:]))
+    assert len([t for t in asked if t < 180]) == 17  # polite: not once a second
+
+
+def test_a_job_that_ends_is_seen_within_a_third_of_its_time_in_that_state():
+    """submitit's halving saw an 8.1 s step end at 16 s; a quarter of the elapsed time
+    per wait sees any end within a third of the time since the last change (or 1 s)."""
+    for ends_at in (0.5, 3.2, 8.1, 20.0, 33.3, 100.0, 170.0):
+        backoff, now = Backoff(start=0.0), 0.0
+        while True:
+            now += backoff.wait_s(now)
+            backoff.asked(now)
+            if now >= ends_at:
+                break
+        assert now - ends_at <= max(1.0, ends_at / 3) + 1e-9, (ends_at, now)
 
 
 def test_wait_asks_less_often_while_nothing_changes_and_soon_after_a_change(capsys):
@@ -211,11 +226,13 @@ def test_wait_asks_less_often_while_nothing_changes_and_soon_after_a_change(caps
 
     assert wait_for_job("7", ask=ask, clock=clock, sleep=clock.sleep) == 0
     pending = [t for t in asked if t < 100]
-    assert pending == [0, 2, 4, 8, 16, 32, 64]  # then 124 (60 s at most): RUNNING seen
-    after = [t for t in asked if 100 <= t]
-    assert after[:5] == [124, 126, 128, 132, 140]  # a change starts the schedule over
-    assert asked[-1] - asked[-2] == 60 and asked[-1] >= 400
-    assert len(asked) < 25  # a 1 s poll would have asked 400 times
+    assert [round(t, 2) for t in pending] == \
+        [0, 1, 2, 3, 4, 5.33, 7.11, 9.48, 12.64, 16.86, 22.47, 29.97, 39.95, 53.27, 71.03, 94.71]
+    after = [t for t in asked if 100 <= t]  # RUNNING seen at 126.28, a quarter of 100 late
+    assert [round(t - after[0], 2) for t in after[:5]] == [0, 1, 2, 3, 4]  # starts over
+    assert 126 < after[0] < 127
+    assert asked[-1] - asked[-2] <= 60 and asked[-1] >= 400
+    assert len(asked) < 40  # a 1 s poll would have asked 400 times
     err = capsys.readouterr().err
     assert err.splitlines() == ["Slurm job 7: PENDING", "Slurm job 7: RUNNING",
                                 "Slurm job 7: COMPLETED"]
@@ -229,7 +246,7 @@ def test_follow_reuses_answers_until_the_next_ask_is_due():
         watch.job_state("9")
         watch.job_alive("9")
         clock.sleep(0.5)
-    assert [t - 1000 for t in asked] == [0, 2, 4, 8, 16]
+    assert [t - 1000 for t in asked] == [0, 1, 2, 3, 4, 5.5, 7.5, 10, 13.5, 18]
 
 
 def test_one_status_asks_once_per_job():
