@@ -73,7 +73,7 @@ def cmd_render(args) -> int:
     submit sizes them, from the partition's nodes where Slurm can be asked from here.
     --admin: the admin template with the same job's values fixed in it (a site that
     submits with its own sbatch keeps that file)."""
-    from enn_cluster.cluster.job_spec import render_batch_script
+    from enn_cluster.cluster.job_script import render_batch_script
     from enn_cluster.cluster.submit_slurm import (
         batch_script,
         sized_for_nodes,

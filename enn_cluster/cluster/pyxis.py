@@ -165,7 +165,7 @@ def check_env_names(names: Iterable[str], field: str = "--container-env") -> tup
 
 # The Pyxis flags of a job, in srun order: (flag, value key, the value in the admin
 # templates' shell, given only when non-empty). srun_container_flags fills them from Python
-# values (the submitit path); job_spec.srun_shell_lines writes them as bash over the
+# values (the submitit path); job_script.srun_shell_lines writes them as bash over the
 # templates' ENN_* variables. One list, so the two ways a job reaches srun cannot drift.
 CONTAINER_FLAGS = (
     ("--container-image", "image", "$ENN_IMAGE", False),

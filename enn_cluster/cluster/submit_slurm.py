@@ -1,7 +1,8 @@
 """Submit a run's task to Slurm through submitit: one task per GPU, the same worker entry.
 
-`job_spec` decides every flag (pure, golden-tested); this module only turns CLI flags and
-the site config into a JobSpec, hands it to submitit, and records the job in the run.
+`job_spec` and `job_script` decide every flag (pure, golden-tested); this module only turns
+CLI flags and the site config into a JobSpec, hands it to submitit, and records the job in
+the run.
 """
 from __future__ import annotations
 

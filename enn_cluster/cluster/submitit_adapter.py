@@ -89,9 +89,9 @@ def _executor_class():
 
 def slurm_executor(spec, folder: Path):
     """The submitit executor that submits `spec`, and that `render` asks for the script:
-    AutoExecutor's parameters (job_spec.submitit_parameters) converted as AutoExecutor
+    AutoExecutor's parameters (job_script.submitit_parameters) converted as AutoExecutor
     converts them, without its check for srun."""
-    from enn_cluster.cluster.job_spec import submitit_executor_kwargs, submitit_parameters
+    from enn_cluster.cluster.job_script import submitit_executor_kwargs, submitit_parameters
 
     python = submitit_executor_kwargs(spec)["slurm_python"]
     executor = _executor_class()(folder, python=python)

@@ -98,7 +98,7 @@ OTHER_INPUTS = (
     Input("config", "--config", "config"),
     Input("set", "--set", "the keyword sections"),  # train(..., training={...})
     Input("cluster", "--cluster", "cluster"),
-    # the job's own words for two launch options (cluster/job_spec.py: Pyxis' srun flags)
+    # the job's own words for two launch options (cluster/job_script.py: Pyxis' srun flags)
     Input("container_image", "--container-image", 'cluster["container"]', "image"),
     Input("container_mounts", "--container-mounts", 'cluster["mounts"]', "mounts"),
 )

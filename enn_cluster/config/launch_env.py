@@ -23,7 +23,7 @@ LOCK_JOB_STATE_VAR = "ENN_LOCK_JOB_STATE"
 
 # MASTER_PORT when nobody exported one: BASE + job id % SPAN (20000-29999, below Linux's
 # ephemeral ports 32768-60999), stable across requeues of one job. The batch scripts' host
-# snippet exports it (cluster/job_spec.host_setup_lines puts these numbers in);
+# snippet exports it (cluster/job_script.host_setup_lines puts these numbers in);
 # worker/environment.port_for_job derives the same for a site's own srun line.
 MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 10000

@@ -7,7 +7,8 @@ reaches Slurm (SlurmRequest and build_spec, cluster/submit_slurm.py), the site f
 typing and defaults (cluster/site.py) and each front end's name of an option in errors
 (config/inputs.py). Adding an option is one row (tests/config/test_launch_options.py copies
 the package, adds a row and follows it end to end); what the value then does in the job
-is the JobSpec's (cluster/job_spec.py: its field, its check, its #SBATCH line).
+is the JobSpec's (cluster/job_spec.py: its field, its check; cluster/job_script.py: its
+#SBATCH line).
 
 A value given on the command line or in `cluster=` wins over the site file's, which wins
 over the default (site.merge). Pure: no I/O.

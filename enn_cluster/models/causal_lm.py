@@ -13,9 +13,8 @@ State-dict names are ours (`lm.` + the HF names; under LoRA, peft's): models/wei
 maps them to the names in the weights folder's safetensors files.
 
 Training never makes the full logits: `forward(ids, labels)` runs the decoder, then the LM
-head and the cross-entropy over chunks of tokens, each chunk's logits recomputed in the
-backward pass rather than kept (with a 128k vocabulary the logits of one 8192-token row
-are 4.2 GB in fp32). Models whose head is more than a linear layer fall back to the logits.
+head and the cross-entropy chunk by chunk (models/lm_loss.py). Models whose head is more
+than a linear layer fall back to the logits.
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from enn_cluster.config.hf_name import check_sampling, end_token_ids, weights_dir
@@ -35,11 +33,11 @@ from enn_cluster.models.kinds import ModelKind, measure, shard_units
 from enn_cluster.models.lm_inputs import (check_max_length, check_packing, check_row_lengths,
                                           check_token_ids, lora_targets, position_limit,
                                           positions_needed)
+from enn_cluster.models.lm_loss import (IGNORE_INDEX, chunked_loss, learned_tokens,
+                                        loss_chunk_tokens, next_token_loss, packed_positions)
 from enn_cluster.models.lm_outputs import PAD, generate, generate_in_step, score
 from enn_cluster.models.weight_names import folder_targets
 
-IGNORE_INDEX = -100  # a label the loss skips: pads and prompt tokens (staged that way)
-LOSS_CHUNK_LOGITS = 1 << 26  # logits per chunk of the loss: 256 MiB in fp32
 # Architectures whose logits are exactly lm_head(final hidden state): the chunked loss is
 # theirs to use. Others (Gemma 2's soft-capping, Cohere's logit scale) compute the logits.
 PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
@@ -144,8 +142,7 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def learned_tokens(labels: torch.Tensor) -> torch.Tensor:
-        """The tokens `loss` averages over: every label after the first not IGNORE_INDEX."""
-        return (labels[:, 1:] != IGNORE_INDEX).sum()
+        return learned_tokens(labels)
 
     @property
     def loss_in_forward(self) -> bool:
@@ -160,11 +157,7 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean over the counted tokens (0, not NaN, for a batch with none: it trains nothing)."""
-        shifted = labels[:, 1:].long().reshape(-1)
-        flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-        total = F.cross_entropy(flat, shifted, ignore_index=IGNORE_INDEX, reduction="sum")
-        return total / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+        return next_token_loss(logits, labels)
 
     def blocks(self) -> list[nn.Module]:
         return decoder_layers(self.base())
@@ -185,44 +178,6 @@ class CausalLM(nn.Module):
     @property
     def has_lora(self) -> bool:
         return hasattr(self.lm, "peft_config")
-
-
-def packed_positions(ids: torch.Tensor, document_end: int) -> torch.Tensor:
-    """Position ids of rows of packed documents: counting from 0 at the row's start and
-    after every `document_end`. transformers reads positions that restart as packed
-    sequences when no attention mask is given (masking_utils.find_packed_sequence_indices)
-    and lets a token attend only within its own, as TRL's padding-free collator relies on."""
-    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
-    starts = torch.zeros_like(ids, dtype=torch.bool)
-    starts[..., 1:] = ids[..., :-1] == document_end
-    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-    return index - last_start
-
-
-def loss_chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk of the loss, so that a chunk's logits are LOSS_CHUNK_LOGITS (pure)."""
-    return max(64, LOSS_CHUNK_LOGITS // max(vocab, 1))
-
-
-def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-
-
-def chunked_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                 chunk: int) -> torch.Tensor:
-    """CausalLM.loss(head(hidden), labels) with at most `chunk` tokens' logits alive at a
-    time: each chunk is checkpointed, so its logits are made again in the backward pass
-    (one more head matmul per token, ~2 % of a Llama-3-8B step) instead of kept."""
-    from torch.utils.checkpoint import checkpoint
-
-    flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    shifted = labels[:, 1:].long().reshape(-1)
-    sums = [checkpoint(_chunk_loss_sum, head, flat[start:start + chunk],
-                       shifted[start:start + chunk], use_reentrant=False)
-            for start in range(0, shifted.numel(), chunk)]
-    total = sum(sums[1:], sums[0]) if sums else (flat.sum() * 0).float()  # a graph, always
-    return total / (shifted != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

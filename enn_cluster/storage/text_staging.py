@@ -8,7 +8,7 @@ then its text's (without them; with them when there is no prompt), then EOS; a c
 its template's rendering, as `apply_chat_template` tokenizes it (`storage.chat_tokens`).
 Packing on: documents run on across rows of exactly max_length; the tail shorter than a row
 is dropped (counted); in training a text document attends only to itself (positions
-restart after each EOS: causal_lm.packed_positions; chats, whose turns may end in EOS, are
+restart after each EOS: lm_loss.packed_positions; chats, whose turns may end in EOS, are
 not split so). Packing off: one document per row, truncated to max_length (counted), EOS
 kept if it fits, right-padded with the pad id (the tokenizer's, else EOS).
 

@@ -136,7 +136,7 @@ def test_train_wait_false_runs_detached_and_cancel_stops_it_in_a_pid_namespace(t
 def test_memory_per_node_from_site_and_flag_reaches_the_job(tmp_path, monkeypatch):
     """`mem_gb` in the site config, `--mem-gb` on the command line (which wins), and the
     API's `cluster={"mem_gb": ...}` all become sbatch's --mem."""
-    from enn_cluster.cluster import job_spec
+    from enn_cluster.cluster import job_script
 
     monkeypatch.chdir(tmp_path)
     slurm_answers_here(tmp_path, monkeypatch)
@@ -148,8 +148,8 @@ def test_memory_per_node_from_site_and_flag_reaches_the_job(tmp_path, monkeypatc
     from_site, from_flag = _cli_job(cfg, base), _cli_job(cfg, base + ["--mem-gb", "64"])
     from_api = _api_job(cfg, {"nodes": 2, "container": "/img/e.sqsh", "mem_gb": 0})
     assert (from_site.mem_gb, from_flag.mem_gb, from_api.mem_gb) == (32, 64, 0)
-    assert "#SBATCH --mem=64G" in job_spec.render_batch_script(from_flag) or \
-        "--mem=64" in job_spec.render_batch_script(from_flag)
+    assert "#SBATCH --mem=64G" in job_script.render_batch_script(from_flag) or \
+        "--mem=64" in job_script.render_batch_script(from_flag)
     bad = tmp_path / "bad.yaml"
     bad.write_text("mem_gb: lots\n")
     monkeypatch.setenv("ENN_SITE_CONFIG", str(bad))

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from enn_cluster.cluster import job_spec
+from enn_cluster.cluster import job_script
 
 SRUN = """#!/bin/bash
 for arg in "$@"; do case "$arg" in --nodelist=*) node=${arg#--nodelist=} ;; esac; done
@@ -27,7 +27,7 @@ def _probe(tmp_path, answers: dict, need: int, self: str) -> list[str]:
     (stub / "bin" / "srun").write_text(SRUN)
     (stub / "bin" / "srun").chmod(0o755)
     (stub / "answers").write_text("".join(f"{n}={d}\n" for n, d in answers.items()))
-    script = "\n".join([*job_spec.host_setup_lines(),
+    script = "\n".join([*job_script.host_setup_lines(),
                         f'enn_probe_nodes {need} "{self}" {" ".join(answers)}'])
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
                           env={"PATH": f"{stub / 'bin'}:/usr/bin:/bin", "STUB": str(stub),
@@ -60,7 +60,7 @@ def test_the_grace_is_as_long_again_as_the_answers_took_and_at_least_a_second(to
                                                                              grace_ms):
     """A slow controller slows every answer: the wait for more grows with them (a leading
     zero is read as decimal, as every number the shell reads)."""
-    script = "\n".join([*job_spec.host_setup_lines(), f"enn_probe_grace_ms {took_ms}"])
+    script = "\n".join([*job_script.host_setup_lines(), f"enn_probe_grace_ms {took_ms}"])
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
                           env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "MASTER_PORT": "1",
                                "ENN_RUN_DIR": "/nonexistent/run", "ENN_MAX_RESTARTS": "0"})

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enn_cluster.cluster import job_spec
+from enn_cluster.cluster import job_script
 from enn_cluster.config import nccl
 from enn_cluster.cluster import pyxis
 from enn_cluster.errors import UserError
@@ -143,7 +144,7 @@ def test_spec_normalises():
 @pytest.mark.parametrize("name", ["train_2x2_container", "predict_bare_metal_cpu",
                                   "train_elastic_registry_ib", "train_4x8_ib_whole_nodes"])
 def test_golden_render(name):
-    text = job_spec.render_batch_script(golden_specs()[name])
+    text = job_script.render_batch_script(golden_specs()[name])
     path = GOLDEN / f"{name}.sbatch"
     if os.environ.get("ENN_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(exist_ok=True)
@@ -168,11 +169,11 @@ def test_golden_submitit_script():
 def test_gpu_request_renders_in_both_scripts(request_, line):
     """site.gpu_request: sites without select/cons_tres ask for GPUs with --gres (issue 12)."""
     spec = JobSpec(job_name="j", run_dir="/r", gpus_per_node=8, gpu_request=request_)
-    for text in (job_spec.render_batch_script(spec), make_submitit_script(spec, "/r/slurm/%j")):
+    for text in (job_script.render_batch_script(spec), make_submitit_script(spec, "/r/slurm/%j")):
         gpu_lines = [x for x in text.splitlines() if x.startswith("#SBATCH --g")]
         assert gpu_lines == [line], text
     cpu = JobSpec(job_name="j", run_dir="/r", gpus_per_node=0, gpu_request=request_)
-    assert "--g" not in "".join(x for x in job_spec.render_batch_script(cpu).splitlines()
+    assert "--g" not in "".join(x for x in job_script.render_batch_script(cpu).splitlines()
                                 if x.startswith("#SBATCH"))
 
 
@@ -180,7 +181,7 @@ def test_gpu_request_renders_in_both_scripts(request_, line):
 def test_admin_templates(task):
     shipped = (TEMPLATES / f"{task}.sbatch").read_text()
     copy = ROOT / "slurm" / f"{task}.sbatch"
-    generated = job_spec.admin_template(shipped)  # the srun block from the submitit flag list
+    generated = job_script.admin_template(shipped)  # the srun block from the submitit flag list
     if os.environ.get("ENN_UPDATE_GOLDEN") == "1":
         (TEMPLATES / f"{task}.sbatch").write_text(generated)
         shipped = generated
@@ -188,7 +189,7 @@ def test_admin_templates(task):
     # one file: the admins' slurm/ copy is a link to the package's template
     assert copy.is_symlink() and copy.resolve() == (TEMPLATES / f"{task}.sbatch").resolve()
     shellcheck(copy)
-    host = "".join(f"{line}\n" for line in job_spec.host_setup_lines())  # placeholders filled
+    host = "".join(f"{line}\n" for line in job_script.host_setup_lines())  # placeholders filled
     assert host in shipped, "the host-side snippet must be embedded verbatim"
     default = re.search(r'ENN_CONTAINER_ENV="\$\{ENN_CONTAINER_ENV:-([^}]*)\}"', shipped).group(1)
     assert default == ",".join(nccl.CONTAINER_ENV_NAMES)
@@ -208,7 +209,7 @@ def _block_names(text: str, block: str) -> set[str]:
 def test_rendered_parameters_match_the_template(name):
     spec = golden_specs()[name]
     template = (TEMPLATES / f"{spec.task}.sbatch").read_text()
-    rendered = job_spec.render_batch_script(spec)
+    rendered = job_script.render_batch_script(spec)
     assert _block_names(rendered, "parameters") == _block_names(template, "parameters")
     strip = lambda t: re.sub(r"# >>> (\w+).*?# <<< \1", "", t, flags=re.S)  # noqa: E731
     assert strip(rendered) == strip(template), "only the marked blocks may differ"
@@ -233,10 +234,10 @@ def test_any_text_survives_the_quoting(tmp_path_factory, values, arg):
     bash byte-for-byte (the lines as rendered, evaluated with a harmless printf)."""
     spec = JobSpec(job_name="j", run_dir="/r", env={f"V{i}": v for i, v in enumerate(values)},
                    extra_srun_args=(f"--comment={arg}",), nccl_profile="none")
-    block = job_spec.render_batch_script(spec).split("# >>> parameters\n")[1]
+    block = job_script.render_batch_script(spec).split("# >>> parameters\n")[1]
     lines = [line for line in block.split("\n# <<< parameters")[0].split("\n")
              if line.startswith("enn_srun_extra=")]
-    lines += job_spec.env_lines(spec)
+    lines += job_script.env_lines(spec)
     lines.append('printf "%s\\0" "${enn_srun_extra[@]}"' +
                  "".join(f' "$V{i}"' for i in range(len(values))))
     cwd = tmp_path_factory.mktemp("q")

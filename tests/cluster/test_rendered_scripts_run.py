@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster.cluster import job_spec
+from enn_cluster.cluster import job_script
 from enn_cluster.config import nccl
 from enn_cluster.cluster.job_spec import JobSpec
 from render_support import HOSTILE, TEMPLATES, golden_specs, make_submitit_script, shellcheck
@@ -103,10 +103,10 @@ def test_rendered_script_launches_the_worker_with_the_submitit_flags(stub, run_d
     spec = JobSpec(job_name="enn-demo", run_dir=run_dir, nodes=2, gpus_per_node=2, time=120,
                    container_image=image, container_mounts=("/shared/data:/data:ro",),
                    nccl_profile="efa")
-    done = stub.run(job_spec.render_batch_script(spec), LD_LIBRARY_PATH="/usr/lib/x")
+    done = stub.run(job_script.render_batch_script(spec), LD_LIBRARY_PATH="/usr/lib/x")
     assert done.returncode == 0, done.stderr
     log = f"--output={run_dir}/logs/%x-%j-r0.log"
-    assert stub.argv == [log, *job_spec.srun_args(spec),
+    assert stub.argv == [log, *job_script.srun_args(spec),
                          "python3", "-m", "enn_cluster.worker", run_dir, "--task", "train"]
     assert f"--container-mounts=/shared/data:/data:ro,{run_dir}:{run_dir}" in stub.argv
     env = stub.env
@@ -146,7 +146,7 @@ def test_render_admin_prints_the_template_filled_for_this_run(stub, tmp_path):
 
 def test_rendered_script_keeps_user_nccl_settings(stub, run_dir):
     spec = JobSpec(job_name="j", run_dir=run_dir, nccl_profile="socket")
-    stub.run(job_spec.render_batch_script(spec), NCCL_SOCKET_IFNAME="eth7", NCCL_IB_DISABLE="")
+    stub.run(job_script.render_batch_script(spec), NCCL_SOCKET_IFNAME="eth7", NCCL_IB_DISABLE="")
     assert stub.env["NCCL_SOCKET_IFNAME"] == "eth7" and stub.env["NCCL_IB_DISABLE"] == ""
     assert stub.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
@@ -156,7 +156,7 @@ def test_hostile_strings_arrive_intact(stub, run_dir, image):
                    python=f"/opt/py {HOSTILE}", env={"ENN_NOTE": HOSTILE, "EMPTY": ""},
                    extra_srun_args=(f"--comment={HOSTILE}", "--cpu-bind=none"),
                    container_image=image, nccl_profile="none")
-    text = job_spec.render_batch_script(spec)
+    text = job_script.render_batch_script(spec)
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     done = stub.run(text)
     assert done.returncode == 0, done.stderr
@@ -183,7 +183,7 @@ def test_host_side_requeue_after_a_checkpointed_stop(stub, run_dir, restart):
     """A stop with a checkpoint (marker) is always requeued: preemption is not a failure."""
     spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=0)
     marker = Path(run_dir) / "requeue" / "4242"
-    done = stub.run(job_spec.render_batch_script(spec), restart=restart, marker=marker, rc=75)
+    done = stub.run(job_script.render_batch_script(spec), restart=restart, marker=marker, rc=75)
     assert done.returncode == 75
     assert stub.scontrol == ["requeue 4242"] and not marker.exists()
     assert "stopped with a checkpoint" in done.stderr
@@ -193,7 +193,7 @@ def test_host_side_retry_after_failures_up_to_max_restarts(stub, run_dir):
     """A failed step (a rank died) is retried at most max_restarts times; bad input never."""
     spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=2)
     (Path(run_dir) / "requeue").mkdir()
-    script = job_spec.render_batch_script(spec)
+    script = job_script.render_batch_script(spec)
     seen = []
     for _ in range(3):
         done = stub.run(script, rc=1)
@@ -216,7 +216,7 @@ def test_retry_count_file_is_data_never_code(stub, run_dir, count):
     spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=5)
     (Path(run_dir) / "requeue").mkdir()
     (Path(run_dir) / "requeue" / "failures-4242").write_text(count)
-    done = stub.run(job_spec.render_batch_script(spec), rc=1)
+    done = stub.run(job_script.render_batch_script(spec), rc=1)
     assert stub.scontrol == [] and "does not hold a retry count" in done.stderr
     assert (Path(run_dir) / "requeue" / "failures-4242").read_text() == count
 
@@ -240,20 +240,20 @@ def test_requeue_files_that_are_not_regular_neither_block_nor_leak(stub, run_dir
         failures.symlink_to(outside / "count")
     elif plant == "directory":
         failures.mkdir()
-    done = stub.run(job_spec.render_batch_script(spec), rc=1)
+    done = stub.run(job_script.render_batch_script(spec), rc=1)
     assert stub.scontrol == [], done.stderr
     assert not list(outside.iterdir()), "a write went through a symlink out of the run"
     if plant == "fifo":  # the step leaves a FIFO as its refusal note (the script's start
         assert "does not hold a retry count" in done.stderr  # removed any older one)
         (stub.bin / "srun").write_text(f"#!/bin/bash\nmkfifo {shlex.quote(str(requeue / 'refused-4242'))}\n")
-        done = stub.run(job_spec.render_batch_script(spec), rc=1)
+        done = stub.run(job_script.render_batch_script(spec), rc=1)
         assert stub.scontrol == [] and "its note is not a regular file" in done.stderr
 
 
 @pytest.mark.parametrize("job_id", ["1[$(touch CANARY_job)]", "x", "0x1", "42 43"])
 def test_slurm_job_id_is_checked_before_arithmetic(stub, run_dir, job_id):
     spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=5)
-    done = stub.run(job_spec.render_batch_script(spec), rc=1, SLURM_JOB_ID=job_id)
+    done = stub.run(job_script.render_batch_script(spec), rc=1, SLURM_JOB_ID=job_id)
     assert stub.scontrol == [] and "MASTER_PORT" not in stub.env
     assert "not a whole number; not requeueing" in done.stderr
 
@@ -262,7 +262,7 @@ def test_leading_zero_count_is_decimal(stub, run_dir):
     spec = JobSpec(job_name="j", run_dir=run_dir, max_restarts=9)
     (Path(run_dir) / "requeue").mkdir()
     (Path(run_dir) / "requeue" / "failures-4242").write_text("08\n")
-    stub.run(job_spec.render_batch_script(spec), rc=1)
+    stub.run(job_script.render_batch_script(spec), rc=1)
     assert stub.scontrol == ["requeue 4242"]
     assert (Path(run_dir) / "requeue" / "failures-4242").read_text() == "9\n"
 
@@ -278,7 +278,7 @@ def test_submitit_script_requeues_on_the_host_too(stub, run_dir, image, tmp_path
     done = stub.run(text, marker=marker, rc=75)
     assert stub.scontrol == ["requeue 4242"] and not marker.exists(), done.stderr
     argv = stub.argv
-    python = argv.index(job_spec.submitit_executor_kwargs(spec)["slurm_python"])
+    python = argv.index(job_script.submitit_executor_kwargs(spec)["slurm_python"])
     pyxis_at = [i for i, a in enumerate(argv) if a.startswith(("--container-", "--no-container"))]
     assert pyxis_at and max(pyxis_at) < python
     assert argv[python + 1:python + 4] == ["-u", "-m", "submitit.core._submit"]
@@ -290,7 +290,7 @@ def test_submitit_parameters_through_make_sbatch_string(tmp_path):
     from submitit.slurm.slurm import _make_sbatch_string
 
     spec = golden_specs()["train_elastic_registry_ib"]
-    params = job_spec.submitit_parameters(spec)
+    params = job_script.submitit_parameters(spec)
     renamed = {"name": "job_name", "timeout_min": "time", "tasks_per_node": "ntasks_per_node",
                "mem_gb": "mem"}
     kwargs = {renamed.get(k, k).removeprefix("slurm_"): v for k, v in params.items()}
@@ -317,7 +317,7 @@ def test_a_range_job_starts_its_tasks_on_every_node_granted(stub, run_dir, grant
     """--nodes 2-4 at 8 tasks a node: whatever Slurm granted (SLURM_JOB_NUM_NODES), the
     batch shell's srun asks for 8 tasks on each of those nodes; the world size is that."""
     spec = JobSpec(job_name="enn-range", run_dir=run_dir, nodes="2-4", gpus_per_node=8)
-    text = job_spec.render_batch_script(spec)
+    text = job_script.render_batch_script(spec)
     assert "#SBATCH --nodes=2-4" in text and "--ntasks-per-node" not in text.split("<<< sbatch")[0]
     done = stub.run(text, SLURM_JOB_NUM_NODES=str(granted),
                     SLURM_JOB_NODELIST=f"n[1-{granted}]", SLURM_CPUS_ON_NODE="64")
@@ -334,7 +334,7 @@ def test_spare_nodes_are_held_out_of_the_step(stub, run_dir, self_node, picked):
     first (its watcher looks for the step's tasks there), and holds the third."""
     spec = JobSpec(job_name="enn-spare", run_dir=run_dir, nodes=2, spare_nodes=1,
                    gpus_per_node=8)
-    text = job_spec.render_batch_script(spec)
+    text = job_script.render_batch_script(spec)
     head = text.split("<<< sbatch")[0]
     assert "#SBATCH --nodes=3" in head and "#SBATCH --no-kill" in head
     assert "--ntasks-per-node" not in head
@@ -345,12 +345,12 @@ def test_spare_nodes_are_held_out_of_the_step(stub, run_dir, self_node, picked):
     assert stub.argv[:4] == ["--nodes=2", "--ntasks-per-node=8", "--ntasks=16",
                              f"--nodelist={picked}"]
     assert f"enn: training on {picked}, 1 spare node(s) held" in done.stderr
-    params = job_spec.submitit_parameters(spec)
+    params = job_script.submitit_parameters(spec)
     assert params["nodes"] == 3 and "tasks_per_node" not in params
     extra = params["slurm_additional_parameters"]
     assert extra["no-kill"] is True and "nodes" not in extra
     assert "ENN_SPARE_NODES=1" in params["slurm_setup"]
-    ranged = job_spec.submitit_parameters(JobSpec(job_name="enn-spare", run_dir=run_dir,
+    ranged = job_script.submitit_parameters(JobSpec(job_name="enn-spare", run_dir=run_dir,
                                                   nodes="2-3", spare_nodes=2, gpus_per_node=8))
     assert ranged["nodes"] == 4 and ranged["slurm_additional_parameters"]["nodes"] == "4-5"
 
@@ -377,8 +377,8 @@ def test_admin_template_runs_from_environment_variables(stub, run_dir, image):
                    container_image=image, container_mounts=("/d:/d:ro",),
                    extra_srun_args=("--cpu-bind=none", "--label"), python="/opt/conda/bin/python")
     assert stub.argv == [f"--output={run_dir}/logs/%x-%j-r0.log",
-                         "--ntasks-per-node=4", *job_spec.srun_args(spec),
-                         *job_spec.worker_command(spec)]
+                         "--ntasks-per-node=4", *job_script.srun_args(spec),
+                         *job_script.worker_command(spec)]
     assert stub.env["ENN_NCCL_PROFILE"] == "auto"
 
 
@@ -402,7 +402,7 @@ def test_admin_template_cpus_per_task(stub, run_dir, job_env, expected):
 def test_cpus_per_task_reaches_srun(stub, run_dir, cpus_per_task, preset, expected):
     spec = JobSpec(job_name="j", run_dir=run_dir, gpus_per_node=8, cpus_per_task=cpus_per_task)
     extra = {"SRUN_CPUS_PER_TASK": preset} if preset else {}
-    done = stub.run(job_spec.render_batch_script(spec), SLURM_CPUS_ON_NODE="96", **extra)
+    done = stub.run(job_script.render_batch_script(spec), SLURM_CPUS_ON_NODE="96", **extra)
     assert done.returncode == 0, done.stderr
     assert stub.env["SRUN_CPUS_PER_TASK"] == expected
 
@@ -414,7 +414,7 @@ def test_possibly_empty_arrays_expand_safely_on_old_bash():
 
     for name in ("train", "predict"):
         text = (TEMPLATES / f"{name}.sbatch").read_text()
-        rendered = job_spec.render_batch_script(JobSpec(job_name="j", run_dir="/r", task=name,
+        rendered = job_script.render_batch_script(JobSpec(job_name="j", run_dir="/r", task=name,
                                                         predict_name="p"))
         for script in (text, rendered):
             assert re.findall(r'(?<!\+)"\$\{enn_srun_extra\[@\]\}"(?!\})', script) == []
@@ -443,7 +443,7 @@ def test_a_taken_rendezvous_port_is_passed_over(stub, run_dir):
     import socket
 
     port = _two_free_ports_in_the_job_range()
-    script = job_spec.render_batch_script(JobSpec(job_name="j", run_dir=run_dir))
+    script = job_script.render_batch_script(JobSpec(job_name="j", run_dir=run_dir))
     job_id = str(port - 20000 + 10000 * 7)  # the modulo folds it back onto `port`
     done = stub.run(script, SLURM_JOB_ID=job_id)
     assert done.returncode == 0, done.stderr
@@ -484,5 +484,5 @@ def test_a_prediction_staged_without_a_job_runs_from_the_admin_template(stub, tm
                       ENN_PREDICT_NAME="holdout", SLURM_NTASKS_PER_NODE=tasks)
     assert result.returncode == 0, result.stderr
     spec = JobSpec(job_name="j", run_dir=str(run), task="predict", predict_name="holdout")
-    assert stub.argv[-len(job_spec.worker_command(spec)):] == job_spec.worker_command(spec)
+    assert stub.argv[-len(job_script.worker_command(spec)):] == job_script.worker_command(spec)
     assert not any(a.startswith(("--ntasks-per-node", "--gpus")) for a in stub.argv)

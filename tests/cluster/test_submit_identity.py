@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from enn_cluster.cluster.job_spec import JobSpec, env_lines
+from enn_cluster.cluster.job_spec import JobSpec
+from enn_cluster.cluster.job_script import env_lines
 from enn_cluster.cluster.submit_slurm import filesystem_type, node_local_problem
 from enn_cluster.worker.exec_env import process_defaults
 from enn_cluster.worker.code_identity import code_identity, skew_problem

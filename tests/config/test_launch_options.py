@@ -162,9 +162,9 @@ def test_the_api_refuses_a_cluster_key_it_does_not_know(tmp_path):
 
 # Modules that hold other programs' names, which happen to be the options' too: sbatch's own
 # options (slurm_values.MANAGED_SBATCH), submitit's parameters (submitit_adapter's), and
-# the JobSpec: the table's last column, the job as Slurm gets it.
+# the JobSpec and its script: the table's last column, the job as Slurm gets it.
 OTHER_VOCABULARIES = ("cluster/slurm_values.py", "cluster/submitit_adapter.py",
-                      "cluster/job_spec.py")
+                      "cluster/job_spec.py", "cluster/job_script.py")
 
 
 def _vocabulary() -> set:

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from enn_cluster.cluster import job_spec
+from enn_cluster.cluster import job_script
 from enn_cluster.config.launch_env import MASTER_PORT_BASE, MASTER_PORT_SPAN
 from enn_cluster.worker.environment import port_for_job
 from render_support import TEMPLATES
@@ -17,7 +17,7 @@ from render_support import TEMPLATES
 def _snippet_port(job_id: str, run_dir) -> int:
     """The port the rendered host snippet derives for `job_id` (before passing over a port
     something on this machine already listens on: the first one it tried)."""
-    script = "\n".join(job_spec.host_setup_lines()) + '\nprintf "%s" "$MASTER_PORT"\n'
+    script = "\n".join(job_script.host_setup_lines()) + '\nprintf "%s" "$MASTER_PORT"\n'
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
                           env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": job_id,
                                "ENN_RUN_DIR": str(run_dir), "ENN_MAX_RESTARTS": "0"})
@@ -36,6 +36,6 @@ def test_host_snippet_and_worker_derive_one_port(tmp_path, job_id):
 
 def test_the_snippet_takes_its_numbers_from_the_one_rule():
     raw = (TEMPLATES / "host_setup.sh").read_text()
-    rendered = "\n".join(job_spec.host_setup_lines())
+    rendered = "\n".join(job_script.host_setup_lines())
     assert str(MASTER_PORT_BASE) not in raw and str(MASTER_PORT_SPAN) not in raw
     assert "@MASTER_PORT_BASE@" in raw and not re.search(r"@[A-Z][A-Z0-9_]*@", rendered)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from enn_cluster.config import checks as config_checks
 from enn_cluster.cluster import job_spec
+from enn_cluster.cluster import job_script
 from enn_cluster.config.loading import config_from_dict
 from enn_cluster.errors import UserError
 from enn_cluster.cluster.job_spec import JobSpec
@@ -275,9 +276,9 @@ def test_every_hostile_piece_at_once_renders_clean(tmp_path):
     spec = JobSpec(job_name="j", run_dir="/r", env={f"V{i}": v for i, v in enumerate(values)},
                    extra_srun_args=tuple(f"--comment={v}" for v in values),
                    python="/opt/py " + "".join(pieces), nccl_profile="ib")
-    script = job_spec.render_batch_script(spec)
+    script = job_script.render_batch_script(spec)
     shellcheck(script, tmp_path)
-    lines = job_spec.env_lines(spec) + ['printf "%s\\0"' + "".join(
+    lines = job_script.env_lines(spec) + ['printf "%s\\0"' + "".join(
         f' "$V{i}"' for i in range(len(values)))]
     done = subprocess.run(["bash", "-c", "\n".join(lines)], capture_output=True, cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin"})

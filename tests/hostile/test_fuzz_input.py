@@ -19,7 +19,7 @@ import yaml
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from enn_cluster.cluster import job_spec
+from enn_cluster.cluster import job_script
 from enn_cluster.cluster import site
 from enn_cluster.config.loading import apply_overrides, config_from_dict, dump_config, load_config
 from enn_cluster.config.run_config import RunConfig
@@ -173,7 +173,7 @@ def test_any_site_file_merges_and_renders_or_names_the_key(tmp_path_factory, dat
         event("refused by JobSpec")
         return
     event("rendered")
-    shellcheck(job_spec.render_batch_script(spec), tmp_path_factory.mktemp("sc"))
+    shellcheck(job_script.render_batch_script(spec), tmp_path_factory.mktemp("sc"))
 
 
 SRUN_STUB = """#!/bin/bash
@@ -208,7 +208,7 @@ def test_hostile_spec_values_are_refused_or_reach_srun_verbatim(
         event("refused: " + str(exc).split(":")[0])
         return
     event("rendered and run")
-    script = job_spec.render_batch_script(spec)
+    script = job_script.render_batch_script(spec)
     shellcheck(script, tmp)
     bin_dir, cwd = tmp / "bin", tmp / "cwd"
     for d in (bin_dir, cwd, run_dir):

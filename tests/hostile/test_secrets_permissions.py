@@ -80,7 +80,7 @@ def test_env_secrets_never_reach_a_rendered_script(tmp_path, flags):
 def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     """The other way a job reaches Slurm: submitit's parameters and the sbatch file it
     writes into RUN_DIR/slurm/ (built here without sbatch)."""
-    from enn_cluster.cluster import job_spec
+    from enn_cluster.cluster import job_script
     from enn_cluster.client.cli import build_parser
     from enn_cluster.client.cli_ops import slurm_request
     from enn_cluster.client.launch_plan import plan_shape
@@ -101,9 +101,9 @@ def test_env_secrets_never_reach_the_submitit_script(tmp_path, monkeypatch):
     cfg = config_from_dict(small_config(tmp_path, "sec"))
     spec = plan_shape(cfg, LaunchShape(2, 2), slurm=slurm_request(args)).for_job(
         run_dir_for(cfg).path).spec
-    text = repr(job_spec.submitit_parameters(spec)) + repr(job_spec.submitit_executor_kwargs(spec))
+    text = repr(job_script.submitit_parameters(spec)) + repr(job_script.submitit_executor_kwargs(spec))
     text += make_submitit_script(spec, str(tmp_path / "submitit"))
-    text += job_spec.render_batch_script(spec)
+    text += job_script.render_batch_script(spec)
     for value in tokens.values():
         assert value not in text
 

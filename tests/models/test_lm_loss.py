@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enn_cluster.models import causal_lm
-from enn_cluster.models.causal_lm import IGNORE_INDEX, CausalLM, chunked_loss
+from enn_cluster.models import lm_loss
+from enn_cluster.models.causal_lm import CausalLM
+from enn_cluster.models.lm_loss import IGNORE_INDEX, chunked_loss
 from lm_support import PRECISIONS, tiny_model
 
 
@@ -61,7 +62,7 @@ def test_the_head_never_sees_more_than_a_chunk_and_the_loss_is_transformers_own(
         tmp_path, precision, monkeypatch):
     model = _model(tmp_path, precision)
     vocab = model.base().config.vocab_size
-    monkeypatch.setattr(causal_lm, "LOSS_CHUNK_LOGITS", 10 * vocab)  # 64 tokens a chunk
+    monkeypatch.setattr(lm_loss, "LOSS_CHUNK_LOGITS", 10 * vocab)  # 64 tokens a chunk
     ids, labels = _ids(model, rows=4, length=48)  # 188 shifted tokens: 3 chunks
     seen = []
     head = model.base().get_output_embeddings()

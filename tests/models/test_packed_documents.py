@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from enn_cluster.client import llm_assets
-from enn_cluster.models.causal_lm import (IGNORE_INDEX, PACKS_DOCUMENTS, CausalLM,
-                                          packed_positions)
+from enn_cluster.models.causal_lm import PACKS_DOCUMENTS, CausalLM
+from enn_cluster.models.lm_loss import IGNORE_INDEX, packed_positions
 from enn_cluster.worker.sampler import epoch_permutation
 from helpers import cli, metrics, write_config
 from lm_support import (PRECISIONS, assert_refused_before_any_run, bf16_training, prepare_text,

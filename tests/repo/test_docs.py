@@ -211,12 +211,12 @@ def canonical(path: str) -> str:
 def rendered_scripts() -> list[str]:
     """What reaches sbatch: the admin templates, every golden spec rendered by `render
     --admin` and by the submitit path (`render`)."""
-    from enn_cluster.cluster import job_spec
+    from enn_cluster.cluster import job_script
     from render_support import TEMPLATES, golden_specs, make_submitit_script
 
     specs = golden_specs().values()
     return [*(p.read_text(encoding="utf-8") for p in sorted(TEMPLATES.glob("*.sbatch"))),
-            *(job_spec.render_batch_script(s) for s in specs),
+            *(job_script.render_batch_script(s) for s in specs),
             *(make_submitit_script(s, f"{s.run_dir}/slurm/%j") for s in specs)]
 
 

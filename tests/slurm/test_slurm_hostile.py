@@ -90,6 +90,7 @@ def test_rendered_script_with_hostile_values_runs_on_slurm(slurm_cluster, tmp_pa
     """`render_batch_script` with a hostile env value (newlines included), interpreter
     path and srun argument, submitted with plain sbatch: 1 node x 2 tasks train 2 steps."""
     from enn_cluster.cluster import job_spec
+    from enn_cluster.cluster import job_script
     from enn_cluster.config.loading import config_from_dict
     from enn_cluster.client.prepare import LaunchShape, prepare_run
 
@@ -107,7 +108,7 @@ def test_rendered_script_with_hostile_values_runs_on_slurm(slurm_cluster, tmp_pa
         env={"ENN_NOTE": hostile.multiline, "ENN_TEST_OUT": str(out)},
         extra_srun_args=(f"--comment={hostile.line}",), setup_lines=("echo enn-setup-ran >&2",))
     script = tmp_path / "job.sbatch"
-    script.write_text(job_spec.render_batch_script(spec))
+    script.write_text(job_script.render_batch_script(spec))
     token = f"hf-{uuid.uuid4().hex}"
     env = {**slurm_cluster.env, "PYTHONPATH": str(ROOT), "HF_TOKEN": token}
     sub = slurm_cluster.run(["sbatch", "--parsable", str(script)], env=env, cwd=tmp_path)

@@ -94,7 +94,8 @@ def test_cancel_scancels_only_a_job_our_submission_marked(tmp_path, record, comm
 
 
 def test_submission_comment_binds_the_runs_real_path(tmp_path):
-    from enn_cluster.cluster.job_spec import JobSpec, submitit_parameters
+    from enn_cluster.cluster.job_spec import JobSpec
+    from enn_cluster.cluster.job_script import submitit_parameters
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

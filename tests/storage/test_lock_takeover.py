@@ -113,7 +113,7 @@ def test_worker_without_a_slurm_client_uses_the_hosts_answer(tmp_path, monkeypat
 def _host_answer(tmp_path, lock_text, squeue: str, job_id="20"):
     """What the batch script's host side exports for the worker, asked of `squeue` (a
     script standing in for the controller's answer; empty: no squeue on this host)."""
-    from enn_cluster.cluster import job_spec
+    from enn_cluster.cluster import job_script
 
     run = tmp_path / "run"
     (run / "requeue").mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def _host_answer(tmp_path, lock_text, squeue: str, job_id="20"):
     if squeue:
         (bin_dir / "squeue").write_text("#!/bin/sh\n" + squeue + "\n")
         (bin_dir / "squeue").chmod(0o755)
-    script = "\n".join(job_spec.host_setup_lines()) + '\nprintf "<%s>" "${ENN_LOCK_JOB_STATE-}"\n'
+    script = "\n".join(job_script.host_setup_lines()) + '\nprintf "<%s>" "${ENN_LOCK_JOB_STATE-}"\n'
     env = {"PATH": str(bin_dir), "SLURM_JOB_ID": job_id, "ENN_RUN_DIR": str(run),
            "MASTER_PORT": "1"}
     done = subprocess.run([str(bin_dir / "bash"), "-c", script], capture_output=True,

@@ -14,7 +14,8 @@ from datetime import timedelta
 
 from enn_cluster.client.status import with_last_step
 from enn_cluster.client.status_text import node_loss_lines, progress_line
-from enn_cluster.cluster.job_spec import JobSpec, render_batch_script
+from enn_cluster.cluster.job_spec import JobSpec
+from enn_cluster.cluster.job_script import render_batch_script
 from enn_cluster.storage import node_loss
 from enn_cluster.storage.job_record import JobRecord
 from enn_cluster.storage.attempts import attempt_order

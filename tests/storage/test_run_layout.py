@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from enn_cluster.cluster import job_spec
-from enn_cluster.cluster.job_spec import _template
+from enn_cluster.cluster import job_script
+from enn_cluster.cluster.job_script import _template
 from enn_cluster.storage import layout
 
 
@@ -18,7 +18,7 @@ def test_the_batch_shell_spells_no_marker_name_of_its_own():
 
 
 def test_the_batch_shell_uses_every_marker_of_the_table_and_no_other():
-    text = "\n".join(line for line in job_spec.host_setup_lines()
+    text = "\n".join(line for line in job_script.host_setup_lines()
                      if not line.lstrip().startswith("#"))
     used = set(re.findall(r'\$ENN_RUN_DIR/requeue/([a-z]*-?)\$(?:SLURM_JOB_ID|enn_lock_job)',
                           text))

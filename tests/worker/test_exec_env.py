@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from enn_cluster.worker import exec_env
-from enn_cluster.cluster import job_spec
+from enn_cluster.cluster import job_script
 from enn_cluster.errors import UserError
 from enn_cluster.worker.exec_env import Plugin
 from enn_cluster.cluster.job_spec import JobSpec
@@ -152,7 +152,7 @@ def _start_script(tmp_path: Path, plugin_dir: Path) -> tuple[subprocess.Popen, P
     spec = JobSpec(job_name="enn-efa", run_dir=str(run_dir), gpus_per_node=0, procs_per_node=2,
                    nccl_profile="efa", python=sys.executable)
     script = tmp_path / "job.sbatch"
-    script.write_text(job_spec.render_batch_script(spec))
+    script.write_text(job_script.render_batch_script(spec))
     stub_bin = tmp_path / "bin"
     stub_bin.mkdir()
     (stub_bin / "srun").write_text(SRUN_EXEC)

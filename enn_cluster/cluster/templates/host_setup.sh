@@ -253,7 +253,7 @@ srun() {
     watch=1
     read -r -a enn_nodes <<< "$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd' ' -)"
     stepped=$(IFS=,; echo "${enn_nodes[*]}")  # the nodes the step runs on
-    # A range asks sbatch for one task per node (job_spec.allocation): the step starts tpn
+    # A range asks sbatch for one task per node (job_script.allocation): the step starts tpn
     # tasks on every node Slurm granted but the spares, so the world size is what was granted.
     if enn_digits "${SLURM_JOB_NUM_NODES:-}"; then
       if enn_digits "${ENN_SPARE_NODES:-}"; then spare=$((10#$ENN_SPARE_NODES)); fi
