@@ -3,6 +3,13 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Three xdist workers share CI's two cores (Makefile: TEST_WORKERS). An OpenMP thread spins
+# while it waits for its next parallel region (libgomp's default), on CPU the other workers'
+# processes need; PASSIVE puts it to sleep. Set before anything here imports torch, so every
+# process the tests start inherits it: `make test-fast` used 10 % less CPU time (277 -> 249
+# CPU-seconds, 1,658 tests, the same results). Not the package's default: a real node's
+# ranks have their cores to themselves.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 pytest_plugins = ["slurm_fixture", "pyxis_fixture"]
