@@ -30,12 +30,13 @@ demo: venv
 demo-llm: venv
 	$(BIN)/python -m enn_cluster.client.demo_llm
 
-# Three workers (pytest-xdist) on CI's two cores: the Slurm and podman tests on one
-# (tests/conftest.py), which runs about one core's worth (its jobs' ranks in bursts, then
-# Slurm's and the containers' waits), the rest spread over all three. Measured on 2 cores,
-# image cache warm: 25 min with 3 workers, the CPU 98 % busy; with 2 the waits left a core
-# idle (tests/README.md, "How long a run takes").
-TEST_WORKERS ?= 3
+# Two workers (pytest-xdist) for the full run: the Slurm and podman tests on one
+# (tests/conftest.py), the rest spread over both. Three are faster on CI's two cores (the
+# cluster worker uses about one core between its waits) and are what test-fast runs, but
+# one of three full runs with three hung in a local predict's rendezvous, not yet
+# understood, so CI keeps two (tests/README.md, "How long a run takes").
+TEST_WORKERS ?= 2
+FAST_WORKERS ?= 3
 test: venv system-deps
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
@@ -43,7 +44,7 @@ test: venv system-deps
 # measured full run found slow (tests/tiers.py). `make test` and CI stay the full run.
 test-fast: venv
 	ENN_TEST_TIER=fast $(BIN)/python -m pytest -q -ra -m 'not slurm and not podman and not slow' \
-		-n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+		-n $(FAST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The lowest torch we claim (pyproject.toml) runs the core tests in its own venv. PyPI's
 # wheel is a CUDA build (several GB with its nvidia-* dependencies) that runs on CPU, so this

@@ -3,7 +3,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Three xdist workers share CI's two cores (Makefile: TEST_WORKERS). An OpenMP thread spins
+# Two or three xdist workers share CI's two cores (Makefile). An OpenMP thread spins
 # while it waits for its next parallel region (libgomp's default), on CPU the other workers'
 # processes need; PASSIVE puts it to sleep. Set before anything here imports torch, so every
 # process the tests start inherits it: `make test-fast` used 10 % less CPU time (277 -> 249
@@ -23,8 +23,9 @@ CLUSTER_MARKS = ("slurm", "podman")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_itemcollected(item):
-    """Under pytest-xdist's `loadgroup` (`make test` runs three workers) every test needing the
-    local Slurm cluster or podman goes to one worker, which alone boots the session's
+    """Under pytest-xdist's `loadgroup` (`make test` runs two workers, test-fast three)
+    every test needing the local Slurm cluster or podman goes to one worker, which alone
+    boots the session's
     clusters and builds its images, and every other module stays whole on one worker (its
     module fixtures are made once). Marked here, at collection: xdist's worker reads the
     marks in its own collection_modifyitems, which ran before ours did. A worker sees dist
