@@ -1,6 +1,6 @@
 """Watch a Slurm job politely: `--wait` and `status --follow` ask the controller at 0, 1, 2,
 3, 4, 5.3, 7.1 ... s after the job last changed (each wait a quarter of the time since the
-change, so a job that ends is seen within a quarter of its time in that state), then once a
+change, so a job that ends is seen within a third of its time in that state), then once a
 minute (submitit's InfoWatcher cap), and ask once per poll for everything they show (the
 job, then its nodes while it runs).
 
